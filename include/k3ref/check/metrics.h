@@ -1,0 +1,59 @@
+// Error metrics of a candidate tensor against a reference, and the tolerance policies
+// that turn them into a verdict (DESIGN.md section 9). A verdict always says why: the
+// measured figure, the bound, and where the bound came from.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "k3ref/num/float_format.h"
+#include "k3ref/tensor/tensor.h"
+
+namespace k3ref::check {
+
+struct Metrics {
+  std::int64_t count = 0;
+  double rel_rms = 0;          // ||x - ref|| / ||ref|| over finite pairs (0 when both are zero)
+  double max_abs = 0;          // max |x - ref|
+  std::int64_t max_abs_index = -1;
+  double max_ulp = 0;          // max distance in units of the output format's ulp at the reference
+  std::int64_t max_ulp_index = -1;
+  std::int64_t candidate_nan = 0, candidate_inf = 0;
+  std::int64_t reference_nan = 0, reference_inf = 0;
+  std::int64_t first_nonfinite_mismatch = -1;  // first index where finiteness differs
+  double floor_rel_rms = 0;    // rel RMS of rounding the reference to the output format
+};
+
+// Distance |x - ref| in ulps of `format` at ref: the spacing of the format around |ref|
+// (subnormal spacing below the normal range).
+double ulp_distance(num::Format format, double x, double ref);
+
+// Compares elementwise; `format` is the candidate's output format (for ulps and floor).
+Metrics compare(const std::vector<double>& candidate, const std::vector<double>& reference, num::Format format);
+
+// Relative RMS error per window of `window` consecutive positions along axis `axis` of
+// `shape` (e.g. error by token position, axis 1 of [B, T, HV, V]).
+std::vector<double> rel_rms_by_window(const std::vector<double>& candidate, const std::vector<double>& reference,
+                                      const Shape& shape, std::size_t axis, std::int64_t window);
+
+struct Policy {
+  enum class Kind { exact, floor_multiple, rel_rms } kind = Kind::exact;
+  double bound = 0;  // the multiple of the floor, or the rel-RMS bound
+  std::string name;
+};
+
+// Parses a policy name: "exact", "floor:<m>" (rel RMS <= m x the output-rounding floor),
+// "rel-rms:<r>" (rel RMS <= r), or a named alias (see policy_help()). Throws
+// InvalidArgument naming the policy on anything else.
+Policy parse_policy(const std::string& name);
+std::string policy_help();
+
+struct Verdict {
+  bool pass = false;
+  std::string reason;  // one line: figure, bound, why
+};
+Verdict judge(const Metrics& m, const Policy& p);
+
+}  // namespace k3ref::check

@@ -1,0 +1,99 @@
+// Reading and writing the safetensors format (https://github.com/huggingface/safetensors):
+//
+//   [8 bytes]  N, little-endian u64: length of the header
+//   [N bytes]  JSON object, UTF-8: for every tensor
+//                "name": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}
+//              offsets relative to the start of the data buffer, plus optionally
+//                "__metadata__": {"key": "value", ...}   (strings only)
+//   [rest]     the data buffer: every tensor's little-endian element bytes
+//
+// The reader trusts nothing in the file: every inconsistency is a FileError naming the
+// file and, where one is involved, the tensor. Like the reference implementation it
+// requires the tensors, sorted by offset, to tile the data buffer exactly (no gaps, no
+// overlaps, nothing left over). The writer is deterministic: the same SafetensorsFile
+// always gives the same bytes, which the manifests' SHA-256 digests rely on.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "k3ref/tensor/dtype.h"
+#include "k3ref/tensor/tensor.h"
+
+namespace k3ref::io {
+
+// One stored tensor, bytes exactly as in the file (little-endian elements, row-major).
+struct RawTensor {
+  DType dtype = DType::F64;
+  Shape shape;
+  std::vector<std::uint8_t> bytes;
+
+  friend bool operator==(const RawTensor&, const RawTensor&) = default;
+};
+
+struct SafetensorsFile {
+  std::map<std::string, std::string> metadata;             // "__metadata__"; omitted from the file when empty
+  std::vector<std::pair<std::string, RawTensor>> tensors;  // file order: by data offset
+
+  // The tensor called `name`, or nullptr.
+  const RawTensor* find(std::string_view name) const;
+  // The tensor called `name`; FileError naming `file_for_errors` and the tensor if absent.
+  const RawTensor& at(std::string_view name, const std::string& file_for_errors) const;
+
+  friend bool operator==(const SafetensorsFile&, const SafetensorsFile&) = default;
+};
+
+// Largest header accepted, as in the reference implementation: a bound on what a
+// hostile length prefix can make the reader allocate.
+inline constexpr std::uint64_t max_header_bytes = 100'000'000;
+
+// Reads and validates a whole file. Tensor bytes are read straight into their RawTensor,
+// so memory is the file size once, not twice.
+SafetensorsFile read_safetensors(const std::filesystem::path& path);
+
+// Validates and decodes an in-memory file; `name_for_errors` is the file name used in
+// error messages. Tensors come back ordered by data offset (tensors of zero bytes that
+// share an offset: by name, as the header's key order gives them).
+SafetensorsFile parse_safetensors(std::span<const std::uint8_t> bytes, const std::string& name_for_errors);
+
+// The file's bytes: tensors laid out contiguously in the order given, header JSON with
+// sorted keys and no whitespace, padded with spaces to a multiple of 8 bytes (as the
+// reference writer does, so the data buffer starts 8-byte aligned). Throws
+// InvalidArgument on duplicate names, a tensor named "__metadata__", a byte count that
+// does not match shape x dtype, or names or metadata that are not valid UTF-8.
+std::vector<std::uint8_t> serialize_safetensors(const SafetensorsFile& file);
+
+// Writes "<path>.tmp.<pid>", fsyncs it, renames it over `path` and fsyncs the directory
+// (best effort). On any I/O failure the temporary file is removed and FileError naming
+// `path` is thrown; whatever was at `path` before is untouched, never left partial.
+// Invalid contents (see serialize_safetensors) throw InvalidArgument naming `path`
+// before anything is written.
+void write_safetensors_atomic(const std::filesystem::path& path, const SafetensorsFile& file);
+void write_file_atomic(const std::filesystem::path& path, std::span<const std::uint8_t> bytes);
+
+// Element values as doubles, exactly: float dtypes are decoded, integer dtypes must be
+// exactly representable (an I64 beyond 2^53 that a double cannot hold throws), BOOL
+// bytes must be 0 or 1. Throws InvalidArgument naming `what` otherwise, or when the byte
+// count does not match shape x dtype.
+Tensor<double> to_f64(const RawTensor& raw, const std::string& what);
+
+// Stores doubles as `dtype`. Narrower float dtypes round to nearest, ties to even.
+// Integer and BOOL dtypes require every value to be integral and in range (BOOL: 0 or 1),
+// else InvalidArgument naming the element.
+RawTensor from_f64(const Tensor<double>& values, DType dtype);
+
+// Element values as int64, exactly: float dtypes must hold integral values in range.
+Tensor<std::int64_t> to_i64(const RawTensor& raw, const std::string& what);
+
+// Stores int64 values as `dtype`. Integer and BOOL dtypes require the value in range;
+// float dtypes require it to be exactly a double (|v| <= 2^53 or suitably even) so that
+// only one rounding, to the target format, takes place.
+RawTensor from_i64(const Tensor<std::int64_t>& values, DType dtype);
+
+}  // namespace k3ref::io

@@ -1,0 +1,187 @@
+// The KDA recurrence: the definition every other form of KDA is checked against.
+//
+// Per value head, with decays a_t = exp(g_t) (one per key channel):
+//   S_t = Diag(a_t) S_{t-1}                         decay first
+//   S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T      delta rule on the decayed state
+//   o_t = S_t^T (scale q_t)                         read after the update
+// S is K x V. Value head hv reads q/k head hv / (HV / H).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "k3ref/kda/options.h"
+#include "k3ref/kda/stages.h"
+
+namespace k3ref::kda {
+
+// Inputs after the optional stages: what the recurrence itself consumes.
+template <class S>
+struct PreparedInputs {
+  Tensor<S> q;      // [B, T, H, K], normalised if requested, not yet scaled
+  Tensor<S> k;      // [B, T, H, K]
+  Tensor<S> v;      // [B, T, HV, V]
+  Tensor<S> decay;  // [B, T, HV, K] multiplicative decays exp(g)
+  Tensor<S> beta;   // [B, T, HV] activated
+  S scale;
+};
+
+template <class S>
+InputShapes shapes_of(const Inputs<S>& in, const Options<S>& opt) {
+  InputShapes s{in.q.shape(), in.k.shape(), in.v.shape(), in.g.shape(), in.beta.shape()};
+  if (in.initial_state) s.initial_state = in.initial_state->shape();
+  if (in.A_log) s.A_log = in.A_log->shape();
+  if (in.dt_bias) s.dt_bias = in.dt_bias->shape();
+  s.cu_seqlens = in.cu_seqlens ? &*in.cu_seqlens : nullptr;
+  s.gate = opt.gate;
+  s.has_lower_bound = opt.lower_bound.has_value();
+  s.state_layout = opt.state_layout;
+  return s;
+}
+
+// Runs the optional stages (L2 norm, gate, beta activation, default scale).
+template <class S>
+PreparedInputs<S> prepare(const Inputs<S>& in, const Options<S>& opt, const Dims& d) {
+  PreparedInputs<S> p;
+  if (opt.qk_l2norm) {
+    if constexpr (num::scalar_traits<S>::has_transcendentals) {
+      p.q = l2_normalize(in.q);
+      p.k = l2_normalize(in.k);
+    } else {
+      throw InvalidArgument("kda: option 'qk_l2norm' needs sqrt; normalise inputs beforehand in exact arithmetic");
+    }
+  } else {
+    p.q = in.q;
+    p.k = in.k;
+  }
+  p.v = in.v;
+  switch (opt.gate) {
+    case GateForm::decay_factor: p.decay = in.g; break;
+    case GateForm::log_decay: p.decay = decay_factors(in.g, opt.gate_base); break;
+    case GateForm::softplus:
+    case GateForm::lower_bound:
+      p.decay = decay_factors(gate_log_decay(in.g, opt.gate, in.A_log, in.dt_bias, opt.lower_bound), opt.gate_base);
+      break;
+  }
+  p.beta = activate_beta(in.beta, opt.beta);
+  p.scale = opt.scale ? *opt.scale : default_scale<S>(d.K);
+  return p;
+}
+
+namespace detail {
+
+// Runs `work(i)` for i in [0, count) on up to `threads` threads. Items are independent,
+// so the result does not depend on the thread count.
+template <class Work>
+void parallel_for(std::int64_t count, int threads, Work&& work) {
+  const int n = std::max(1, std::min<int>(threads, static_cast<int>(std::min<std::int64_t>(count, 1 << 20))));
+  if (n == 1) {
+    for (std::int64_t i = 0; i < count; ++i) work(i);
+    return;
+  }
+  std::atomic<std::int64_t> next{0};
+  std::vector<std::thread> pool;
+  std::exception_ptr failure;
+  std::atomic<bool> failed{false};
+  for (int t = 0; t < n; ++t)
+    pool.emplace_back([&] {
+      for (std::int64_t i; (i = next.fetch_add(1)) < count;) {
+        try {
+          work(i);
+        } catch (...) {
+          if (!failed.exchange(true)) failure = std::current_exception();
+        }
+      }
+    });
+  for (auto& th : pool) th.join();
+  if (failure) std::rethrow_exception(failure);
+}
+
+}  // namespace detail
+
+// One token of the recurrence on a K x V state held row-major (state[k * V + v]).
+// Two passes over the state: (decay, accumulate S^T k), then (rank-1 update, read o).
+// `kS` and `u` are caller-owned scratch of length V.
+template <class S>
+void recurrent_step(S* state, std::int64_t K, std::int64_t V, const S* q_scaled, const S* k, const S* v,
+                    const S* decay, const S& beta, S* o, S* kS, S* u) {
+  for (std::int64_t j = 0; j < V; ++j) kS[j] = S(0);
+  for (std::int64_t i = 0; i < K; ++i) {
+    S* row = state + i * V;
+    const S a = decay[i];
+    const S ki = k[i];
+    for (std::int64_t j = 0; j < V; ++j) {
+      row[j] *= a;
+      kS[j] += ki * row[j];
+    }
+  }
+  for (std::int64_t j = 0; j < V; ++j) {
+    u[j] = beta * (v[j] - kS[j]);
+    o[j] = S(0);
+  }
+  for (std::int64_t i = 0; i < K; ++i) {
+    S* row = state + i * V;
+    const S ki = k[i];
+    const S qi = q_scaled[i];
+    for (std::int64_t j = 0; j < V; ++j) {
+      row[j] += ki * u[j];
+      o[j] += qi * row[j];
+    }
+  }
+}
+
+// The recurrence over prepared inputs. `initial_state` in the layout of `opt`.
+template <class S>
+Outputs<S> recurrent_core(const PreparedInputs<S>& p, const std::optional<Tensor<S>>& initial_state,
+                          const Options<S>& opt, const Dims& d) {
+  Outputs<S> out;
+  out.o = Tensor<S>({d.B, d.T, d.HV, d.V});
+  const bool v_first = opt.state_layout == StateLayout::v_first;
+  const Shape state_shape = v_first ? Shape{d.N, d.HV, d.V, d.K} : Shape{d.N, d.HV, d.K, d.V};
+  if (opt.output_final_state) out.final_state = Tensor<S>(state_shape);
+  if (opt.output_all_states)
+    out.all_states = Tensor<S>(v_first ? Shape{d.B, d.T, d.HV, d.V, d.K} : Shape{d.B, d.T, d.HV, d.K, d.V});
+  const std::int64_t group = d.HV / d.H;
+  const std::int64_t K = d.K, V = d.V;
+
+  // Copies a K-first working state to or from a tensor slot in the user's layout.
+  auto store = [&](const std::vector<S>& st, S* dst) {
+    for (std::int64_t i = 0; i < K; ++i)
+      for (std::int64_t j = 0; j < V; ++j) dst[v_first ? j * K + i : i * V + j] = st[i * V + j];
+  };
+
+  detail::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
+    const std::int64_t n = item / d.HV, hv = item % d.HV, h = hv / group;
+    const std::int64_t b = d.seq_batch[n];
+    std::vector<S> st(static_cast<std::size_t>(K * V), S(0)), kS(V), u(V), q_scaled(K);
+    if (initial_state) {
+      const S* src = initial_state->data() + initial_state->offset(n, hv, 0, 0);
+      for (std::int64_t i = 0; i < K; ++i)
+        for (std::int64_t j = 0; j < V; ++j) st[i * V + j] = src[v_first ? j * K + i : i * V + j];
+    }
+    for (std::int64_t t = d.seq_begin[n]; t < d.seq_end[n]; ++t) {
+      const S* q = p.q.data() + p.q.offset(b, t, h, 0);
+      for (std::int64_t i = 0; i < K; ++i) q_scaled[i] = p.scale * q[i];
+      recurrent_step(st.data(), K, V, q_scaled.data(), p.k.data() + p.k.offset(b, t, h, 0),
+                     p.v.data() + p.v.offset(b, t, hv, 0), p.decay.data() + p.decay.offset(b, t, hv, 0),
+                     p.beta(b, t, hv), out.o.data() + out.o.offset(b, t, hv, 0), kS.data(), u.data());
+      if (out.all_states) store(st, out.all_states->data() + out.all_states->offset(b, t, hv, 0, 0));
+    }
+    if (out.final_state) store(st, out.final_state->data() + out.final_state->offset(n, hv, 0, 0));
+  });
+  return out;
+}
+
+// The full KDA forward by the recurrence: validation, optional stages, recurrence.
+template <class S>
+Outputs<S> recurrent_forward(const Inputs<S>& in, const Options<S>& opt = {}) {
+  const Dims d = validate(shapes_of(in, opt));
+  if (opt.lower_bound && !(*opt.lower_bound < S(0)))
+    throw InvalidArgument("kda: argument 'lower_bound': must be negative");
+  if (opt.num_threads < 1) throw InvalidArgument("kda: argument 'num_threads': must be at least 1");
+  return recurrent_core(prepare(in, opt, d), in.initial_state, opt, d);
+}
+
+}  // namespace k3ref::kda

@@ -1,0 +1,30 @@
+#include "k3ref/golden/catalogue.h"
+
+#include "k3ref/error.h"
+#include "k3ref/num/scalar.h"
+
+namespace k3ref::golden {
+
+const std::vector<Generator>& generators() {
+  static const std::vector<Generator> all = {
+      {"kda.recurrent", generate_kda_recurrent, std::to_string(num::golden_bits) + "-bit binary float"},
+  };
+  return all;
+}
+
+const Generator& generator_for(const std::string& op) {
+  for (const Generator& g : generators())
+    if (g.op == op) return g;
+  throw InvalidArgument("golden: no generator for operator '" + op + "'");
+}
+
+std::vector<std::string> suite_names() { return {"default"}; }
+
+std::vector<Case> suite(const std::string& name) {
+  if (name == "default") return kda_default_cases();
+  std::string known;
+  for (const auto& n : suite_names()) known += (known.empty() ? "" : ", ") + n;
+  throw InvalidArgument("golden: unknown suite '" + name + "' (known: " + known + ")");
+}
+
+}  // namespace k3ref::golden

@@ -1,0 +1,254 @@
+// The KDA recurrence goldens: parameters, deterministic input generation, and the
+// reference computed at golden precision (num::golden_bits).
+#include <cmath>
+#include <string>
+
+#include "k3ref/golden/catalogue.h"
+#include "k3ref/kda/kda_io.h"
+#include "k3ref/kda/recurrent.h"
+#include "k3ref/num/float_format.h"
+#include "k3ref/num/random.h"
+#include "k3ref/num/scalar.h"
+
+namespace k3ref::golden {
+namespace {
+
+using nlohmann::json;
+using num::Format;
+
+// Everything a KDA case varies. Serialised into the manifest as is.
+struct KdaParams {
+  std::int64_t B = 1, T = 16, H = 1, HV = 1, K = 16, V = 16;
+  std::vector<std::int64_t> cu_seqlens;  // empty: no varlen
+  bool initial_state = true;
+  std::string gate = "log_decay";  // log_decay | softplus | lower_bound
+  std::string gate_base = "e";
+  double g_lo = -1, g_hi = 0;      // range of the stored g (log decay, or raw gate)
+  std::optional<double> lower_bound;
+  bool A_log = false, dt_bias = false;
+  std::string beta = "as_given";
+  double beta_lo = 0, beta_hi = 1;
+  bool qk_l2norm = false;
+  std::optional<double> scale;
+  std::string state_layout = "k_first";
+  bool all_states = false;
+};
+
+json to_json(const KdaParams& p) {
+  json j = {{"B", p.B}, {"T", p.T}, {"H", p.H}, {"HV", p.HV}, {"K", p.K}, {"V", p.V},
+            {"initial_state", p.initial_state}, {"gate", p.gate}, {"gate_base", p.gate_base},
+            {"g_range", {p.g_lo, p.g_hi}}, {"A_log", p.A_log}, {"dt_bias", p.dt_bias}, {"beta", p.beta},
+            {"beta_range", {p.beta_lo, p.beta_hi}}, {"qk_l2norm", p.qk_l2norm}, {"state_layout", p.state_layout},
+            {"all_states", p.all_states}};
+  j["cu_seqlens"] = p.cu_seqlens.empty() ? json(nullptr) : json(p.cu_seqlens);
+  j["lower_bound"] = p.lower_bound ? json(*p.lower_bound) : json(nullptr);
+  j["scale"] = p.scale ? json(*p.scale) : json(nullptr);
+  return j;
+}
+
+KdaParams from_json(const json& j) {
+  KdaParams p;
+  p.B = j.at("B");
+  p.T = j.at("T");
+  p.H = j.at("H");
+  p.HV = j.at("HV");
+  p.K = j.at("K");
+  p.V = j.at("V");
+  if (!j.at("cu_seqlens").is_null()) p.cu_seqlens = j.at("cu_seqlens").get<std::vector<std::int64_t>>();
+  p.initial_state = j.at("initial_state");
+  p.gate = j.at("gate");
+  p.gate_base = j.at("gate_base");
+  p.g_lo = j.at("g_range")[0];
+  p.g_hi = j.at("g_range")[1];
+  if (!j.at("lower_bound").is_null()) p.lower_bound = j.at("lower_bound").get<double>();
+  p.A_log = j.at("A_log");
+  p.dt_bias = j.at("dt_bias");
+  p.beta = j.at("beta");
+  p.beta_lo = j.at("beta_range")[0];
+  p.beta_hi = j.at("beta_range")[1];
+  p.qk_l2norm = j.at("qk_l2norm");
+  if (!j.at("scale").is_null()) p.scale = j.at("scale").get<double>();
+  p.state_layout = j.at("state_layout");
+  p.all_states = j.at("all_states");
+  return p;
+}
+
+// Uniform in [lo, hi] then rounded to `format`: the stored value is exactly the value
+// the reference consumes. Only integer arithmetic and IEEE operations in a fixed order.
+Tensor<double> draw(num::Random& rng, const Shape& shape, double lo, double hi, Format format) {
+  Tensor<double> t(shape);
+  for (double& x : t.values()) {
+    const double u = std::ldexp(static_cast<double>(rng.next_u64() >> 11), -53);
+    x = num::round_to(format, lo + (hi - lo) * u);
+  }
+  return t;
+}
+
+template <class S>
+kda::Options<S> options_of(const KdaParams& p) {
+  kda::Options<S> opt;
+  if (p.scale) opt.scale = S(*p.scale);
+  opt.qk_l2norm = p.qk_l2norm;
+  opt.gate = *kda::gate_form_from_string(p.gate);
+  opt.gate_base = *kda::gate_base_from_string(p.gate_base);
+  if (p.lower_bound) opt.lower_bound = S(*p.lower_bound);
+  opt.beta = *kda::beta_form_from_string(p.beta);
+  opt.state_layout = *kda::state_layout_from_string(p.state_layout);
+  opt.output_final_state = true;
+  opt.output_all_states = p.all_states;
+  return opt;
+}
+
+kda::Inputs<double> make_inputs(const KdaParams& p, std::uint64_t seed) {
+  num::Random rng(seed);
+  const std::int64_t N = p.cu_seqlens.empty() ? p.B : static_cast<std::int64_t>(p.cu_seqlens.size()) - 1;
+  // Without the in-kernel L2 norm, k is drawn with entries in [-1/sqrt(K), 1/sqrt(K)] so
+  // that beta ||k||^2 stays in the stable range of the delta rule, as normalised keys do.
+  const double k_half_width = p.qk_l2norm ? 1.0 : 1.0 / std::sqrt(static_cast<double>(p.K));
+  kda::Inputs<double> in;
+  in.q = draw(rng, {p.B, p.T, p.H, p.K}, -1, 1, Format::bf16);
+  in.k = draw(rng, {p.B, p.T, p.H, p.K}, -k_half_width, k_half_width, Format::bf16);
+  in.v = draw(rng, {p.B, p.T, p.HV, p.V}, -1, 1, Format::bf16);
+  in.g = draw(rng, {p.B, p.T, p.HV, p.K}, p.g_lo, p.g_hi, Format::bf16);
+  in.beta = draw(rng, {p.B, p.T, p.HV}, p.beta_lo, p.beta_hi, Format::bf16);
+  if (p.initial_state) {
+    // Values exact in bf16 although stored as F32 (FLA's chunk_kda wants an fp32 state).
+    const Shape shape = p.state_layout == "v_first" ? Shape{N, p.HV, p.V, p.K} : Shape{N, p.HV, p.K, p.V};
+    in.initial_state = draw(rng, shape, -1, 1, Format::bf16);
+  }
+  if (p.A_log) {
+    // A = exp(A_log) in [1, 16], as Mamba-style initialisations give.
+    Tensor<double> a = draw(rng, {p.HV}, 0, std::log(16.0), Format::fp32);
+    in.A_log = a;
+  }
+  if (p.dt_bias) in.dt_bias = draw(rng, {p.HV, p.K}, -1, 1, Format::fp32);
+  if (!p.cu_seqlens.empty()) in.cu_seqlens = p.cu_seqlens;
+  return in;
+}
+
+io::RawTensor stored(const Tensor<double>& t, DType dtype) { return io::from_f64(t, dtype); }
+
+// Case builder: starts from a small well-conditioned default.
+struct Builder {
+  KdaParams p;
+  std::string name;
+  std::uint64_t seed;
+  Builder(std::string n, std::uint64_t s) : name(std::move(n)), seed(s) {}
+  Case build() const { return Case{name, "kda.recurrent", seed, to_json(p)}; }
+};
+
+}  // namespace
+
+io::SafetensorsFile generate_kda_recurrent(const Case& c) {
+  const KdaParams p = from_json(c.params);
+  const kda::Inputs<double> in = make_inputs(p, c.seed);
+
+  using G = num::golden_float;
+  const kda::Outputs<G> exact = kda::recurrent_forward(kda::lift<G>(in), options_of<G>(p));
+  auto to_double = [](const Tensor<G>& t) { return t.map<double>([](const G& x) { return num::to_double_rne(x); }); };
+  kda::Outputs<double> out;
+  out.o = to_double(exact.o);
+  if (exact.final_state) out.final_state = to_double(*exact.final_state);
+  if (exact.all_states) out.all_states = to_double(*exact.all_states);
+
+  io::SafetensorsFile file;
+  file.tensors.emplace_back("q", stored(in.q, DType::BF16));
+  file.tensors.emplace_back("k", stored(in.k, DType::BF16));
+  file.tensors.emplace_back("v", stored(in.v, DType::BF16));
+  file.tensors.emplace_back("g", stored(in.g, DType::BF16));
+  file.tensors.emplace_back("beta", stored(in.beta, DType::BF16));
+  if (in.initial_state) file.tensors.emplace_back("initial_state", stored(*in.initial_state, DType::F32));
+  if (in.A_log) file.tensors.emplace_back("A_log", stored(*in.A_log, DType::F32));
+  if (in.dt_bias) file.tensors.emplace_back("dt_bias", stored(*in.dt_bias, DType::F32));
+  if (in.cu_seqlens)
+    file.tensors.emplace_back(
+        "cu_seqlens", io::from_i64(Tensor<std::int64_t>({static_cast<std::int64_t>(in.cu_seqlens->size())},
+                                                        *in.cu_seqlens), DType::I64));
+  kda::add_outputs(file, out);
+  file.metadata = {{"k3ref.case", c.name},
+                   {"k3ref.op", c.op},
+                   {"k3ref.seed", std::to_string(c.seed)},
+                   {"k3ref.params", c.params.dump()},
+                   {"k3ref.generator_version", generator_version},
+                   {"k3ref.reference_precision", std::to_string(num::golden_bits) + "-bit binary float"},
+                   {"k3ref.outputs", exact.all_states ? "o,final_state,all_states" : "o,final_state"}};
+  return file;
+}
+
+kda::Outputs<double> kda_recurrent_in_double(const Case& c, const io::SafetensorsFile& golden_file) {
+  const KdaParams p = from_json(c.params);
+  return kda::recurrent_forward(kda::inputs_from_file(golden_file, c.name), options_of<double>(p));
+}
+
+std::vector<Case> kda_default_cases() {
+  std::vector<Case> cases;
+  std::uint64_t seed = 0x6b6461;  // "kda"; each case gets the next seed
+  auto add = [&](const std::string& name, auto&& configure) {
+    Builder b(name, seed++);
+    configure(b.p);
+    cases.push_back(b.build());
+  };
+  // Shapes and edges of T.
+  add("kda_t1", [](KdaParams& p) { p.T = 1; });
+  add("kda_b2_t37", [](KdaParams& p) { p.B = 2; p.T = 37; p.H = 2; p.HV = 2; p.K = 32; p.V = 32; });
+  add("kda_t64_no_initial_state", [](KdaParams& p) { p.T = 64; p.K = 32; p.V = 32; p.initial_state = false; });
+  add("kda_t100", [](KdaParams& p) { p.T = 100; p.K = 64; p.V = 64; p.g_lo = -2; });
+  add("kda_k128_t65", [](KdaParams& p) { p.T = 65; p.K = 128; p.V = 128; p.g_lo = -1.5; });
+  add("kda_k100_v72", [](KdaParams& p) { p.T = 40; p.K = 100; p.V = 72; p.H = 1; });
+  add("kda_k100_v100", [](KdaParams& p) { p.T = 23; p.K = 100; p.V = 100; });
+  // Grouped value heads.
+  add("kda_gva_h2_hv6", [](KdaParams& p) { p.T = 33; p.H = 2; p.HV = 6; p.K = 32; p.V = 32; });
+  // Varlen with empty and short sequences.
+  add("kda_varlen", [](KdaParams& p) { p.T = 83; p.H = 2; p.HV = 2; p.K = 32; p.V = 32;
+                                       p.cu_seqlens = {0, 1, 1, 18, 50, 50, 83}; });
+  add("kda_varlen_no_initial_state", [](KdaParams& p) { p.T = 70; p.K = 32; p.V = 16; p.initial_state = false;
+                                                        p.cu_seqlens = {0, 0, 2, 66, 70}; });
+  add("kda_varlen_gva", [](KdaParams& p) { p.T = 45; p.H = 1; p.HV = 4; p.K = 16; p.V = 32;
+                                           p.cu_seqlens = {0, 16, 17, 45}; });
+  // Decays: none, at the safe-gate lower bound -5, beyond it.
+  add("kda_decay_zero", [](KdaParams& p) { p.T = 50; p.K = 32; p.V = 32; p.g_lo = 0; p.g_hi = 0; });
+  add("kda_decay_at_minus5", [](KdaParams& p) { p.T = 50; p.K = 32; p.V = 32; p.g_lo = -5; p.g_hi = -5; });
+  add("kda_decay_minus5_to_0", [](KdaParams& p) { p.T = 50; p.K = 32; p.V = 32; p.g_lo = -5; p.g_hi = 0; });
+  add("kda_decay_minus8", [](KdaParams& p) { p.T = 50; p.K = 32; p.V = 32; p.g_lo = -8; p.g_hi = -7; });
+  // Beta.
+  add("kda_beta_near0", [](KdaParams& p) { p.T = 40; p.K = 32; p.V = 32; p.beta_lo = 0; p.beta_hi = 1.0 / 64; });
+  add("kda_beta_near2", [](KdaParams& p) { p.T = 40; p.K = 32; p.V = 32; p.qk_l2norm = true;
+                                           p.beta_lo = 1.9; p.beta_hi = 2; });
+  add("kda_beta_sigmoid", [](KdaParams& p) { p.T = 40; p.K = 32; p.V = 32; p.beta = "sigmoid";
+                                             p.beta_lo = -4; p.beta_hi = 4; });
+  add("kda_beta_two_sigmoid", [](KdaParams& p) { p.T = 40; p.K = 32; p.V = 32; p.qk_l2norm = true;
+                                                 p.beta = "two_sigmoid"; p.beta_lo = 4; p.beta_hi = 8; });
+  // Stages inside the kernel.
+  add("kda_qk_l2norm", [](KdaParams& p) { p.T = 40; p.K = 64; p.V = 32; p.qk_l2norm = true; });
+  add("kda_gate_softplus", [](KdaParams& p) { p.T = 40; p.H = 2; p.HV = 2; p.K = 32; p.V = 32; p.gate = "softplus";
+                                              p.g_lo = -4; p.g_hi = 4; p.A_log = true; p.dt_bias = true; });
+  add("kda_gate_lower_bound", [](KdaParams& p) { p.T = 40; p.H = 2; p.HV = 2; p.K = 32; p.V = 32;
+                                                 p.gate = "lower_bound"; p.lower_bound = -5; p.g_lo = -4; p.g_hi = 4;
+                                                 p.A_log = true; p.dt_bias = true; });
+  add("kda_gate_lower_bound_base2", [](KdaParams& p) { p.T = 40; p.H = 2; p.HV = 2; p.K = 32; p.V = 32;
+                                                       p.gate = "lower_bound"; p.gate_base = "2"; p.lower_bound = -5;
+                                                       p.g_lo = -4; p.g_hi = 4; p.A_log = true; p.dt_bias = true; });
+  add("kda_gate_lower_bound_no_A_log", [](KdaParams& p) { p.T = 40; p.K = 32; p.V = 32; p.gate = "lower_bound";
+                                                          p.lower_bound = -5; p.g_lo = -4; p.g_hi = 4;
+                                                          p.dt_bias = true; });
+  add("kda_gate_lower_bound_minus8", [](KdaParams& p) { p.T = 40; p.K = 32; p.V = 32; p.gate = "lower_bound";
+                                                        p.lower_bound = -8; p.g_lo = -4; p.g_hi = 4; p.A_log = true;
+                                                        p.dt_bias = true; });
+  // Options of the API.
+  add("kda_state_v_first", [](KdaParams& p) { p.T = 30; p.K = 32; p.V = 16; p.state_layout = "v_first"; });
+  add("kda_scale_half", [](KdaParams& p) { p.T = 30; p.K = 32; p.V = 32; p.scale = 0.5; });
+  add("kda_all_states", [](KdaParams& p) { p.T = 20; p.H = 1; p.HV = 2; p.K = 16; p.V = 8; p.all_states = true; });
+  // What the real kernels are configured with.
+  add("kda_flashkda_like", [](KdaParams& p) { p.T = 80; p.H = 2; p.HV = 2; p.K = 128; p.V = 128;
+                                              p.cu_seqlens = {0, 17, 80}; p.gate = "lower_bound"; p.gate_base = "2";
+                                              p.lower_bound = -5; p.g_lo = -4; p.g_hi = 4; p.A_log = true;
+                                              p.dt_bias = true; p.beta = "sigmoid"; p.beta_lo = -4; p.beta_hi = 4;
+                                              p.qk_l2norm = true; p.state_layout = "v_first"; });
+  add("kda_fla_chunk_like", [](KdaParams& p) { p.T = 130; p.H = 2; p.HV = 4; p.K = 64; p.V = 64;
+                                               p.gate = "softplus"; p.g_lo = -4; p.g_hi = 4; p.A_log = true;
+                                               p.dt_bias = true; p.beta = "sigmoid"; p.beta_lo = -4; p.beta_hi = 4;
+                                               p.qk_l2norm = true; });
+  return cases;
+}
+
+}  // namespace k3ref::golden

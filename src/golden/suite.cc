@@ -1,0 +1,234 @@
+#include "k3ref/golden/suite.h"
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "k3ref/error.h"
+#include "k3ref/io/sha256.h"
+
+namespace k3ref::golden {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::vector<std::uint8_t> read_all(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw FileError(path.string() + ": cannot open for reading");
+  return std::vector<std::uint8_t>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::string file_name_of(const Case& c) { return c.name + ".safetensors"; }
+
+}  // namespace
+
+std::vector<GeneratedCase> generate_cases(const std::vector<Case>& cases, int jobs, const Progress& progress) {
+  std::vector<GeneratedCase> out(cases.size());
+  std::atomic<std::size_t> next{0}, done{0};
+  std::mutex report;
+  std::exception_ptr failure;
+  auto worker = [&] {
+    for (std::size_t i; (i = next.fetch_add(1)) < cases.size();) {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        const io::SafetensorsFile file = generator_for(cases[i].op).generate(cases[i]);
+        out[i] = GeneratedCase{cases[i], io::serialize_safetensors(file)};
+      } catch (...) {
+        std::lock_guard lock(report);
+        if (!failure) failure = std::current_exception();
+        continue;
+      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::lock_guard lock(report);
+      const std::size_t n = ++done;
+      if (progress) progress(n, cases.size(), cases[i].name, seconds);
+    }
+  };
+  const int threads = std::max(1, std::min<int>(jobs, static_cast<int>(cases.size())));
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+  if (failure) std::rethrow_exception(failure);
+  return out;
+}
+
+std::string manifest_text(const std::string& suite_name, const std::vector<GeneratedCase>& generated) {
+  json cases = json::array();
+  for (const GeneratedCase& g : generated) {
+    const io::SafetensorsFile parsed = io::parse_safetensors(g.bytes, file_name_of(g.c));
+    json tensors = json::object();
+    for (const auto& [name, t] : parsed.tensors)
+      tensors[name] = {{"dtype", std::string(dtype_name(t.dtype))}, {"shape", t.shape}};
+    cases.push_back({{"name", g.c.name},
+                     {"op", g.c.op},
+                     {"file", file_name_of(g.c)},
+                     {"seed", g.c.seed},
+                     {"params", g.c.params},
+                     {"reference_precision", generator_for(g.c.op).reference_precision},
+                     {"generator_version", generator_version},
+                     {"sha256", io::sha256_hex(g.bytes)},
+                     {"bytes", g.bytes.size()},
+                     {"tensors", tensors}});
+  }
+  const json manifest = {{"format", "k3ref-golden-manifest"},
+                         {"suite", suite_name},
+                         {"generator_version", generator_version},
+                         {"cases", cases}};
+  return manifest.dump(2) + "\n";
+}
+
+void write_suite(const fs::path& dir, const std::string& suite_name, const std::vector<GeneratedCase>& generated) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw FileError(dir.string() + ": cannot create directory: " + ec.message());
+  for (const GeneratedCase& g : generated) io::write_file_atomic(dir / file_name_of(g.c), g.bytes);
+  const std::string text = manifest_text(suite_name, generated);
+  io::write_file_atomic(dir / "MANIFEST.json",
+                        std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
+}
+
+std::vector<VerifyProblem> explain_difference(const std::string& file, const std::vector<std::uint8_t>& committed,
+                                              const std::vector<std::uint8_t>& fresh) {
+  std::vector<VerifyProblem> problems;
+  io::SafetensorsFile a, b;
+  try {
+    a = io::parse_safetensors(committed, file);
+  } catch (const std::exception& e) {
+    return {{file, "", std::string("committed file is unreadable: ") + e.what()}};
+  }
+  b = io::parse_safetensors(fresh, file + " (regenerated)");
+  if (a.metadata != b.metadata) problems.push_back({file, "__metadata__", "metadata differs from the regenerated file"});
+  std::set<std::string> seen;
+  for (const auto& [name, fresh_tensor] : b.tensors) {
+    seen.insert(name);
+    const io::RawTensor* old = a.find(name);
+    if (!old) {
+      problems.push_back({file, name, "tensor missing from the committed file"});
+      continue;
+    }
+    if (old->dtype != fresh_tensor.dtype || old->shape != fresh_tensor.shape) {
+      problems.push_back({file, name,
+                          "committed " + std::string(dtype_name(old->dtype)) + shape_to_string(old->shape) +
+                              ", regenerated " + std::string(dtype_name(fresh_tensor.dtype)) +
+                              shape_to_string(fresh_tensor.shape)});
+      continue;
+    }
+    if (old->bytes != fresh_tensor.bytes) {
+      const std::size_t width = dtype_size(old->dtype);
+      std::size_t byte = 0;
+      while (old->bytes[byte] == fresh_tensor.bytes[byte]) ++byte;
+      std::string detail = "values differ, first at element " + std::to_string(byte / width);
+      if (is_floating(old->dtype)) {
+        const Tensor<double> x = io::to_f64(*old, file), y = io::to_f64(fresh_tensor, file);
+        char buf[128];
+        std::snprintf(buf, sizeof buf, ": committed %.17g, regenerated %.17g", x.data()[byte / width],
+                      y.data()[byte / width]);
+        detail += buf;
+      }
+      problems.push_back({file, name, detail});
+    }
+  }
+  for (const auto& [name, t] : a.tensors)
+    if (!seen.count(name)) problems.push_back({file, name, "tensor not produced by the generator"});
+  if (problems.empty()) problems.push_back({file, "", "bytes differ (header layout) although every tensor is equal"});
+  return problems;
+}
+
+std::vector<VerifyProblem> verify_suite(const fs::path& dir, const VerifyOptions& options) {
+  std::vector<VerifyProblem> problems;
+  const fs::path manifest_path = dir / "MANIFEST.json";
+  json manifest;
+  try {
+    const auto bytes = read_all(manifest_path);
+    manifest = json::parse(bytes.begin(), bytes.end());
+  } catch (const std::exception& e) {
+    return {{manifest_path.string(), "", std::string("unreadable manifest: ") + e.what()}};
+  }
+  const std::string suite_name = manifest.value("suite", "default");
+  std::vector<Case> cases;
+  try {
+    cases = suite(suite_name);
+  } catch (const std::exception& e) {
+    return {{manifest_path.string(), "", e.what()}};
+  }
+  if (manifest.value("generator_version", "") != generator_version)
+    problems.push_back({manifest_path.string(), "",
+                        "generator version " + manifest.value("generator_version", "?") + ", this build writes " +
+                            generator_version + ": regenerate the suite"});
+
+  // The manifest must list exactly the catalogue's cases, with their parameters.
+  std::map<std::string, json> listed;
+  for (const json& entry : manifest.at("cases")) listed[entry.at("name").get<std::string>()] = entry;
+  for (const Case& c : cases) {
+    auto it = listed.find(c.name);
+    if (it == listed.end()) {
+      problems.push_back({(dir / file_name_of(c)).string(), "", "case '" + c.name + "' is missing from the manifest"});
+      continue;
+    }
+    if (it->second.at("params") != c.params || it->second.at("seed").get<std::uint64_t>() != c.seed)
+      problems.push_back({manifest_path.string(), "", "case '" + c.name + "': parameters or seed differ from the catalogue"});
+  }
+  std::set<std::string> known;
+  for (const Case& c : cases) known.insert(c.name);
+  for (const auto& [name, entry] : listed)
+    if (!known.count(name)) problems.push_back({manifest_path.string(), "", "case '" + name + "' is not in the catalogue"});
+  for (const auto& item : fs::directory_iterator(dir))
+    if (item.path().extension() == ".safetensors" && !known.count(item.path().stem().string()))
+      problems.push_back({item.path().string(), "", "file is not listed in the manifest"});
+
+  // Checksums first: a flipped bit is named even before regeneration.
+  std::map<std::string, std::vector<std::uint8_t>> committed;
+  for (const Case& c : cases) {
+    const fs::path path = dir / file_name_of(c);
+    auto it = listed.find(c.name);
+    try {
+      committed[c.name] = read_all(path);
+    } catch (const std::exception& e) {
+      problems.push_back({path.string(), "", e.what()});
+      continue;
+    }
+    if (it != listed.end() && io::sha256_hex(committed[c.name]) != it->second.value("sha256", ""))
+      problems.push_back({path.string(), "", "sha256 differs from the manifest (file altered or corrupted)"});
+  }
+
+  std::vector<GeneratedCase> fresh;
+  if (options.generated_dir) {
+    for (const Case& c : cases) {
+      const fs::path path = *options.generated_dir / file_name_of(c);
+      try {
+        fresh.push_back({c, read_all(path)});
+      } catch (const std::exception& e) {
+        problems.push_back({path.string(), "", e.what()});
+        fresh.push_back({c, {}});
+      }
+    }
+  } else {
+    fresh = generate_cases(cases, options.jobs, options.progress);
+  }
+  for (const GeneratedCase& g : fresh) {
+    auto it = committed.find(g.c.name);
+    if (it == committed.end() || g.bytes.empty()) continue;
+    if (it->second != g.bytes) {
+      auto explained = explain_difference((dir / file_name_of(g.c)).string(), it->second, g.bytes);
+      problems.insert(problems.end(), explained.begin(), explained.end());
+    }
+  }
+  // The manifest text itself must be what this build writes (catches edited metadata).
+  if (problems.empty()) {
+    const auto bytes = read_all(manifest_path);
+    const std::string expected = manifest_text(suite_name, fresh);
+    if (std::string(bytes.begin(), bytes.end()) != expected)
+      problems.push_back({manifest_path.string(), "", "manifest text differs from the regenerated manifest"});
+  }
+  return problems;
+}
+
+}  // namespace k3ref::golden

@@ -1,0 +1,86 @@
+// Tests of the error metrics and tolerance policies, on hand-derived inputs.
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "k3ref/check/metrics.h"
+
+namespace k3ref::check {
+namespace {
+
+using num::Format;
+
+TEST(Metrics, HandDerivedFigures) {
+  // ref = (3, 4): ||ref|| = 5. candidate = (3, 4.5): error (0, 0.5), rel RMS = 0.5 / 5 = 0.1.
+  const Metrics m = compare({3, 4.5}, {3, 4}, Format::fp64);
+  EXPECT_EQ(m.rel_rms, 0.1);
+  EXPECT_EQ(m.max_abs, 0.5);
+  EXPECT_EQ(m.max_abs_index, 1);
+  // In fp64 the ulp at 4 is 2^-50, so 0.5 is 2^49 ulps.
+  EXPECT_EQ(m.max_ulp, std::ldexp(1.0, 49));
+  // 3 and 4 are exact in fp64: the floor is zero.
+  EXPECT_EQ(m.floor_rel_rms, 0);
+}
+
+TEST(Metrics, UlpsInBf16) {
+  // bf16 has 7 stored mantissa bits: the ulp at 1 is 2^-7, at 0.75 (in [0.5, 1)) 2^-8.
+  EXPECT_EQ(ulp_distance(Format::bf16, 1 + 0x1p-7, 1), 1);
+  EXPECT_EQ(ulp_distance(Format::bf16, 0.75 + 0x1p-8, 0.75), 1);
+  // Below the normal range the spacing is the subnormal one, 2^-133.
+  EXPECT_EQ(ulp_distance(Format::bf16, 0x1p-133, 0), 1);
+}
+
+TEST(Metrics, FloorIsTheErrorOfRoundingTheReferenceToTheOutputFormat) {
+  // 1 + 2^-9 rounds to 1 in bf16 (below half an ulp of 2^-7): error 2^-9 on a norm of ~1.
+  const std::vector<double> ref = {1 + 0x1p-9};
+  const Metrics m = compare(ref, ref, Format::bf16);
+  EXPECT_DOUBLE_EQ(m.floor_rel_rms, 0x1p-9 / (1 + 0x1p-9));
+  EXPECT_TRUE(judge(m, parse_policy("floor:1")).pass);
+}
+
+TEST(Metrics, NonFiniteValuesAreCountedAndFailEveryPolicy) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const Metrics m = compare({1, nan, 2}, {1, 1, 2}, Format::bf16);
+  EXPECT_EQ(m.candidate_nan, 1);
+  EXPECT_EQ(m.first_nonfinite_mismatch, 1);
+  for (const char* p : {"exact", "floor:100", "rel-rms:1"}) EXPECT_FALSE(judge(m, parse_policy(p)).pass) << p;
+  // NaN where the reference has NaN is agreement.
+  const Metrics same = compare({nan, 1}, {nan, 1}, Format::fp32);
+  EXPECT_TRUE(judge(same, parse_policy("exact")).pass);
+}
+
+TEST(Metrics, PoliciesParseAndRejectNonsense) {
+  EXPECT_EQ(parse_policy("floor:2.5").bound, 2.5);
+  EXPECT_EQ(parse_policy("rel-rms:0.005").kind, Policy::Kind::rel_rms);
+  EXPECT_EQ(parse_policy("chunk").kind, Policy::Kind::floor_multiple);
+  for (const char* bad : {"floor:", "floor:x", "floor:-1", "rel-rms:0", "nearly", "floor:1e400"})
+    EXPECT_THROW(parse_policy(bad), InvalidArgument) << bad;
+}
+
+TEST(Metrics, ErrorByWindowLocalisesTheBadTokens) {
+  // Shape [1, 4, 2]: tokens 0..3, window 2. Only token 3 is wrong.
+  const std::vector<double> ref = {1, 1, 1, 1, 1, 1, 1, 1};
+  const std::vector<double> cand = {1, 1, 1, 1, 1, 1, 1, 2};
+  const auto w = rel_rms_by_window(cand, ref, {1, 4, 2}, 1, 2);
+  ASSERT_EQ(w.size(), 2u);
+  EXPECT_EQ(w[0], 0);
+  EXPECT_EQ(w[1], 0.5);  // sqrt(1 / 4)
+}
+
+RC_GTEST_PROP(Metrics, ScalingBothByAPowerOfTwoKeepsRelativeRms, (std::vector<int> a, int shift_raw)) {
+  RC_PRE(!a.empty());
+  const int shift = shift_raw % 20;
+  std::vector<double> ref, cand, ref2, cand2;
+  for (int x : a) {
+    ref.push_back(x % 1000);
+    cand.push_back(x % 1000 + (x % 7) * 0.25);
+    ref2.push_back(std::ldexp(ref.back(), shift));
+    cand2.push_back(std::ldexp(cand.back(), shift));
+  }
+  RC_ASSERT(compare(cand, ref, Format::fp64).rel_rms == compare(cand2, ref2, Format::fp64).rel_rms);
+}
+
+}  // namespace
+}  // namespace k3ref::check
