@@ -244,6 +244,25 @@ RC_GTEST_PROP(KdaRecurrentExact, ThreadCountNeverChangesTheResult, ()) {
   RC_ASSERT(*one.final_state == *many.final_state);
 }
 
+// Requesting per-token states switches the recurrence to its unfused sweeps: the results
+// must not change, and the last per-token state of each sequence is the final state.
+RC_GTEST_PROP(KdaRecurrentExact, PerTokenStatesDoNotChangeOutputsAndEndInTheFinalState, ()) {
+  Sizes s = random_sizes();
+  s.T = std::max<std::int64_t>(s.T, 1);
+  const Inputs<Q> in = random_inputs(s, true);
+  auto opt = exact_options();
+  const auto plain = recurrent_forward(in, opt);
+  opt.output_all_states = true;
+  const auto with_states = recurrent_forward(in, opt);
+  RC_ASSERT(plain.o == with_states.o);
+  RC_ASSERT(*plain.final_state == *with_states.final_state);
+  const std::int64_t per_state = s.HV * s.K * s.V;
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t i = 0; i < per_state; ++i)
+      RC_ASSERT(with_states.all_states->data()[(b * s.T + s.T - 1) * per_state + i] ==
+                with_states.final_state->data()[b * per_state + i]);
+}
+
 // K = V = 1 by hand: s0 = 2, a = 1/2, k = 1, beta = 1/2, v = 3, q = 1, scale = 1.
 // Decay: s = 1. Delta: s = 1 + 1/2 * 1 * (3 - 1 * 1) = 2. Read: o = 2.
 // Second token a = 1, k = 2, beta = 1/4, v = 0, q = 3: s = 2 + 1/4 * 2 * (0 - 2 * 2) = 0, o = 0.

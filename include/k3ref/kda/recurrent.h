@@ -30,7 +30,12 @@ struct PreparedInputs {
 
 template <class S>
 InputShapes shapes_of(const Inputs<S>& in, const Options<S>& opt) {
-  InputShapes s{in.q.shape(), in.k.shape(), in.v.shape(), in.g.shape(), in.beta.shape()};
+  InputShapes s;
+  s.q = in.q.shape();
+  s.k = in.k.shape();
+  s.v = in.v.shape();
+  s.g = in.g.shape();
+  s.beta = in.beta.shape();
   if (in.initial_state) s.initial_state = in.initial_state->shape();
   if (in.A_log) s.A_log = in.A_log->shape();
   if (in.dt_bias) s.dt_bias = in.dt_bias->shape();
@@ -101,15 +106,21 @@ void parallel_for(std::int64_t count, int threads, Work&& work) {
 
 }  // namespace detail
 
-// One token of the recurrence on a K x V state held row-major (state[k * V + v]).
-// Two passes over the state: (decay, accumulate S^T k), then (rank-1 update, read o).
-// `kS` and `u` are caller-owned scratch of length V.
+// The recurrence on one K x V state held row-major (state[i * V + j]) is split into two
+// sweeps over the state per token:
+//   sweep A (token t):  S <- Diag(a_t) S,  kS <- S^T k_t
+//   sweep B (token t):  S <- S + k_t u_t^T with u_t = beta_t (v_t - kS),  o_t <- S^T q_t
+// and sweep B of token t is fused with sweep A of token t+1, so the state is read once
+// per token (it is memory traffic, not arithmetic, that bounds this loop). Each element
+// sees the same operations in the same order as the unfused form, so the result is
+// bit-identical to it in every scalar type. Pointers never alias (restrict lets the
+// compiler vectorise the inner loops).
 template <class S>
-void recurrent_step(S* state, std::int64_t K, std::int64_t V, const S* q_scaled, const S* k, const S* v,
-                    const S* decay, const S& beta, S* o, S* kS, S* u) {
+void decay_and_project(S* __restrict state, std::int64_t K, std::int64_t V, const S* __restrict decay,
+                       const S* __restrict k, S* __restrict kS) {
   for (std::int64_t j = 0; j < V; ++j) kS[j] = S(0);
   for (std::int64_t i = 0; i < K; ++i) {
-    S* row = state + i * V;
+    S* __restrict row = state + i * V;
     const S a = decay[i];
     const S ki = k[i];
     for (std::int64_t j = 0; j < V; ++j) {
@@ -117,17 +128,32 @@ void recurrent_step(S* state, std::int64_t K, std::int64_t V, const S* q_scaled,
       kS[j] += ki * row[j];
     }
   }
-  for (std::int64_t j = 0; j < V; ++j) {
-    u[j] = beta * (v[j] - kS[j]);
-    o[j] = S(0);
-  }
+}
+
+// Sweep B of one token, fused with sweep A of the next when `next_decay` is not null.
+template <class S>
+void update_read_then_decay_next(S* __restrict state, std::int64_t K, std::int64_t V, const S* __restrict k,
+                                 const S* __restrict u, const S* __restrict q_scaled, S* __restrict o,
+                                 const S* __restrict next_decay, const S* __restrict next_k,
+                                 S* __restrict next_kS) {
+  for (std::int64_t j = 0; j < V; ++j) o[j] = S(0);
+  if (next_decay)
+    for (std::int64_t j = 0; j < V; ++j) next_kS[j] = S(0);
   for (std::int64_t i = 0; i < K; ++i) {
-    S* row = state + i * V;
+    S* __restrict row = state + i * V;
     const S ki = k[i];
     const S qi = q_scaled[i];
     for (std::int64_t j = 0; j < V; ++j) {
       row[j] += ki * u[j];
       o[j] += qi * row[j];
+    }
+    if (next_decay) {
+      const S a = next_decay[i];
+      const S nki = next_k[i];
+      for (std::int64_t j = 0; j < V; ++j) {
+        row[j] *= a;
+        next_kS[j] += nki * row[j];
+      }
     }
   }
 }
@@ -161,13 +187,29 @@ Outputs<S> recurrent_core(const PreparedInputs<S>& p, const std::optional<Tensor
       for (std::int64_t i = 0; i < K; ++i)
         for (std::int64_t j = 0; j < V; ++j) st[i * V + j] = src[v_first ? j * K + i : i * V + j];
     }
-    for (std::int64_t t = d.seq_begin[n]; t < d.seq_end[n]; ++t) {
+    const std::int64_t begin = d.seq_begin[n], end = d.seq_end[n];
+    auto decay_at = [&](std::int64_t t) { return p.decay.data() + p.decay.offset(b, t, hv, 0); };
+    auto k_at = [&](std::int64_t t) { return p.k.data() + p.k.offset(b, t, h, 0); };
+    // While the state is current for token t's sweep B, kS holds S^T k_t after decay.
+    // The state after every token is only materialised when all_states is requested,
+    // so then the sweeps are not fused (the next decay must not touch it yet).
+    const bool fuse = !out.all_states;
+    if (begin < end) decay_and_project(st.data(), K, V, decay_at(begin), k_at(begin), kS.data());
+    for (std::int64_t t = begin; t < end; ++t) {
       const S* q = p.q.data() + p.q.offset(b, t, h, 0);
       for (std::int64_t i = 0; i < K; ++i) q_scaled[i] = p.scale * q[i];
-      recurrent_step(st.data(), K, V, q_scaled.data(), p.k.data() + p.k.offset(b, t, h, 0),
-                     p.v.data() + p.v.offset(b, t, hv, 0), p.decay.data() + p.decay.offset(b, t, hv, 0),
-                     p.beta(b, t, hv), out.o.data() + out.o.offset(b, t, hv, 0), kS.data(), u.data());
-      if (out.all_states) store(st, out.all_states->data() + out.all_states->offset(b, t, hv, 0, 0));
+      const S* v = p.v.data() + p.v.offset(b, t, hv, 0);
+      const S& beta = p.beta(b, t, hv);
+      for (std::int64_t j = 0; j < V; ++j) u[j] = beta * (v[j] - kS[j]);
+      const bool has_next = t + 1 < end;
+      update_read_then_decay_next(st.data(), K, V, k_at(t), u.data(), q_scaled.data(),
+                                  out.o.data() + out.o.offset(b, t, hv, 0),
+                                  fuse && has_next ? decay_at(t + 1) : nullptr, has_next ? k_at(t + 1) : nullptr,
+                                  kS.data());
+      if (out.all_states) {
+        store(st, out.all_states->data() + out.all_states->offset(b, t, hv, 0, 0));
+        if (has_next) decay_and_project(st.data(), K, V, decay_at(t + 1), k_at(t + 1), kS.data());
+      }
     }
     if (out.final_state) store(st, out.final_state->data() + out.final_state->offset(n, hv, 0, 0));
   });

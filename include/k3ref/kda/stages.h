@@ -79,14 +79,14 @@ Tensor<S> gate_log_decay(const Tensor<S>& g_raw, GateForm form, const std::optio
       throw InvalidArgument("kda::gate_log_decay: argument 'A_log': required by the softplus gate");
     const std::int64_t HV = g_raw.dim(2), K = g_raw.dim(3);
     Tensor<S> g(g_raw.shape());
+    if (HV * K == 0) return g;
     for (std::int64_t row = 0; row < g_raw.numel() / (HV * K); ++row)
       for (std::int64_t h = 0; h < HV; ++h) {
-        const std::optional<S> a = A_log ? std::optional<S>(exp((*A_log)(h))) : std::nullopt;
+        const S a = A_log ? exp((*A_log)(h)) : S(1);  // without A_log the lower-bound gate has no factor
         for (std::int64_t c = 0; c < K; ++c) {
           const std::size_t at = static_cast<std::size_t>((row * HV + h) * K + c);
           const S x = g_raw.data()[at] + (dt_bias ? (*dt_bias)(h, c) : S(0));
-          g.data()[at] = form == GateForm::softplus ? -(*a) * softplus(x)
-                                                    : *lower_bound * sigmoid(a ? *a * x : x);
+          g.data()[at] = form == GateForm::softplus ? -a * softplus(x) : *lower_bound * sigmoid(A_log ? a * x : x);
         }
       }
     return g;
