@@ -8,6 +8,7 @@ namespace k3ref::golden {
 const std::vector<Generator>& generators() {
   static const std::vector<Generator> all = {
       {"kda.recurrent", generate_kda_recurrent, std::to_string(num::golden_bits) + "-bit binary float"},
+      // Each operator family registers its generator here (one line per op).
   };
   return all;
 }
@@ -21,7 +22,15 @@ const Generator& generator_for(const std::string& op) {
 std::vector<std::string> suite_names() { return {"default"}; }
 
 std::vector<Case> suite(const std::string& name) {
-  if (name == "default") return kda_default_cases();
+  if (name == "default") {
+    std::vector<Case> cases;
+    // Each operator family appends its default cases here (one line per family).
+    for (auto family : {kda_default_cases}) {
+      auto more = family();
+      cases.insert(cases.end(), more.begin(), more.end());
+    }
+    return cases;
+  }
   std::string known;
   for (const auto& n : suite_names()) known += (known.empty() ? "" : ", ") + n;
   throw InvalidArgument("golden: unknown suite '" + name + "' (known: " + known + ")");
