@@ -8,6 +8,14 @@ namespace k3ref::golden {
 const std::vector<Generator>& generators() {
   static const std::vector<Generator> all = {
       {"kda.recurrent", generate_kda_recurrent, std::to_string(num::golden_bits) + "-bit binary float"},
+      {"kda.chunkwise_flashkda", generate_kda_chunkwise, std::to_string(num::golden_bits) + "-bit binary float"},
+      {"kda.chunkwise_fla", generate_kda_chunkwise, std::to_string(num::golden_bits) + "-bit binary float"},
+      {"qb.solver", generate_qb_solver, "exact (rational, or double proven exact)"},
+      {"qb.online", generate_qb_online, "exact rational"},
+      {"attnres.full", generate_attnres, std::to_string(num::golden_bits) + "-bit binary float"},
+      {"attnres.block", generate_attnres, std::to_string(num::golden_bits) + "-bit binary float"},
+      {"attnres.phase1", generate_attnres, std::to_string(num::golden_bits) + "-bit binary float"},
+      {"kcp.context_parallel", generate_kcp_context_parallel, std::to_string(num::golden_bits) + "-bit binary float"},
       // Each operator family registers its generator here (one line per op).
   };
   return all;
@@ -25,7 +33,7 @@ std::vector<Case> suite(const std::string& name) {
   if (name == "default") {
     std::vector<Case> cases;
     // Each operator family appends its default cases here (one line per family).
-    for (auto family : {kda_default_cases}) {
+    for (auto family : {kda_default_cases, kda_chunkwise_default_cases, qb_default_cases, attnres_default_cases, kcp_default_cases}) {
       auto more = family();
       cases.insert(cases.end(), more.begin(), more.end());
     }

@@ -1,6 +1,7 @@
 #include "k3ref/golden/suite.h"
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -27,7 +28,63 @@ std::vector<std::uint8_t> read_all(const fs::path& path) {
 
 std::string file_name_of(const Case& c) { return c.name + ".safetensors"; }
 
+bool is_safe_file_stem(const std::string& name) {
+  if (name.empty() || name.size() > 200 || name == "." || name == "..") return false;
+  for (unsigned char ch : name)
+    if (!(std::isalnum(ch) || ch == '_' || ch == '-' || ch == '.')) return false;
+  return true;
+}
+
 }  // namespace
+
+Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& file) {
+  json j;
+  try {
+    j = json::parse(bytes.begin(), bytes.end());
+  } catch (const json::exception& e) {
+    throw FileError(file + ": not valid JSON (" + std::string(e.what()).substr(0, 120) + ")");
+  }
+  auto fail = [&](const std::string& where, const std::string& what) -> FileError {
+    return FileError(file + ": " + where + (where.empty() ? "" : ": ") + what);
+  };
+  if (!j.is_object()) throw fail("", "top level is not a JSON object");
+  auto string_field = [&](const json& obj, const char* key, const std::string& where) {
+    auto it = obj.find(key);
+    if (it == obj.end() || !it->is_string()) throw fail(where, std::string("field '") + key + "' missing or not a string");
+    return it->get<std::string>();
+  };
+  if (string_field(j, "format", "") != "k3ref-golden-manifest") throw fail("", "field 'format' is not k3ref-golden-manifest");
+  Manifest m;
+  m.suite = string_field(j, "suite", "");
+  m.generator_version = string_field(j, "generator_version", "");
+  auto cases = j.find("cases");
+  if (cases == j.end() || !cases->is_array()) throw fail("", "field 'cases' missing or not an array");
+  std::set<std::string> names;
+  for (std::size_t i = 0; i < cases->size(); ++i) {
+    const json& c = (*cases)[i];
+    std::string where = "case #" + std::to_string(i);
+    if (!c.is_object()) throw fail(where, "not a JSON object");
+    ManifestEntry e;
+    e.name = string_field(c, "name", where);
+    if (!is_safe_file_stem(e.name)) throw fail(where, "name is not a plain file stem ([A-Za-z0-9_.-], at most 200)");
+    where = "case '" + e.name + "'";
+    if (!names.insert(e.name).second) throw fail(where, "listed twice");
+    e.op = string_field(c, "op", where);
+    e.file = string_field(c, "file", where);
+    if (e.file != e.name + ".safetensors") throw fail(where, "field 'file' is not '" + e.name + ".safetensors'");
+    e.sha256 = string_field(c, "sha256", where);
+    if (e.sha256.size() != 64 || e.sha256.find_first_not_of("0123456789abcdef") != std::string::npos)
+      throw fail(where, "field 'sha256' is not 64 lowercase hex digits");
+    auto seed = c.find("seed");
+    if (seed == c.end() || !seed->is_number_unsigned()) throw fail(where, "field 'seed' missing or not an unsigned integer");
+    e.seed = seed->get<std::uint64_t>();
+    auto params = c.find("params");
+    if (params == c.end() || !params->is_object()) throw fail(where, "field 'params' missing or not an object");
+    e.params = *params;
+    m.cases.push_back(std::move(e));
+  }
+  return m;
+}
 
 std::vector<GeneratedCase> generate_cases(const std::vector<Case>& cases, int jobs, const Progress& progress) {
   std::vector<GeneratedCase> out(cases.size());
@@ -145,36 +202,35 @@ std::vector<VerifyProblem> explain_difference(const std::string& file, const std
 std::vector<VerifyProblem> verify_suite(const fs::path& dir, const VerifyOptions& options) {
   std::vector<VerifyProblem> problems;
   const fs::path manifest_path = dir / "MANIFEST.json";
-  json manifest;
+  Manifest manifest;
   try {
-    const auto bytes = read_all(manifest_path);
-    manifest = json::parse(bytes.begin(), bytes.end());
-  } catch (const std::exception& e) {
-    return {{manifest_path.string(), "", std::string("unreadable manifest: ") + e.what()}};
-  }
-  const std::string suite_name = manifest.value("suite", "default");
-  std::vector<Case> cases;
-  try {
-    cases = suite(suite_name);
+    manifest = parse_manifest(read_all(manifest_path), manifest_path.string());
   } catch (const std::exception& e) {
     return {{manifest_path.string(), "", e.what()}};
   }
-  if (manifest.value("generator_version", "") != generator_version)
+  std::vector<Case> cases;
+  try {
+    cases = suite(manifest.suite);
+  } catch (const std::exception& e) {
+    return {{manifest_path.string(), "", e.what()}};
+  }
+  const std::string& suite_name = manifest.suite;
+  if (manifest.generator_version != generator_version)
     problems.push_back({manifest_path.string(), "",
-                        "generator version " + manifest.value("generator_version", "?") + ", this build writes " +
+                        "generator version " + manifest.generator_version + ", this build writes " +
                             generator_version + ": regenerate the suite"});
 
   // The manifest must list exactly the catalogue's cases, with their parameters.
-  std::map<std::string, json> listed;
-  for (const json& entry : manifest.at("cases")) listed[entry.at("name").get<std::string>()] = entry;
+  std::map<std::string, ManifestEntry> listed;
+  for (const ManifestEntry& entry : manifest.cases) listed[entry.name] = entry;
   for (const Case& c : cases) {
     auto it = listed.find(c.name);
     if (it == listed.end()) {
       problems.push_back({(dir / file_name_of(c)).string(), "", "case '" + c.name + "' is missing from the manifest"});
       continue;
     }
-    if (it->second.at("params") != c.params || it->second.at("seed").get<std::uint64_t>() != c.seed)
-      problems.push_back({manifest_path.string(), "", "case '" + c.name + "': parameters or seed differ from the catalogue"});
+    if (it->second.params != c.params || it->second.seed != c.seed || it->second.op != c.op)
+      problems.push_back({manifest_path.string(), "", "case '" + c.name + "': operator, parameters or seed differ from the catalogue"});
   }
   std::set<std::string> known;
   for (const Case& c : cases) known.insert(c.name);
@@ -195,7 +251,7 @@ std::vector<VerifyProblem> verify_suite(const fs::path& dir, const VerifyOptions
       problems.push_back({path.string(), "", e.what()});
       continue;
     }
-    if (it != listed.end() && io::sha256_hex(committed[c.name]) != it->second.value("sha256", ""))
+    if (it != listed.end() && io::sha256_hex(committed[c.name]) != it->second.sha256)
       problems.push_back({path.string(), "", "sha256 differs from the manifest (file altered or corrupted)"});
   }
 

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <rapidcheck.h>
 #include <rapidcheck/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -558,6 +560,44 @@ TEST_F(SafetensorsFiles, AtomicWriteReplacesContentAndLeavesNoTemporaries) {
   EXPECT_EQ(read_safetensors(path), small_file(2));
   EXPECT_EQ(read_bytes(path), serialize_safetensors(small_file(2)));
   EXPECT_EQ(directory_entries(), std::vector<std::string>{"model.safetensors"});
+}
+
+// A writer killed in the middle of a write must leave the previous file intact: the
+// child writes 256 MiB through write_file_atomic and is SIGKILLed as soon as its
+// temporary file has grown; the target must still hold the old bytes, whole.
+TEST_F(SafetensorsFiles, WriterKilledMidWriteLeavesThePreviousFileIntact) {
+  const std::filesystem::path target = directory_ / "golden.safetensors";
+  write_safetensors_atomic(target, small_file(1));
+  const Bytes before = read_bytes(target);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    std::vector<std::uint8_t> huge(256u << 20, 0x5a);
+    try {
+      write_file_atomic(target, huge);
+    } catch (...) {
+    }
+    ::_exit(0);
+  }
+  const std::filesystem::path temporary = target.string() + ".tmp." + std::to_string(child);
+  bool killed_mid_write = false;
+  for (int i = 0; i < 20000; ++i) {  // up to ~20 s
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(temporary, ec);
+    if (!ec && size > 0 && size < (256u << 20)) {
+      ::kill(child, SIGKILL);
+      killed_mid_write = true;
+      break;
+    }
+    ::usleep(1000);
+  }
+  if (!killed_mid_write) ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_TRUE(killed_mid_write) << "the writer finished before it could be killed";
+  EXPECT_TRUE(WIFSIGNALED(status));
+  EXPECT_EQ(read_bytes(target), before);
+  EXPECT_EQ(read_safetensors(target), small_file(1));
 }
 
 TEST_F(SafetensorsFiles, WriteFileAtomicWritesExactBytes) {

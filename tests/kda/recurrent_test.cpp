@@ -5,6 +5,7 @@
 #include <rapidcheck/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "k3ref/kda/recurrent.h"
 #include "k3ref/num/float_format.h"
@@ -416,6 +417,28 @@ TEST(KdaRecurrentDouble, AgreesWithHighPrecisionToFewUlpsOfTheOutputScale) {
     // ulps of the output scale over 64 tokens.
     EXPECT_LT(std::sqrt(err2 / ref2), 1e-13) << row.regime;
     EXPECT_LT(max_scaled, 512) << row.regime;
+  }
+}
+
+// ---- non-finite inputs propagate; they never hang or corrupt other heads ----------------------
+
+TEST(KdaRecurrentNonFinite, NaNPropagatesForwardInItsHeadOnly) {
+  for (double poison : {std::nan(""), std::numeric_limits<double>::infinity()}) {
+    Inputs<double> in = random_double_inputs(3, 12, 1, 2, 4, 4, -1, 0);
+    in.A_log.reset();
+    in.dt_bias.reset();
+    in.v(0, 5, 1, 2) = poison;  // value head 1, token 5
+    const auto r = recurrent_forward(in, Options<double>{});
+    for (std::int64_t t = 0; t < 12; ++t)
+      for (std::int64_t j = 0; j < 4; ++j) {
+        EXPECT_TRUE(std::isfinite(r.o(0, t, 0, j))) << "head 0 must be untouched";
+        if (t < 5) {
+          EXPECT_TRUE(std::isfinite(r.o(0, t, 1, j))) << "tokens before the poison are causal";
+        }
+      }
+    bool later_nonfinite = false;
+    for (std::int64_t j = 0; j < 4; ++j) later_nonfinite |= !std::isfinite(r.o(0, 5, 1, j));
+    EXPECT_TRUE(later_nonfinite);
   }
 }
 

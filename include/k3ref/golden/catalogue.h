@@ -48,4 +48,25 @@ io::SafetensorsFile generate_kda_recurrent(const Case&);
 // options: what the double tier gives against the golden's 256-bit outputs.
 kda::Outputs<double> kda_recurrent_in_double(const Case&, const io::SafetensorsFile& golden_file);
 
+// Chunkwise KDA stage goldens (src/golden/kda_chunkwise_cases.cc): "kda.chunkwise_flashkda"
+// (C = 16) and "kda.chunkwise_fla" (C = 64), on the inputs of recurrence cases.
+std::vector<Case> kda_chunkwise_default_cases();
+io::SafetensorsFile generate_kda_chunkwise(const Case&);
+
+// Quantile Balancing cases (src/golden/qb_cases.cc): solver iterates ("qb.solver") and the
+// online form against the sign-update baseline ("qb.online").
+std::vector<Case> qb_default_cases();
+io::SafetensorsFile generate_qb_solver(const Case&);
+io::SafetensorsFile generate_qb_online(const Case&);
+
+// AttnRes cases (src/golden/attnres_cases.cc): full and block forms, and the phase-1
+// statistics of two-phase inference ("attnres.full", "attnres.block", "attnres.phase1").
+std::vector<Case> attnres_default_cases();
+io::SafetensorsFile generate_attnres(const Case&);
+
+// Context-parallel KDA cases (src/golden/kcp_cases.cc): "kcp.context_parallel", per-rank
+// fragments, merged entering states and outputs of a packed sequence split over P ranks.
+std::vector<Case> kcp_default_cases();
+io::SafetensorsFile generate_kcp_context_parallel(const Case&);
+
 }  // namespace k3ref::golden

@@ -4,12 +4,26 @@
 #include <filesystem>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "k3ref/golden/catalogue.h"
 
 namespace k3ref::golden {
+
+// A parsed MANIFEST.json. The parser trusts nothing: every malformed field is a one-line
+// FileError naming the manifest and the case.
+struct ManifestEntry {
+  std::string name, op, file, sha256;
+  std::uint64_t seed = 0;
+  nlohmann::json params;
+};
+struct Manifest {
+  std::string suite, generator_version;
+  std::vector<ManifestEntry> cases;
+};
+Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& name_for_errors);
 
 // Called after each case: (done, total, case name, seconds spent on it).
 using Progress = std::function<void(std::size_t, std::size_t, const std::string&, double)>;

@@ -1,0 +1,43 @@
+// libFuzzer target: the k3ref argument handling. The input is split at NUL bytes into
+// arguments and parsed (not executed: a fuzzer must not write files where its input says).
+// Parsing must return 0 or 2, never crash; the policy parser gets each argument too.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "../src/cli/command_line.h"
+#include "k3ref/check/metrics.h"
+#include "k3ref/error.h"
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  // CLI11 prints usage and errors; keep the fuzzer's output readable.
+  std::freopen("/dev/null", "w", stdout);
+  std::freopen("/dev/null", "w", stderr);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  std::vector<std::string> args{"k3ref"};
+  std::string current;
+  for (std::size_t i = 0; i < size && args.size() < 64; ++i) {
+    if (data[i] == 0) {
+      args.push_back(current);
+      current.clear();
+    } else {
+      current.push_back(static_cast<char>(data[i]));
+    }
+  }
+  args.push_back(current);
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  const int code = k3ref::cli::run(static_cast<int>(argv.size()), argv.data(), /*execute=*/false);
+  if (code != 0 && code != 2) std::abort();
+  for (const auto& a : args) {
+    try {
+      (void)k3ref::check::parse_policy(a);
+    } catch (const k3ref::InvalidArgument&) {
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,97 @@
+/* gpu_check: C interface of the CUDA library (DESIGN.md section 10).
+ *
+ * Device pointers in, statistics out. Every function returns 0 on success and a
+ * non-zero code otherwise; k3gc_last_error() then says what went wrong. All work is
+ * enqueued on `stream` (a cudaStream_t, NULL for the legacy default stream); the
+ * statistics functions synchronise that stream before returning.
+ */
+#ifndef K3GC_H
+#define K3GC_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { K3GC_F64 = 0, K3GC_F32 = 1, K3GC_BF16 = 2, K3GC_F16 = 3 } k3gc_dtype;
+
+/* Error metrics of a candidate against a reference, accumulated in fp64. */
+typedef struct {
+  int64_t count;                  /* elements compared */
+  double err_sq, ref_sq, floor_sq; /* sums over pairs that are both finite */
+  double rel_rms;                 /* sqrt(err_sq / ref_sq) (0 when both are zero) */
+  double floor_rel_rms;           /* rel RMS of rounding the reference to `format` */
+  double max_abs;
+  int64_t max_abs_index;
+  double max_ulp;                 /* in ulps of `format` at the reference */
+  int64_t max_ulp_index;
+  int64_t candidate_nan, candidate_inf, reference_nan, reference_inf;
+  int64_t first_nonfinite_mismatch; /* first index where finiteness differs, -1 if none */
+  int64_t first_offending;        /* first index with |x-r| > atol + rtol*|r| or a finiteness mismatch */
+} k3gc_stats;
+
+/* Compares n elements. `format` is the candidate's output dtype (ulps and floor).
+ * When window_err_sq and window_ref_sq (device arrays of n_windows doubles, zeroed here)
+ * are given, element i adds to window ((i / inner) % extent) / window, i.e. the error by
+ * token position for a [B, T, HV, V] tensor with inner = HV*V, extent = T. */
+int k3gc_compare(const void* candidate, int candidate_dtype, const void* reference, int reference_dtype,
+                 int64_t n, int format, double atol, double rtol,
+                 int64_t inner, int64_t extent, int64_t window,
+                 double* window_err_sq, double* window_ref_sq,
+                 k3gc_stats* out, void* stream);
+
+typedef enum { K3GC_GATE_LOG_DECAY = 0, K3GC_GATE_SOFTPLUS = 1, K3GC_GATE_LOWER_BOUND = 2 } k3gc_gate;
+typedef enum { K3GC_BETA_AS_GIVEN = 0, K3GC_BETA_SIGMOID = 1, K3GC_BETA_TWO_SIGMOID = 2 } k3gc_beta;
+
+/* The deliberately wrong kernels: each is the fp32 kernel with one mistake. */
+typedef enum {
+  K3GC_MUT_NONE = 0,
+  K3GC_MUT_READ_AHEAD = 1,             /* the query of token t is read from token t+1 */
+  K3GC_MUT_DROP_LAST_CHUNK_DECAY = 2,  /* no decay inside the last 16-token chunk */
+  K3GC_MUT_SKIP_PARTIAL_CHUNK = 3,     /* a partial final chunk is not computed */
+  K3GC_MUT_IGNORE_INITIAL_STATE = 4,
+  K3GC_MUT_VARLEN_OFF_BY_ONE = 5,      /* sequences after the first read from cu_seqlens[n] - 1 */
+  K3GC_MUT_OOB_HEAD_READ = 6,          /* K rounded up to a power of two when reading q, k, g */
+  K3GC_MUT_NAN_RARE_BRANCH = 7,        /* NaN when a gate is below -6 */
+  K3GC_MUT_FUTURE_ANCHOR = 8,          /* decay via a chunk-middle anchor (a future row) */
+  K3GC_MUT_OVERWRITE_INPUT = 9,        /* writes beta * v back into v */
+  K3GC_MUT_COUNT = 10
+} k3gc_mutation;
+
+/* KDA forward, conventions of DESIGN.md section 3. Shapes: q, k [B,T,H,K]; v [B,T,HV,V];
+ * g [B,T,HV,K] (log decay, or the raw gate input when gate != LOG_DECAY); beta [B,T,HV];
+ * A_log [HV] and dt_bias [HV*K] fp32 or NULL; with cu_seqlens (device, int64, N+1) B = 1.
+ * States [N,HV,K,V] (or [N,HV,V,K] when state_v_first) of state_dtype, either may be NULL.
+ * K, V <= 128. */
+typedef struct {
+  const void *q, *k, *v, *g, *beta;
+  int input_dtype;
+  const float* A_log;
+  const float* dt_bias;
+  int gate;
+  double lower_bound;
+  int beta_mode;
+  int qk_l2norm;
+  double scale;
+  int64_t B, T, H, HV, K, V;
+  const int64_t* cu_seqlens;
+  int64_t N;
+  const void* initial_state;
+  void* final_state;
+  int state_dtype;
+  int state_v_first;
+  void* o;
+  int output_dtype;
+} k3gc_kda_args;
+
+/* precision 0: the fp64 reference (mutation must be 0); 1: fp32 arithmetic. */
+int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mutation, void* stream);
+
+const char* k3gc_mutation_name(int mutation);
+const char* k3gc_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,415 @@
+"""Golden checks and the checks that need no golden (DESIGN.md section 10).
+
+Every check returns CheckResult objects with status pass | fail | skip | error and a
+one-line reason that gives the measured figure and the bound."""
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from . import metrics as M
+from .adapters import _shapes
+
+
+@dataclass
+class CheckResult:
+    adapter: str
+    check: str
+    case: str
+    status: str
+    reason: str
+    ratio: float = None          # rel RMS / floor, where it applies
+    metrics: dict = None
+    windows: list = None         # error by token window (golden checks)
+    window_tokens: int = None
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- problems
+
+def _bf16_uniform(gen, shape, lo, hi):
+    return (torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(torch.bfloat16)
+
+
+# The configurations the metamorphic checks draw from, first one an adapter supports wins.
+CONFIGS = [
+    # odd sizes: K not a power of two, T not a multiple of 16 or 64, GVA, log-decay gate
+    dict(name="generic_k100", H=1, HV=2, K=100, V=64, gate="log_decay", g_range=(-1.0, 0.0), beta="as_given",
+         qk_l2norm=False, state_layout="k_first", lower_bound=None),
+    # the FlashKDA / K3 shape: lower-bound gate in kernel, sigmoid beta, L2 norm, V-first state
+    dict(name="k3_lower_bound", H=2, HV=2, K=128, V=128, gate="lower_bound", g_range=(-4.0, 4.0), beta="sigmoid",
+         qk_l2norm=True, state_layout="v_first", lower_bound=-5.0),
+]
+
+
+def make_problem(config, T, seed, device, cu_seqlens=None, initial_state=True):
+    """Random inputs exactly representable in bf16, deterministic in the seed."""
+    gen = torch.Generator().manual_seed(seed)
+    c = config
+    B = 1
+    H, HV, K, V = c["H"], c["HV"], c["K"], c["V"]
+    inputs = {
+        "q": _bf16_uniform(gen, (B, T, H, K), -1, 1),
+        "k": _bf16_uniform(gen, (B, T, H, K), -1, 1),
+        "v": _bf16_uniform(gen, (B, T, HV, V), -1, 1),
+        "g": _bf16_uniform(gen, (B, T, HV, K), *c["g_range"]),
+        "beta": _bf16_uniform(gen, (B, T, HV), *((0.0, 1.0) if c["beta"] == "as_given" else (-4.0, 4.0))),
+    }
+    if c["gate"] != "log_decay":
+        inputs["A_log"] = (torch.rand(HV, generator=gen, dtype=torch.float64) - 0.5).float()
+        inputs["dt_bias"] = (torch.rand(HV, K, generator=gen, dtype=torch.float64) - 0.5).float()
+    N = len(cu_seqlens) - 1 if cu_seqlens else B
+    if initial_state:
+        shape = (N, HV, V, K) if c["state_layout"] == "v_first" else (N, HV, K, V)
+        inputs["initial_state"] = (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1).float()
+    if cu_seqlens:
+        inputs["cu_seqlens"] = torch.tensor(cu_seqlens, dtype=torch.int64)
+    params = dict(gate=c["gate"], lower_bound=c["lower_bound"], beta=c["beta"], qk_l2norm=c["qk_l2norm"],
+                  scale=None, state_layout=c["state_layout"], A_log=c["gate"] != "log_decay",
+                  cu_seqlens=cu_seqlens, initial_state=initial_state)
+    return {k: v.to(device) for k, v in inputs.items()}, params
+
+
+def pick_config(adapter):
+    for c in CONFIGS:
+        params = dict(gate=c["gate"], lower_bound=c["lower_bound"], beta=c["beta"], qk_l2norm=c["qk_l2norm"],
+                      state_layout=c["state_layout"], A_log=c["gate"] != "log_decay")
+        shapes = dict(B=1, T=100, H=c["H"], HV=c["HV"], K=c["K"], V=c["V"])
+        if adapter.unsupported(params, shapes) is None:
+            return c
+    return None
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _bitwise_equal(a, b):
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype in (torch.bfloat16, torch.float16):
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+    if a.dtype == torch.float32:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    if a.dtype == torch.float64:
+        return torch.equal(a.view(torch.int64), b.view(torch.int64))
+    return torch.equal(a, b)
+
+
+def _first_diff_token(a, b):
+    """First token index (axis 1 of [B,T,...]) where a and b differ bitwise, or -1."""
+    x = a.reshape(a.shape[0], a.shape[1], -1)
+    y = b.reshape(b.shape[0], b.shape[1], -1)
+    bits = torch.int16 if x.dtype in (torch.bfloat16, torch.float16) else {torch.float32: torch.int32, torch.float64: torch.int64}[x.dtype]
+    diff = (x.contiguous().view(bits) != y.contiguous().view(bits)).any(dim=2).any(dim=0)
+    idx = diff.nonzero()
+    return int(idx[0, 0]) if idx.numel() else -1
+
+
+def _agree(a, b, policy_mult, fmt=torch.bfloat16):
+    """(ok, reason) for two runs of one kernel: bitwise equal, or rel RMS of the difference
+    within policy_mult x the nominal rounding floor of the values (metrics.nominal_floor)."""
+    if _bitwise_equal(a, b):
+        return True, "bitwise equal", 0.0
+    m = M.compare(a, b.to(a.dtype), fmt)
+    if m.first_nonfinite_mismatch >= 0:
+        return False, f"NaN/Inf in one run only, first at flat index {m.first_nonfinite_mismatch}", math.inf
+    floor = M.nominal_floor(b, fmt)
+    ratio = m.rel_rms / floor if floor > 0 else math.inf
+    ok = m.rel_rms <= policy_mult * floor
+    return ok, (f"not bitwise equal; rel RMS of the difference {m.rel_rms:.3e} {'<=' if ok else '>'} "
+                f"{policy_mult:g} x nominal floor {floor:.3e} ({ratio:.3g}x)"), ratio
+
+
+def _multiple(adapter):
+    p = M.parse_policy(adapter.policy)
+    return p.bound if p.kind == "floor" else 4.0
+
+
+def _snapshot(inputs):
+    return {k: v.clone() for k, v in inputs.items()}
+
+
+def _run(adapter, inputs, params, out=None):
+    o, final = adapter.run(inputs, params, out=out) if adapter.accepts_out else adapter.run(inputs, params)
+    if adapter.device_sync:
+        torch.cuda.synchronize()
+    return o, final
+
+
+def _guard(adapter, check, case, fn):
+    t0 = time.time()
+    try:
+        res = fn()
+    except Exception as e:
+        res = CheckResult(adapter.name, check, case, "error", f"{type(e).__name__}: {e}".splitlines()[0][:300],
+                          extra={"traceback": traceback.format_exc()[-2000:]})
+    res.seconds = time.time() - t0
+    return res
+
+
+# --------------------------------------------------------------------------- golden checks
+
+def golden_check(adapter, case, device, window_tokens=8):
+    s = _shapes(case.inputs)
+    why = adapter.unsupported(case.params, s)
+    if why:
+        return CheckResult(adapter.name, "golden", case.name, "skip", why)
+
+    def body():
+        inputs = {k: v.to(device) for k, v in case.inputs.items()}
+        if "initial_state" in inputs and adapter.kind != "reference":
+            inputs["initial_state"] = inputs["initial_state"].float()
+        o, final = _run(adapter, inputs, case.params)
+        policy = M.parse_policy(adapter.policy)
+        fmt = adapter.output_dtype
+        ref = case.expected["o"].to(device)
+        T = s["T"]
+        m = M.compare(o, ref, fmt, window_shape=(s["HV"] * s["V"], T, window_tokens))
+        ok, reason = M.judge(m, policy)
+        res = CheckResult(adapter.name, "golden", case.name, "pass" if ok else "fail", "o: " + reason,
+                          ratio=m.floor_ratio if policy.kind == "floor" else m.rel_rms, metrics=m.to_dict(),
+                          windows=m.window_rel_rms, window_tokens=window_tokens)
+        if "final_state" in case.expected and final is not None:
+            # The state is compared at the floor of the output format too: kernels keep it in
+            # bf16 in places (FlashKDA between chunks), and it feeds the outputs at that precision.
+            mf = M.compare(final.to(torch.float64), case.expected["final_state"].to(device), fmt)
+            okf, rf = M.judge(mf, policy)
+            res.extra["final_state"] = mf.to_dict()
+            res.reason += "; final_state: " + rf
+            if not okf:
+                res.status = "fail"
+        return res
+
+    return _guard(adapter, "golden", case.name, body)
+
+
+# --------------------------------------------------------------------------- metamorphic checks
+
+T_META = 100      # not a multiple of 16, 32 or 64: partial final chunks everywhere
+P_SPLIT = 41      # a split point inside a chunk
+# Causality perturbs tokens >= 37: inside the 16-token chunk [32, 48) and before its middle
+# row 40, so a kernel that anchors a chunk's arithmetic on a later row shows it.
+P_CAUSAL = 37
+
+
+def check_causality(adapter, device, seed=1):
+    c = pick_config(adapter)
+    if c is None:
+        return CheckResult(adapter.name, "causality", "-", "skip", "no supported configuration")
+
+    def body():
+        inputs, params = make_problem(c, T_META, seed, device)
+        o1, _ = _run(adapter, _snapshot(inputs), params)
+        gen = torch.Generator().manual_seed(seed + 1000)
+        pert = _snapshot(inputs)
+        for name in ("q", "k", "v", "g", "beta"):
+            fresh, _ = make_problem(c, T_META, seed + 7, device)
+            pert[name][:, P_CAUSAL:] = fresh[name][:, P_CAUSAL:]
+        o2, _ = _run(adapter, pert, params)
+        first = _first_diff_token(o1[:, :P_CAUSAL], o2[:, :P_CAUSAL])
+        if first < 0:
+            return CheckResult(adapter.name, "causality", c["name"], "pass",
+                               f"outputs before token {P_CAUSAL} bitwise unchanged when tokens >= {P_CAUSAL} change")
+        return CheckResult(adapter.name, "causality", c["name"], "fail",
+                           f"output of token {first} changed when only tokens >= {P_CAUSAL} changed")
+
+    return _guard(adapter, "causality", c["name"], body)
+
+
+def check_suffix(adapter, device, seed=2):
+    c = pick_config(adapter)
+    if c is None:
+        return CheckResult(adapter.name, "suffix", "-", "skip", "no supported configuration")
+
+    def body():
+        inputs, params = make_problem(c, T_META + 28, seed, device)
+        short = {k: (v[:, :T_META].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in inputs.items()}
+        o_long, _ = _run(adapter, inputs, params)
+        o_short, _ = _run(adapter, short, params)
+        ok, reason, ratio = _agree(o_short, o_long[:, :T_META].contiguous(), _multiple(adapter))
+        return CheckResult(adapter.name, "suffix", c["name"], "pass" if ok else "fail",
+                           f"first {T_META} tokens with 28 appended: " + reason, ratio=ratio)
+
+    return _guard(adapter, "suffix", c["name"], body)
+
+
+def check_varlen(adapter, device, seed=3):
+    c = pick_config(adapter)
+    if c is None:
+        return CheckResult(adapter.name, "varlen", "-", "skip", "no supported configuration")
+    lengths = [37, 1, 62]
+    cu = [0, 37, 38, 100]
+
+    def body():
+        inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=cu)
+        o_var, f_var = _run(adapter, inputs, params)
+        worst = (True, "bitwise equal", 0.0)
+        for n, (b, e) in enumerate(zip(cu[:-1], cu[1:])):
+            part = {k: (v[:, b:e].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in inputs.items()}
+            part.pop("cu_seqlens")
+            part["initial_state"] = inputs["initial_state"][n : n + 1].contiguous()
+            p = dict(params, cu_seqlens=None)
+            o_n, f_n = _run(adapter, part, p)
+            for what, x, y in (("o", o_var[:, b:e].contiguous(), o_n), ("final_state", f_var[n : n + 1].contiguous(), f_n)):
+                ok, reason, ratio = _agree(x, y, _multiple(adapter))
+                if not ok or (worst[0] and ratio > worst[2]):
+                    worst = (ok, f"sequence {n} ({lengths[n]} tokens) {what}: {reason}", ratio)
+                if not ok:
+                    break
+            if not worst[0]:
+                break
+        return CheckResult(adapter.name, "varlen", c["name"], "pass" if worst[0] else "fail",
+                           f"cu_seqlens {cu} vs separate runs: " + worst[1], ratio=worst[2])
+
+    return _guard(adapter, "varlen", c["name"], body)
+
+
+def check_split(adapter, device, seed=4):
+    c = pick_config(adapter)
+    if c is None:
+        return CheckResult(adapter.name, "split", "-", "skip", "no supported configuration")
+
+    def body():
+        inputs, params = make_problem(c, T_META, seed, device)
+        o_full, f_full = _run(adapter, inputs, params)
+        first = {k: (v[:, :P_SPLIT].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in inputs.items()}
+        second = {k: (v[:, P_SPLIT:].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in inputs.items()}
+        o1, f1 = _run(adapter, first, params)
+        second["initial_state"] = f1.float().contiguous()
+        o2, f2 = _run(adapter, second, params)
+        ok, reason, ratio = _agree(torch.cat([o1, o2], dim=1), o_full, _multiple(adapter))
+        okf, reasonf, ratiof = _agree(f2.float(), f_full.float(), _multiple(adapter))
+        return CheckResult(adapter.name, "split", c["name"], "pass" if ok and okf else "fail",
+                           f"[0,{P_SPLIT}) then [{P_SPLIT},{T_META}) with the state carried: o {reason}; "
+                           f"final_state {reasonf}", ratio=max(ratio, ratiof))
+
+    return _guard(adapter, "split", c["name"], body)
+
+
+def check_determinism(adapter, device, seed=5, runs=3):
+    c = pick_config(adapter)
+    if c is None:
+        return CheckResult(adapter.name, "determinism", "-", "skip", "no supported configuration")
+
+    def body():
+        inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=[0, 37, 38, 100])
+        first = _run(adapter, inputs, params)
+        for r in range(1, runs):
+            again = _run(adapter, inputs, params)
+            for what, x, y in (("o", first[0], again[0]), ("final_state", first[1], again[1])):
+                if not _bitwise_equal(x, y):
+                    return CheckResult(adapter.name, "determinism", c["name"], "fail",
+                                       f"run {r + 1} differs from run 1 in {what}")
+        return CheckResult(adapter.name, "determinism", c["name"], "pass", f"{runs} runs bitwise identical")
+
+    return _guard(adapter, "determinism", c["name"], body)
+
+
+def _poisoned_copy(t, pad=4096):
+    """t inside a larger buffer whose elements before and after it are NaN (or -1 for ints)."""
+    flat = t.reshape(-1)
+    fill = float("nan") if t.is_floating_point() else -1
+    buf = torch.full((flat.numel() + 2 * pad,), fill, dtype=t.dtype, device=t.device)
+    buf[pad : pad + flat.numel()] = flat
+    return buf[pad : pad + flat.numel()].view(t.shape)
+
+
+def _poison_allocator(nbytes_list, device):
+    """Leaves NaN-filled blocks of these sizes in PyTorch's caching allocator, so that a kernel
+    allocating its outputs with torch.empty gets poisoned memory."""
+    if not str(device).startswith("cuda"):
+        return
+    blocks = [torch.full((max(1, n // 4) + 1024,), float("nan"), dtype=torch.float32, device=device) for n in nbytes_list]
+    del blocks
+
+
+def check_poison(adapter, device, seed=6):
+    c = pick_config(adapter)
+    if c is None:
+        return CheckResult(adapter.name, "poisoned_memory", "-", "skip", "no supported configuration")
+
+    def body():
+        inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=[0, 37, 38, 100])
+        clean_o, _ = _run(adapter, _snapshot(inputs), params)
+        poisoned = {k: (_poisoned_copy(v) if k != "cu_seqlens" else v) for k, v in inputs.items()}
+        out = None
+        if adapter.accepts_out:
+            out = torch.full(clean_o.shape, float("nan"), dtype=clean_o.dtype, device=clean_o.device)
+        else:
+            _poison_allocator([clean_o.numel() * clean_o.element_size()] * 4, device)
+        o, final = _run(adapter, poisoned, params, out=out)
+        bad_o = int((~o.isfinite()).sum())
+        bad_f = int((~final.isfinite()).sum())
+        if bad_o or bad_f:
+            tok = int((~o.isfinite()).reshape(o.shape[0], o.shape[1], -1).any(2).any(0).nonzero()[0, 0]) if bad_o else -1
+            return CheckResult(adapter.name, "poisoned_memory", c["name"], "fail",
+                               f"{bad_o} non-finite outputs (first at token {tok}), {bad_f} in the final state, "
+                               f"with NaN around the inputs and in the output buffers")
+        if not _bitwise_equal(o, clean_o):
+            return CheckResult(adapter.name, "poisoned_memory", c["name"], "fail",
+                               "outputs changed when the memory around the inputs was poisoned")
+        return CheckResult(adapter.name, "poisoned_memory", c["name"], "pass",
+                           "inputs inside NaN-filled buffers, outputs pre-filled with NaN: all written, finite, "
+                           "bitwise equal to the clean run")
+
+    return _guard(adapter, "poisoned_memory", c["name"], body)
+
+
+def check_inputs_unchanged(adapter, device, seed=7):
+    c = pick_config(adapter)
+    if c is None:
+        return CheckResult(adapter.name, "inputs_unchanged", "-", "skip", "no supported configuration")
+
+    def body():
+        inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=[0, 37, 38, 100])
+        before = _snapshot(inputs)
+        _run(adapter, inputs, params)
+        changed = [k for k in inputs if not _bitwise_equal(inputs[k], before[k])]
+        if changed:
+            return CheckResult(adapter.name, "inputs_unchanged", c["name"], "fail",
+                               "the kernel modified its inputs: " + ", ".join(changed))
+        return CheckResult(adapter.name, "inputs_unchanged", c["name"], "pass", "all inputs bitwise unchanged")
+
+    return _guard(adapter, "inputs_unchanged", c["name"], body)
+
+
+METAMORPHIC = [check_causality, check_suffix, check_varlen, check_split, check_determinism, check_poison,
+               check_inputs_unchanged]
+
+
+def run_all(adapters, cases, device, budget_s=0.0, progress=None):
+    """Metamorphic checks first, then the golden cases; past budget_s seconds per adapter
+    (0: none) the remaining checks are reported as skipped, with that reason."""
+    results = []
+    for a in adapters:
+        a.device_sync = str(device).startswith("cuda")
+        if not a.available():
+            results.append(CheckResult(a.name, "all", "-", "skip", "not available: " + a.unavailable_reason))
+            continue
+        t0 = time.time()
+        jobs = [] if a.kind == "reference" else [(check.__name__, lambda check=check: check(a, device)) for check in METAMORPHIC]
+        jobs += [("golden:" + case.name, lambda case=case: golden_check(a, case, device)) for case in cases]
+        for name, job in jobs:
+            if budget_s and time.time() - t0 > budget_s:
+                check, _, case = name.partition(":")
+                results.append(CheckResult(a.name, check.replace("check_", ""), case or "-", "skip",
+                                           f"time budget of {budget_s:g} s for this kernel exhausted"))
+                continue
+            results.append(job())
+            if progress:
+                r = results[-1]
+                progress(f"{r.adapter} {r.check}[{r.case}] {r.status} {r.seconds:.1f}s: {r.reason[:160]}")
+    return results
+
+
+def mutant_kills(results):
+    """{mutant: [checks that caught it]} over the mutant adapters' results."""
+    kills = {}
+    for r in results:
+        if r.adapter.startswith("mutant."):
+            kills.setdefault(r.adapter, [])
+            if r.status in ("fail", "error"):
+                kills[r.adapter].append(f"{r.check}:{r.case}")
+    return kills

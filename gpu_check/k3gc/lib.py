@@ -1,0 +1,178 @@
+"""ctypes binding of libk3gc.so (gpu_check/include/k3gc.h). Found through $K3GC_LIB, an
+explicit load(path), or the build directories of the source tree (build*/gpu_check/)."""
+import ctypes
+import glob
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .metrics import Metrics
+
+F64, F32, BF16, F16 = 0, 1, 2, 3
+DTYPE_CODES = {torch.float64: F64, torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
+GATES = {"log_decay": 0, "softplus": 1, "lower_bound": 2}
+BETAS = {"as_given": 0, "sigmoid": 1, "two_sigmoid": 2}
+MUTATIONS = [
+    "none", "read_ahead", "drop_last_chunk_decay", "skip_partial_chunk", "ignore_initial_state",
+    "varlen_off_by_one", "oob_head_read", "nan_rare_branch", "future_anchor", "overwrite_input",
+]
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [
+        ("count", ctypes.c_int64), ("err_sq", ctypes.c_double), ("ref_sq", ctypes.c_double),
+        ("floor_sq", ctypes.c_double), ("rel_rms", ctypes.c_double), ("floor_rel_rms", ctypes.c_double),
+        ("max_abs", ctypes.c_double), ("max_abs_index", ctypes.c_int64), ("max_ulp", ctypes.c_double),
+        ("max_ulp_index", ctypes.c_int64), ("candidate_nan", ctypes.c_int64), ("candidate_inf", ctypes.c_int64),
+        ("reference_nan", ctypes.c_int64), ("reference_inf", ctypes.c_int64),
+        ("first_nonfinite_mismatch", ctypes.c_int64), ("first_offending", ctypes.c_int64),
+    ]
+
+
+class KdaArgs(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("g", ctypes.c_void_p),
+        ("beta", ctypes.c_void_p), ("input_dtype", ctypes.c_int), ("A_log", ctypes.c_void_p),
+        ("dt_bias", ctypes.c_void_p), ("gate", ctypes.c_int), ("lower_bound", ctypes.c_double),
+        ("beta_mode", ctypes.c_int), ("qk_l2norm", ctypes.c_int), ("scale", ctypes.c_double),
+        ("B", ctypes.c_int64), ("T", ctypes.c_int64), ("H", ctypes.c_int64), ("HV", ctypes.c_int64),
+        ("K", ctypes.c_int64), ("V", ctypes.c_int64), ("cu_seqlens", ctypes.c_void_p), ("N", ctypes.c_int64),
+        ("initial_state", ctypes.c_void_p), ("final_state", ctypes.c_void_p), ("state_dtype", ctypes.c_int),
+        ("state_v_first", ctypes.c_int), ("o", ctypes.c_void_p), ("output_dtype", ctypes.c_int),
+    ]
+
+
+_lib = None
+_error = "not loaded yet"
+
+
+def _candidates():
+    env = os.environ.get("K3GC_LIB")
+    if env:
+        yield env
+    root = Path(__file__).resolve().parents[2]
+    for p in sorted(glob.glob(str(root / "build*" / "gpu_check" / "libk3gc.so"))):
+        yield p
+    yield str(Path(__file__).resolve().parent / "libk3gc.so")
+
+
+def load(path=None):
+    """Loads the library (once); returns True when it is usable."""
+    global _lib, _error
+    if _lib is not None and path is None:
+        return True
+    tried = []
+    for p in [path] if path else _candidates():
+        if not p or not os.path.exists(p):
+            tried.append(f"{p}: missing")
+            continue
+        try:
+            lib = ctypes.CDLL(p)
+        except OSError as e:
+            tried.append(f"{p}: {e}")
+            continue
+        lib.k3gc_compare.restype = ctypes.c_int
+        lib.k3gc_compare.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+            ctypes.c_double, ctypes.c_double, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(Stats), ctypes.c_void_p]
+        lib.k3gc_kda_forward.restype = ctypes.c_int
+        lib.k3gc_kda_forward.argtypes = [ctypes.POINTER(KdaArgs), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.k3gc_last_error.restype = ctypes.c_char_p
+        lib.k3gc_mutation_name.restype = ctypes.c_char_p
+        lib.k3gc_mutation_name.argtypes = [ctypes.c_int]
+        _lib, _error = lib, ""
+        _lib.path = p
+        return True
+    _error = "libk3gc.so not found or not loadable (" + "; ".join(tried) + "); set K3GC_LIB"
+    return False
+
+
+def available():
+    return _lib is not None or (torch.cuda.is_available() and load())
+
+
+def load_error():
+    return _error
+
+
+def _check(rc, what):
+    if rc != 0:
+        raise RuntimeError(f"{what}: {_lib.k3gc_last_error().decode()}")
+
+
+def _ptr(t):
+    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+
+
+def _stream():
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def compare(candidate, reference, fmt, atol=0.0, rtol=0.0, window_shape=None):
+    assert available(), _error
+    cand = candidate.contiguous()
+    ref = reference.contiguous()
+    stats = Stats()
+    inner = extent = window = 0
+    we = wr = None
+    if window_shape is not None:
+        inner, extent, window = window_shape
+        nw = (extent + window - 1) // window
+        we = torch.empty(nw, dtype=torch.float64, device=cand.device)
+        wr = torch.empty(nw, dtype=torch.float64, device=cand.device)
+    _check(_lib.k3gc_compare(_ptr(cand), DTYPE_CODES[cand.dtype], _ptr(ref), DTYPE_CODES[ref.dtype], cand.numel(),
+                             DTYPE_CODES[fmt], atol, rtol, inner, extent, window, _ptr(we), _ptr(wr),
+                             ctypes.byref(stats), _stream()), "k3gc_compare")
+    m = Metrics(backend="cuda")
+    for name in ("count", "rel_rms", "floor_rel_rms", "max_abs", "max_abs_index", "max_ulp", "max_ulp_index",
+                 "candidate_nan", "candidate_inf", "reference_nan", "reference_inf", "first_nonfinite_mismatch",
+                 "first_offending"):
+        setattr(m, name, getattr(stats, name))
+    if we is not None:
+        m.window_rel_rms = [math.sqrt(a / b) if b > 0 else math.sqrt(a) for a, b in zip(we.tolist(), wr.tolist())]
+    return m
+
+
+def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.float64, state_dtype=None, out=None):
+    """Runs the library's KDA forward. inputs: q, k, v, g, beta (one dtype), optional A_log, dt_bias,
+    initial_state, cu_seqlens (CUDA tensors); params: golden params (gate, lower_bound, beta, qk_l2norm,
+    scale, state_layout). precision 0: the fp64 reference; 1: the fp32 kernel (mutation = its mistake).
+    Returns (o, final_state)."""
+    assert available(), _error
+    q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    cu = inputs.get("cu_seqlens")
+    N = cu.numel() - 1 if cu is not None else B
+    h0 = inputs.get("initial_state")
+    state_dtype = state_dtype or (h0.dtype if h0 is not None else (torch.float64 if precision == 0 else torch.float32))
+    v_first = params.get("state_layout") == "v_first"
+    state_shape = (N, HV, V, K) if v_first else (N, HV, K, V)
+    if h0 is not None:
+        h0 = h0.to(state_dtype).contiguous()
+    final = torch.empty(state_shape, dtype=state_dtype, device=q.device)
+    o = out if out is not None else torch.empty((B, T, HV, V), dtype=output_dtype, device=q.device)
+    dt = q.dtype
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.dtype != dt:
+            raise ValueError(f"kda_forward: {name} is {t.dtype}, q is {dt}")
+    A_log = inputs.get("A_log")
+    dt_bias = inputs.get("dt_bias")
+    A_log = A_log.float().contiguous() if A_log is not None else None
+    dt_bias = dt_bias.float().contiguous() if dt_bias is not None else None
+    scale = params.get("scale")
+    args = KdaArgs(
+        q=_ptr(q), k=_ptr(k), v=_ptr(v), g=_ptr(g), beta=_ptr(beta), input_dtype=DTYPE_CODES[dt],
+        A_log=_ptr(A_log), dt_bias=_ptr(dt_bias), gate=GATES[params.get("gate", "log_decay")],
+        lower_bound=float(params.get("lower_bound") or 0.0), beta_mode=BETAS[params.get("beta", "as_given")],
+        qk_l2norm=int(bool(params.get("qk_l2norm"))), scale=float(scale if scale is not None else K ** -0.5),
+        B=B, T=T, H=H, HV=HV, K=K, V=V, cu_seqlens=_ptr(cu), N=N, initial_state=_ptr(h0), final_state=_ptr(final),
+        state_dtype=DTYPE_CODES[state_dtype], state_v_first=int(v_first), o=_ptr(o),
+        output_dtype=DTYPE_CODES[o.dtype])
+    for t in (q, k, v, g, beta):
+        assert t.is_contiguous() and t.is_cuda
+    _check(_lib.k3gc_kda_forward(ctypes.byref(args), precision, mutation, _stream()), "k3gc_kda_forward")
+    return o, final

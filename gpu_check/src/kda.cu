@@ -1,0 +1,305 @@
+// KDA forward on the GPU: the fp64 reference for sequences too long for the CPU, and the
+// fp32 kernel with its mutants (each one mistake a real kernel could make).
+//
+// The state's columns are independent: S[:, j] needs only k, q, decay, beta and v[j] of each
+// token. One block per (sequence, value head); 8 threads per column j, thread s holding rows
+// i = s + 8r (r < 16) in registers; k.S and q.S are reduced over the 8 threads by shuffles.
+// Inputs of TT tokens at a time are staged in shared memory with the optional stages applied
+// (gate, L2 norm, beta), in the accumulation type.
+#include <cmath>
+
+#include "common.cuh"
+
+namespace k3gc {
+namespace {
+
+constexpr int kMaxDim = 128;
+constexpr int kChunk = 16;  // the chunk size the chunk-related mutants think in
+
+template <typename Acc> struct Math;
+template <> struct Math<double> {
+  static __device__ double exp_(double x) { return ::exp(x); }
+  static __device__ double log1p_(double x) { return ::log1p(x); }
+  static __device__ double sqrt_(double x) { return ::sqrt(x); }
+};
+template <> struct Math<float> {
+  static __device__ float exp_(float x) { return ::expf(x); }
+  static __device__ float log1p_(float x) { return ::log1pf(x); }
+  static __device__ float sqrt_(float x) { return ::sqrtf(x); }
+};
+
+template <typename Acc> __device__ Acc softplus(Acc x) {
+  using M = Math<Acc>;
+  return x > Acc(0) ? x + M::log1p_(M::exp_(-x)) : M::log1p_(M::exp_(x));
+}
+template <typename Acc> __device__ Acc sigmoid(Acc x) { return Acc(1) / (Acc(1) + Math<Acc>::exp_(-x)); }
+
+// The log decay of one gate element, from the raw input as the options say.
+template <typename Acc>
+__device__ Acc gate_value(const k3gc_kda_args& a, int64_t hv, int64_t i, Acc raw) {
+  if (a.gate == K3GC_GATE_LOG_DECAY) return raw;
+  const Acc bias = a.dt_bias ? Acc(a.dt_bias[hv * a.K + i]) : Acc(0);
+  const Acc x = raw + bias;
+  if (a.gate == K3GC_GATE_SOFTPLUS) {
+    const Acc amp = a.A_log ? Math<Acc>::exp_(Acc(a.A_log[hv])) : Acc(1);
+    return -amp * softplus(x);
+  }
+  const Acc y = a.A_log ? Math<Acc>::exp_(Acc(a.A_log[hv])) * x : x;
+  return Acc(a.lower_bound) * sigmoid(y);
+}
+
+template <typename Acc, int TT>
+struct Tile {
+  Acc q[TT][kMaxDim], k[TT][kMaxDim], d[TT][kMaxDim], v[TT][kMaxDim], b[TT];
+};
+
+__device__ __forceinline__ int64_t imin(int64_t x, int64_t y) { return x < y ? x : y; }
+
+__device__ __forceinline__ int64_t next_pow2(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+// SL threads per column (each holding kMaxDim / SL rows), CB columns per block.
+template <typename Acc, int TT, int SL, int CB, int MUT>
+__global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel(k3gc_kda_args a) {
+  constexpr int kSlices = SL;
+  constexpr int kRows = kMaxDim / SL;
+  __shared__ Tile<Acc, TT> tile;
+  const int64_t col_blocks = (a.V + CB - 1) / CB;
+  const int64_t cb = blockIdx.x % col_blocks;
+  const int64_t n = blockIdx.x / col_blocks / a.HV, hv = blockIdx.x / col_blocks % a.HV;
+  const int64_t h = hv / (a.HV / a.H);
+  int64_t bos, eos;
+  if (a.cu_seqlens) {
+    bos = a.cu_seqlens[n];
+    eos = a.cu_seqlens[n + 1];
+  } else {
+    bos = n * a.T;
+    eos = bos + a.T;
+  }
+  const int64_t len = eos - bos;
+  // Where the inputs of the sequence are read from (the varlen mutant reads one early).
+  const int64_t read_shift = (MUT == K3GC_MUT_VARLEN_OFF_BY_ONE && n > 0 && bos > 0) ? -1 : 0;
+  const int64_t K = a.K, V = a.V;
+  const int64_t k_read = (MUT == K3GC_MUT_OOB_HEAD_READ) ? imin(next_pow2(K), int64_t(kMaxDim)) : K;
+  const int tid = threadIdx.x;
+  const int s = tid % kSlices;
+  const int64_t j = cb * CB + tid / kSlices;
+  const bool column = j < V;
+  const int warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
+
+  Acc S[kRows];
+  const bool use_init = a.initial_state && MUT != K3GC_MUT_IGNORE_INITIAL_STATE;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t i = s + kSlices * r;
+    S[r] = Acc(0);
+    if (use_init && column && i < K) {
+      const int64_t idx = ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) *
+                              (a.state_v_first ? K : V) + (a.state_v_first ? i : j);
+      S[r] = Acc(load_as_double(a.initial_state, a.state_dtype, idx));
+    }
+  }
+
+  // The skip-partial-chunk mutant stops at the last full chunk.
+  const int64_t end = (MUT == K3GC_MUT_SKIP_PARTIAL_CHUNK) ? bos + (len / kChunk) * kChunk : eos;
+  const int64_t last_chunk_begin = bos + ((len - 1) / kChunk) * kChunk;
+
+  for (int64_t t0 = bos; t0 < end; t0 += TT) {
+    const int count = static_cast<int>(imin(int64_t(TT), end - t0));
+    // Stage q, k, decay.
+    for (int idx = tid; idx < TT * kMaxDim; idx += blockDim.x) {
+      const int tt = idx / kMaxDim;
+      const int64_t i = idx % kMaxDim;
+      Acc qv = 0, kv = 0, dv = 1;
+      if (tt < count && i < k_read) {
+        const int64_t t = t0 + tt + read_shift;
+        const int64_t tq = (MUT == K3GC_MUT_READ_AHEAD && t + 1 < eos) ? t + 1 : t;
+        qv = Acc(load_as_double(a.q, a.input_dtype, (tq * a.H + h) * K + i));
+        kv = Acc(load_as_double(a.k, a.input_dtype, (t * a.H + h) * K + i));
+        const Acc raw = Acc(load_as_double(a.g, a.input_dtype, (t * a.HV + hv) * K + i));
+        const Acc g = (i < K) ? gate_value<Acc>(a, hv, i, raw) : raw;
+        dv = Math<Acc>::exp_(g);
+        if (MUT == K3GC_MUT_NAN_RARE_BRANCH && g < Acc(-6)) dv = Acc(NAN);
+        if (MUT == K3GC_MUT_DROP_LAST_CHUNK_DECAY && t0 + tt >= last_chunk_begin) dv = Acc(1);
+      }
+      tile.q[tt][i] = qv;
+      tile.k[tt][i] = kv;
+      tile.d[tt][i] = dv;
+    }
+    for (int idx = tid; idx < TT * kMaxDim; idx += blockDim.x) {
+      const int tt = idx / kMaxDim;
+      const int64_t c = idx % kMaxDim;
+      Acc vv = 0;
+      if (tt < count && c < V) vv = Acc(load_as_double(a.v, a.input_dtype, ((t0 + tt + read_shift) * a.HV + hv) * V + c));
+      tile.v[tt][c] = vv;
+    }
+    if (tid < TT) {
+      Acc bv = 0;
+      if (tid < count) {
+        bv = Acc(load_as_double(a.beta, a.input_dtype, (t0 + tid + read_shift) * a.HV + hv));
+        if (a.beta_mode == K3GC_BETA_SIGMOID) bv = sigmoid(bv);
+        if (a.beta_mode == K3GC_BETA_TWO_SIGMOID) bv = Acc(2) * sigmoid(bv);
+      }
+      tile.b[tid] = bv;
+    }
+    __syncthreads();
+    if (MUT == K3GC_MUT_FUTURE_ANCHOR) {
+      // Decay of row t as exp(G_t - G_a) * exp(G_a - G_{t-1}), G the chunk-local cumulative
+      // gate and a the chunk's middle row: exact in real arithmetic, but the rounding of row
+      // t now depends on a future row's gate.
+      static_assert(MUT != K3GC_MUT_FUTURE_ANCHOR || TT == kChunk, "anchor mutant needs chunk-sized tiles");
+      for (int64_t i = tid; i < K; i += blockDim.x) {
+        Acc G[TT];
+        Acc cum = 0;
+        for (int tt = 0; tt < TT; ++tt) {
+          cum += (tt < count) ? Math<Acc>::log1p_(tile.d[tt][i] - Acc(1)) : Acc(0);
+          G[tt] = cum;
+        }
+        const int anchor = min(TT / 2, count - 1);
+        for (int tt = 0; tt < count; ++tt) {
+          const Acc prev = tt > 0 ? G[tt - 1] : Acc(0);
+          tile.d[tt][i] = Math<Acc>::exp_(G[tt] - G[anchor]) * Math<Acc>::exp_(G[anchor] - prev);
+        }
+      }
+      __syncthreads();
+    }
+    if (a.qk_l2norm) {
+      for (int tt = warp; tt < count; tt += n_warps) {
+        Acc sq = 0, sk = 0;
+        for (int64_t i = lane; i < k_read; i += 32) {
+          sq += tile.q[tt][i] * tile.q[tt][i];
+          sk += tile.k[tt][i] * tile.k[tt][i];
+        }
+        for (int off = 16; off > 0; off /= 2) {
+          sq += __shfl_xor_sync(0xffffffffu, sq, off);
+          sk += __shfl_xor_sync(0xffffffffu, sk, off);
+        }
+        const Acc fq = Acc(1) / Math<Acc>::sqrt_(sq + Acc(1e-6)), fk = Acc(1) / Math<Acc>::sqrt_(sk + Acc(1e-6));
+        for (int64_t i = lane; i < k_read; i += 32) {
+          tile.q[tt][i] *= fq;
+          tile.k[tt][i] *= fk;
+        }
+      }
+      __syncthreads();
+    }
+    if (MUT == K3GC_MUT_OVERWRITE_INPUT) {
+      // Each block owns its value head: write beta * v back over the input.
+      const int64_t c_begin = cb * CB, c_count = imin(int64_t(CB), V - c_begin);
+      for (int idx = tid; idx < count * c_count; idx += blockDim.x) {
+        const int tt = idx / c_count;
+        const int64_t c = c_begin + idx % c_count;
+        store_from_double(const_cast<void*>(a.v), a.input_dtype, ((t0 + tt) * a.HV + hv) * V + c,
+                          double(tile.b[tt] * tile.v[tt][c]));
+      }
+    }
+
+    const Acc scale = Acc(a.scale);
+    for (int tt = 0; tt < count; ++tt) {
+      Acc ks = 0;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        S[r] *= tile.d[tt][s + kSlices * r];
+        ks += tile.k[tt][s + kSlices * r] * S[r];
+      }
+#pragma unroll
+      for (int off = SL / 2; off > 0; off /= 2) ks += __shfl_xor_sync(0xffffffffu, ks, off);
+      const Acc u = tile.b[tt] * ((column ? tile.v[tt][j] : Acc(0)) - ks);
+      Acc qs = 0;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        S[r] += tile.k[tt][s + kSlices * r] * u;
+        qs += tile.q[tt][s + kSlices * r] * S[r];
+      }
+#pragma unroll
+      for (int off = SL / 2; off > 0; off /= 2) qs += __shfl_xor_sync(0xffffffffu, qs, off);
+      if (s == 0 && column) store_from_double(a.o, a.output_dtype, ((t0 + tt) * a.HV + hv) * V + j, double(qs * scale));
+    }
+    __syncthreads();
+  }
+
+  if (a.final_state && column) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t i = s + kSlices * r;
+      if (i < K) {
+        const int64_t idx = ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) *
+                                (a.state_v_first ? K : V) + (a.state_v_first ? i : j);
+        store_from_double(a.final_state, a.state_dtype, idx, double(S[r]));
+      }
+    }
+  }
+}
+
+template <typename Acc, int TT, int SL, int CB, int MUT>
+int launch(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t stream) {
+  const int64_t col_blocks = (a.V + CB - 1) / CB;
+  // Fewer threads when V is small; whole warps, whole columns.
+  const int64_t cols = a.V < CB ? a.V : CB;
+  const int threads = static_cast<int>((cols * SL + 31) / 32 * 32);
+  kda_kernel<Acc, TT, SL, CB, MUT><<<static_cast<unsigned>(n_seq * a.HV * col_blocks), threads, 0, stream>>>(a);
+  return check_cuda(cudaGetLastError(), "kda_kernel launch");
+}
+
+template <int MUT>
+int launch_f32(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t s) {
+  return launch<float, kChunk, 8, 128, MUT>(a, n_seq, s);
+}
+
+}  // namespace
+}  // namespace k3gc
+
+extern "C" const char* k3gc_mutation_name(int mutation) {
+  switch (mutation) {
+    case K3GC_MUT_NONE: return "none";
+    case K3GC_MUT_READ_AHEAD: return "read_ahead";
+    case K3GC_MUT_DROP_LAST_CHUNK_DECAY: return "drop_last_chunk_decay";
+    case K3GC_MUT_SKIP_PARTIAL_CHUNK: return "skip_partial_chunk";
+    case K3GC_MUT_IGNORE_INITIAL_STATE: return "ignore_initial_state";
+    case K3GC_MUT_VARLEN_OFF_BY_ONE: return "varlen_off_by_one";
+    case K3GC_MUT_OOB_HEAD_READ: return "oob_head_read";
+    case K3GC_MUT_NAN_RARE_BRANCH: return "nan_rare_branch";
+    case K3GC_MUT_FUTURE_ANCHOR: return "future_anchor";
+    case K3GC_MUT_OVERWRITE_INPUT: return "overwrite_input";
+    default: return nullptr;
+  }
+}
+
+extern "C" int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mutation, void* stream_ptr) {
+  using namespace k3gc;
+  if (!args) return fail("k3gc_kda_forward: args is NULL");
+  const k3gc_kda_args& a = *args;
+  if (a.K < 1 || a.K > kMaxDim || a.V < 1 || a.V > kMaxDim)
+    return fail("k3gc_kda_forward: K and V must be in [1, 128], got K=" + std::to_string(a.K) + " V=" + std::to_string(a.V));
+  if (a.H < 1 || a.HV < a.H || a.HV % a.H != 0) return fail("k3gc_kda_forward: HV must be a positive multiple of H");
+  if (a.cu_seqlens ? (a.B != 1 || a.N < 1) : (a.B < 1)) return fail("k3gc_kda_forward: with cu_seqlens B must be 1 and N >= 1");
+  if (!valid_dtype(a.input_dtype) || !valid_dtype(a.output_dtype) ||
+      ((a.initial_state || a.final_state) && !valid_dtype(a.state_dtype)))
+    return fail("k3gc_kda_forward: unknown dtype code");
+  if (a.gate < 0 || a.gate > 2 || a.beta_mode < 0 || a.beta_mode > 2) return fail("k3gc_kda_forward: unknown gate or beta mode");
+  if (!a.q || !a.k || !a.v || !a.g || !a.beta || !a.o) return fail("k3gc_kda_forward: NULL input or output");
+  if (a.T < 0) return fail("k3gc_kda_forward: T < 0");
+  const int64_t n_seq = a.cu_seqlens ? a.N : a.B;
+  if (n_seq * a.HV == 0) return 0;
+  cudaStream_t s = static_cast<cudaStream_t>(stream_ptr);
+  if (precision == 0) {
+    if (mutation != K3GC_MUT_NONE) return fail("k3gc_kda_forward: the fp64 reference has no mutants");
+    return launch<double, 8, 16, 32, 0>(a, n_seq, s);
+  }
+  if (precision != 1) return fail("k3gc_kda_forward: precision must be 0 (fp64) or 1 (fp32)");
+  switch (mutation) {
+    case 0: return launch_f32<0>(a, n_seq, s);
+    case 1: return launch_f32<1>(a, n_seq, s);
+    case 2: return launch_f32<2>(a, n_seq, s);
+    case 3: return launch_f32<3>(a, n_seq, s);
+    case 4: return launch_f32<4>(a, n_seq, s);
+    case 5: return launch_f32<5>(a, n_seq, s);
+    case 6: return launch_f32<6>(a, n_seq, s);
+    case 7: return launch_f32<7>(a, n_seq, s);
+    case 8: return launch_f32<8>(a, n_seq, s);
+    case 9: return launch_f32<9>(a, n_seq, s);
+    default: return fail("k3gc_kda_forward: unknown mutation " + std::to_string(mutation));
+  }
+}

@@ -1,0 +1,116 @@
+// Stage goldens of the chunkwise KDA forms ("kda.chunkwise_flashkda", C = 16, and
+// "kda.chunkwise_fla", C = 64). Each case reuses the inputs of a recurrence case of the
+// catalogue (same parameters and seed, so the same bytes), runs the chunk algorithm at
+// golden precision with every stage recorded, and stores the stage tensors beside o and
+// final_state, so a kernel's prepare stage can be checked apart from its recurrence.
+#include <string>
+
+#include "k3ref/golden/catalogue.h"
+#include "k3ref/kda/chunkwise.h"
+#include "k3ref/kda/kda_io.h"
+#include "k3ref/num/float_format.h"
+#include "k3ref/num/scalar.h"
+
+namespace k3ref::golden {
+namespace {
+
+using nlohmann::json;
+using G = num::golden_float;
+
+// The options of a recurrence case's parameters (the fields kda_cases.cc writes).
+kda::Options<G> options_from(const json& p) {
+  kda::Options<G> opt;
+  if (!p.at("scale").is_null()) opt.scale = G(p.at("scale").get<double>());
+  opt.qk_l2norm = p.at("qk_l2norm");
+  opt.gate = *kda::gate_form_from_string(p.at("gate").get<std::string>());
+  opt.gate_base = *kda::gate_base_from_string(p.at("gate_base").get<std::string>());
+  if (!p.at("lower_bound").is_null()) opt.lower_bound = G(p.at("lower_bound").get<double>());
+  opt.beta = *kda::beta_form_from_string(p.at("beta").get<std::string>());
+  opt.state_layout = *kda::state_layout_from_string(p.at("state_layout").get<std::string>());
+  opt.output_final_state = true;
+  return opt;
+}
+
+Tensor<double> to_double(const Tensor<G>& t) {
+  return t.map<double>([](const G& x) { return num::to_double_rne(x); });
+}
+
+}  // namespace
+
+io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
+  const json& kda_params = c.params.at("kda");
+  const Case base{c.params.at("base_case").get<std::string>(), "kda.recurrent", c.seed, kda_params};
+  const io::SafetensorsFile inputs_file = generate_kda_recurrent(base);
+  const kda::Inputs<double> in = kda::inputs_from_file(inputs_file, base.name);
+
+  kda::ChunkwiseOptions copt;
+  copt.form = *kda::chunk_form_from_string(c.params.at("form").get<std::string>());
+  copt.chunk_size = c.params.at("chunk_size");
+  copt.sub_chunk = c.params.at("sub_chunk");
+  copt.record_stages = true;
+  const auto exact = kda::chunkwise_forward(kda::lift<G>(in), options_from(kda_params), copt);
+  const auto& st = *exact.stages;
+
+  io::SafetensorsFile file;
+  for (const char* name : kda::input_names)
+    if (const io::RawTensor* t = inputs_file.find(name)) file.tensors.emplace_back(name, *t);
+  kda::Outputs<double> out;
+  out.o = to_double(exact.out.o);
+  out.final_state = to_double(*exact.out.final_state);
+  kda::add_outputs(file, out);
+  std::string names = "o,final_state";
+  auto stage = [&](const char* name, const Tensor<G>& t) {
+    if (t.rank() == 0) return;  // a tensor the form does not have
+    file.tensors.emplace_back(name, io::from_f64(to_double(t), DType::F64));
+    names += std::string(",") + name;
+  };
+  stage("decay", st.decay);
+  stage("q_decay", st.q_decay);
+  stage("k_decay", st.k_decay);
+  stage("k_inv", st.k_inv);
+  stage("k_restore", st.k_restore);
+  stage("L", st.L);
+  stage("INV", st.inv);
+  stage("M_qk", st.m_qk);
+  stage("w", st.w);
+  stage("u_pre", st.u_pre);
+  stage("u", st.u);
+  stage("chunk_states", st.chunk_states);
+  file.tensors.emplace_back("chunk_starts", io::from_i64(st.chunk_starts, DType::I64));
+  file.metadata = {{"k3ref.case", c.name},
+                   {"k3ref.op", c.op},
+                   {"k3ref.seed", std::to_string(c.seed)},
+                   {"k3ref.params", c.params.dump()},
+                   {"k3ref.generator_version", generator_version},
+                   {"k3ref.reference_precision", std::to_string(num::golden_bits) + "-bit binary float"},
+                   {"k3ref.outputs", names}};
+  return file;
+}
+
+std::vector<Case> kda_chunkwise_default_cases() {
+  // A handful of recurrence cases: T not a multiple of C, batch, varlen with GVA, decays at
+  // the safe-gate bound -5 (inverse decays near exp(80)), FlashKDA's base-2 lower-bound gate.
+  // (kda_flashkda_like, K = 128, would alone take 3.7 MB of stages; its gate is covered by
+  // kda_gate_lower_bound_base2.) About 3 MB in all.
+  const std::vector<std::string> flashkda_bases = {"kda_b2_t37", "kda_varlen_gva", "kda_decay_at_minus5",
+                                                   "kda_gate_lower_bound_base2"};
+  const std::vector<std::string> fla_bases = {"kda_varlen_gva", "kda_t100", "kda_decay_minus5_to_0"};
+  const std::vector<Case> recurrent = kda_default_cases();
+  auto find = [&](const std::string& name) -> const Case& {
+    for (const Case& c : recurrent)
+      if (c.name == name) return c;
+    throw InvalidArgument("golden: chunkwise case refers to unknown recurrence case '" + name + "'");
+  };
+  std::vector<Case> cases;
+  auto add = [&](const std::string& base_name, const char* form, std::int64_t C) {
+    const Case& base = find(base_name);
+    json params = {{"base_case", base_name}, {"form", form}, {"chunk_size", C}, {"sub_chunk", 16}, {"kda", base.params}};
+    cases.push_back(Case{"kda_chunkwise_" + std::string(form) + "_c" + std::to_string(C) + base_name.substr(3),
+                         std::string("kda.chunkwise_") + form, base.seed, params});
+  };
+  for (const auto& b : flashkda_bases) add(b, "flashkda", 16);
+  for (const auto& b : fla_bases) add(b, "fla", 64);
+  return cases;
+}
+
+}  // namespace k3ref::golden

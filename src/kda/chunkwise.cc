@@ -1,0 +1,122 @@
+// Scalar-free parts of the chunkwise KDA forms and their precision contracts.
+#include "k3ref/kda/chunkwise.h"
+
+#include <cmath>
+#include <string>
+
+namespace k3ref::kda {
+
+std::string_view to_string(ChunkForm form) { return form == ChunkForm::flashkda ? "flashkda" : "fla"; }
+
+std::optional<ChunkForm> chunk_form_from_string(std::string_view name) {
+  if (name == "flashkda") return ChunkForm::flashkda;
+  if (name == "fla") return ChunkForm::fla;
+  return std::nullopt;
+}
+
+std::int64_t effective_chunk_size(const ChunkwiseOptions& copt) {
+  if (copt.chunk_size != 0) return copt.chunk_size;
+  return copt.form == ChunkForm::flashkda ? 16 : 64;
+}
+
+int neumann_factor_count(std::int64_t C) {
+  if (C < 1) throw InvalidArgument("kda::neumann_factor_count: argument 'C' must be positive");
+  int m = 1;
+  while ((std::int64_t{1} << m) < C) ++m;
+  return m;
+}
+
+void validate_chunkwise(const ChunkwiseOptions& copt, bool output_all_states) {
+  if (copt.chunk_size < 0) throw InvalidArgument("kda::chunkwise: argument 'chunk_size': must be positive (0: default)");
+  const std::int64_t C = effective_chunk_size(copt);
+  if (copt.form == ChunkForm::fla && (copt.sub_chunk < 1 || C % copt.sub_chunk != 0))
+    throw InvalidArgument("kda::chunkwise: argument 'sub_chunk': must be positive and divide the chunk size " +
+                          std::to_string(C));
+  if (output_all_states)
+    throw InvalidArgument(
+        "kda::chunkwise: option 'output_all_states': the chunk form has states only at chunk boundaries "
+        "(ChunkStages::chunk_states); use recurrent_forward for per-token states");
+}
+
+double inverse_decay_overflow_bound(num::Format format, std::int64_t span) {
+  if (span < 1) throw InvalidArgument("kda::inverse_decay_overflow_bound: argument 'span' must be positive");
+  const num::FormatInfo info = num::format_info(format);
+  if (!info.has_infinity)
+    throw InvalidArgument("kda::inverse_decay_overflow_bound: argument 'format' has no infinity (saturating fn format)");
+  // max_finite = (2 - 2^-p) 2^emax, its ulp 2^(emax - p): threshold = 2^(emax+1) (1 - 2^-(p+2)).
+  // ln of it without forming 2^(emax+1) (which is beyond double for fp64).
+  int e = 0;
+  const double m = std::frexp(info.max_finite, &e);  // max_finite = m 2^e, m = 1 - 2^-(p+1)
+  const double threshold_mantissa = m + std::ldexp(0.5, -info.mantissa_bits - 1);
+  const double ln_threshold = std::log(threshold_mantissa) + e * std::log(2.0);
+  return ln_threshold / static_cast<double>(span);
+}
+
+namespace contract {
+
+std::string_view to_string(Point p) {
+  switch (p) {
+    case Point::decay: return "decay";
+    case Point::q_decay: return "q_decay";
+    case Point::k_decay: return "k_decay";
+    case Point::k_inv: return "k_inv";
+    case Point::k_restore: return "k_restore";
+    case Point::intra_accumulate: return "intra_accumulate";
+    case Point::L: return "L";
+    case Point::inv_accumulate: return "inv_accumulate";
+    case Point::inv: return "inv";
+    case Point::m_qk: return "m_qk";
+    case Point::wu_pre: return "wu_pre";
+    case Point::chunk_accumulate: return "chunk_accumulate";
+    case Point::u: return "u";
+    case Point::output: return "output";
+    case Point::state: return "state";
+  }
+  return "?";
+}
+
+RoundingTable flashkda_contract() {
+  using num::Format;
+  RoundingTable t;
+  t.name = "flashkda";
+  t.set(Point::decay, Format::fp32, true)  // ex2.approx.ftz.f32
+      .set(Point::q_decay, Format::bf16)
+      .set(Point::k_decay, Format::bf16)
+      .set(Point::k_inv, Format::bf16)
+      .set(Point::k_restore, Format::bf16)
+      .set(Point::intra_accumulate, Format::fp32)
+      .set(Point::L, Format::fp16)
+      .set(Point::inv_accumulate, Format::fp16)
+      .set(Point::inv, Format::fp16)
+      .set(Point::m_qk, Format::bf16)
+      .set(Point::chunk_accumulate, Format::fp32)
+      .set(Point::u, Format::bf16)
+      .set(Point::output, Format::bf16)
+      .set(Point::state, Format::bf16);
+  return t;
+}
+
+RoundingTable fla_like_contract() {
+  using num::Format;
+  RoundingTable t;
+  t.name = "fla_like";
+  t.set(Point::decay, Format::fp32)
+      .set(Point::q_decay, Format::bf16)
+      .set(Point::k_decay, Format::bf16)
+      .set(Point::k_inv, Format::bf16)
+      .set(Point::k_restore, Format::bf16)
+      .set(Point::intra_accumulate, Format::fp32)
+      .set(Point::L, Format::fp32)
+      .set(Point::inv_accumulate, Format::fp32)
+      .set(Point::inv, Format::bf16)
+      .set(Point::m_qk, Format::bf16)
+      .set(Point::wu_pre, Format::bf16)
+      .set(Point::chunk_accumulate, Format::fp32)
+      .set(Point::u, Format::bf16)
+      .set(Point::output, Format::bf16)
+      .set(Point::state, Format::fp32);
+  return t;
+}
+
+}  // namespace contract
+}  // namespace k3ref::kda

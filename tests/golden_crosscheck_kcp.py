@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Independent cross-check of the committed context-parallel KDA goldens (kcp.context_parallel).
+
+Written from DESIGN.md sections 3 and 5 and the K3 report's eq. 17 in NumPy (float64), with
+its own safetensors reader, sharing no code with the C++ generator. Per rank it builds the
+fragment pair from its definition -- M as the explicit ordered product of the token
+transitions M_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)), S~ as the affine steps from the zero
+state, with the document-boundary rule (M = 0 when the rank's last document starts inside
+it) -- finds on which rank each rank's first document began, merges the entering states
+FLA's way (S <- M_j S + S~_j over the ranks of that document), and runs the single-device
+recurrence for the outputs. Usage: golden_crosscheck_kcp.py GOLDEN_DIR
+"""
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+
+DTYPES = {"F64": np.float64, "F32": np.float32, "I64": np.int64}
+
+
+def load(path):
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    data = raw[8 + n :]
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        buf = data[begin:end]
+        if entry["dtype"] == "BF16":
+            arr = (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        else:
+            arr = np.frombuffer(buf, dtype=np.dtype(DTYPES[entry["dtype"]]).newbyteorder("<"))
+        out[name] = arr.reshape(entry["shape"])
+    return out, header.get("__metadata__", {})
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x):
+    return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
+
+
+def prepared(t, p):
+    """q, k (normalised), v, decay, beta (activated), scale for B = 1."""
+    q, k, v, g, beta = (t[n][0].astype(np.float64) for n in ("q", "k", "v", "g", "beta"))
+    K = q.shape[-1]
+    HV = v.shape[1]
+    if p["qk_l2norm"]:
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    bias = t["dt_bias"].astype(np.float64) if "dt_bias" in t else np.zeros((HV, K))
+    if p["gate"] == "softplus":
+        g = -np.exp(t["A_log"].astype(np.float64))[:, None] * softplus(g + bias)
+    elif p["gate"] == "lower_bound":
+        x = g + bias
+        if "A_log" in t:
+            x = np.exp(t["A_log"].astype(np.float64))[:, None] * x
+        g = p["lower_bound"] * sigmoid(x)
+    decay = np.exp(g) if p["gate_base"] == "e" else np.exp2(g / math.log(2.0))
+    if p["beta"] == "sigmoid":
+        beta = sigmoid(beta)
+    elif p["beta"] == "two_sigmoid":
+        beta = 2 * sigmoid(beta)
+    return q, k, v, decay, beta, K ** -0.5
+
+
+def crosscheck(t, p):
+    q, k, v, decay, beta, scale = prepared(t, p)
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    group = HV // H
+    cu = [int(x) for x in t["cu_seqlens"]]
+    splits = [int(x) for x in t["splits"]]
+    P = len(splits) - 1
+    doc_of = lambda tok: max(n for n in range(len(cu) - 1) if cu[n] <= tok < cu[n + 1])
+
+    def transition(tok, hv):
+        kk = k[tok, hv // group]
+        return (np.eye(K) - beta[tok, hv] * np.outer(kk, kk)) @ np.diag(decay[tok, hv])
+
+    def write(tok, hv):
+        return beta[tok, hv] * np.outer(k[tok, hv // group], v[tok, hv])
+
+    # Single-device recurrence (decay, delta rule, read), zero initial states.
+    o = np.zeros((1, T, HV, V))
+    final = np.zeros((len(cu) - 1, HV, K, V))
+    for n in range(len(cu) - 1):
+        for hv in range(HV):
+            S = np.zeros((K, V))
+            for tok in range(cu[n], cu[n + 1]):
+                h = hv // group
+                S = decay[tok, hv][:, None] * S
+                S = S + beta[tok, hv] * np.outer(k[tok, h], v[tok, hv] - k[tok, h] @ S)
+                o[0, tok, hv] = S.T @ (scale * q[tok, h])
+            final[n, hv] = S
+
+    # Per-rank fragments by definition, with the document-boundary rule.
+    M = np.zeros((P, HV, K, K))
+    St = np.zeros((P, HV, K, V))
+    origin = np.zeros(P, dtype=np.int64)
+    for r in range(P):
+        a, b = splits[r], splits[r + 1]
+        if a == b:
+            M[r] = np.eye(K)
+            origin[r] = -1
+            continue
+        first, last = doc_of(a), doc_of(b - 1)
+        start = cu[first]
+        origin[r] = next(j for j in range(P) if splits[j] <= start < splits[j + 1])
+        part_begin = max(a, cu[last])
+        resets = cu[last] >= a  # the last document starts on this rank
+        for hv in range(HV):
+            Mx, S = np.eye(K), np.zeros((K, V))
+            for tok in range(part_begin, b):
+                Mt = transition(tok, hv)
+                Mx, S = Mt @ Mx, Mt @ S + write(tok, hv)
+            M[r, hv] = 0 if resets else Mx
+            St[r, hv] = S
+
+    # Entering states, FLA's merge over the ranks of the first document.
+    enter = np.zeros((P, HV, K, V))
+    for r in range(P):
+        if origin[r] < 0 or origin[r] == r:
+            continue
+        S = np.zeros((HV, K, V))
+        for j in range(origin[r], r):
+            S = np.einsum("hij,hjv->hiv", M[j], S) + St[j]
+        enter[r] = S
+    # Consistency: the entering state is the single-device state before the rank's first token.
+    for r in range(P):
+        if origin[r] >= 0 and origin[r] != r:
+            a = splits[r]
+            n = doc_of(a)
+            for hv in range(HV):
+                S = np.zeros((K, V))
+                for tok in range(cu[n], a):
+                    S = transition(tok, hv) @ S + write(tok, hv)
+                assert np.allclose(S, enter[r, hv], rtol=1e-9, atol=1e-12), "entering state is not the state before the rank"
+    return {"o": o, "final_state": final, "fragment_transition": M, "fragment_state": St, "entering_state": enter}, origin
+
+
+def main(golden_dir):
+    manifest = json.loads((Path(golden_dir) / "MANIFEST.json").read_text())
+    passed = failed = 0
+    worst = 0.0
+    for case in manifest["cases"]:
+        if case["op"] != "kcp.context_parallel":
+            continue
+        tensors, meta = load(Path(golden_dir) / case["file"])
+        ours, origin = crosscheck(tensors, case["params"])
+        ok = bool((origin == tensors["origin_rank"]).all())
+        if not ok:
+            print(f"FAIL {case['name']}: origin_rank {tensors['origin_rank']} != {origin}")
+        # Transitions after a document start are exactly zero in both.
+        zero_mine = np.all(ours["fragment_transition"] == 0, axis=(1, 2, 3))
+        zero_ref = np.all(tensors["fragment_transition"] == 0, axis=(1, 2, 3))
+        if not (zero_mine == zero_ref).all():
+            ok = False
+            print(f"FAIL {case['name']}: ranks with a zero transition differ: {zero_ref} vs {zero_mine}")
+        for name in meta["k3ref.outputs"].split(","):
+            ref, mine = tensors[name], ours[name]
+            denom = np.sqrt((ref * ref).sum())
+            rel = float(np.sqrt(((mine - ref) ** 2).sum()) / denom) if denom > 0 else float(np.abs(mine).max(initial=0))
+            worst = max(worst, rel)
+            if not (rel <= 1e-11 and np.isfinite(mine).all()):
+                ok = False
+                print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > 1e-11")
+        print(f"{'ok  ' if ok else 'FAIL'} {case['name']}: P = {len(tensors['splits']) - 1}, origin ranks {list(origin)}")
+        passed += ok
+        failed += not ok
+    print(f"worst relative RMS difference over the kcp goldens: {worst:.3e}")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed or passed == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "goldens"))

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Host-side tests of the gpu_check harness (no GPU): golden reader, metrics and policies,
+the PyTorch fp64 reference against the committed goldens, the checks on a correct and a
+deliberately non-causal CPU kernel, and the report writers. Skips (exit 77) without torch.
+Usage: harness_test.py SOURCE_ROOT"""
+import json
+import math
+import sys
+import tempfile
+import unittest
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2]
+try:
+    import torch
+except ImportError:
+    print("torch is not importable: skipped")
+    sys.exit(77)
+sys.path.insert(0, str(ROOT / "gpu_check"))
+from k3gc import adapters, checks, golden, metrics, reference, report  # noqa: E402
+
+CASES = golden.load_suite(ROOT / "goldens")
+
+
+class Metrics(unittest.TestCase):
+    def test_round_to_bf16_matches_torch_and_floor_of_exact_values_is_zero(self):
+        x = torch.randn(10000, dtype=torch.float64)
+        # torch rounds fp64 -> bf16 in one step (RNE) on these magnitudes; our spacing-based
+        # rounding must give the same values.
+        self.assertTrue(torch.equal(metrics.round_to(x, torch.bfloat16), x.to(torch.bfloat16).double()))
+        exact = x.to(torch.bfloat16)
+        m = metrics.compare(exact, exact.double(), torch.bfloat16)
+        self.assertEqual(m.floor_rel_rms, 0.0)
+        self.assertEqual(m.rel_rms, 0.0)
+
+    def test_ulps_and_indices(self):
+        # ref = 1.0: bf16 spacing at 1 is 2^-7, so 1 + 2^-7 is one ulp away; 3.0 (spacing 2^-6)
+        # off by 2^-5 is two ulps. The largest absolute error is at index 2.
+        ref = torch.tensor([1.0, 1.0, 3.0], dtype=torch.float64)
+        cand = torch.tensor([1.0, 1.0 + 2**-7, 3.0 + 2**-5], dtype=torch.float64)
+        m = metrics.compare(cand, ref, torch.bfloat16, atol=2**-6)
+        self.assertEqual(m.max_ulp, 2.0)
+        self.assertEqual(m.max_ulp_index, 2)
+        self.assertEqual(m.max_abs_index, 2)
+        self.assertEqual(m.first_offending, 2)
+        # rel RMS = sqrt((2^-14 + 2^-10) / 11)
+        self.assertAlmostEqual(m.rel_rms, math.sqrt((2**-14 + 2**-10) / 11), places=15)
+
+    def test_nonfinite_mismatch_fails_every_policy(self):
+        ref = torch.ones(5, dtype=torch.float64)
+        cand = ref.clone()
+        cand[3] = float("nan")
+        m = metrics.compare(cand, ref, torch.float32)
+        self.assertEqual(m.first_nonfinite_mismatch, 3)
+        self.assertEqual(m.candidate_nan, 1)
+        for p in ("exact", "floor:1000", "rel-rms:1"):
+            self.assertFalse(metrics.judge(m, metrics.parse_policy(p))[0])
+
+    def test_policies(self):
+        self.assertEqual(metrics.parse_policy("chunk").bound, 4.0)
+        self.assertEqual(metrics.parse_policy("floor:2.5").kind, "floor")
+        for bad in ("floor:-1", "floor:x", "nope"):
+            with self.assertRaises(ValueError):
+                metrics.parse_policy(bad)
+
+    def test_windows(self):
+        # [1, T=4, 2] with window 2: errors only in tokens 2 and 3.
+        ref = torch.ones(1, 4, 2, dtype=torch.float64)
+        cand = ref.clone()
+        cand[0, 2:] = 1.5
+        m = metrics.compare(cand, ref, torch.float64, window_shape=(2, 4, 2))
+        self.assertEqual(m.window_rel_rms, [0.0, 0.5])
+
+
+class Reference(unittest.TestCase):
+    def test_torch_reference_matches_every_golden(self):
+        self.assertGreater(len(CASES), 0)
+        for case in CASES:
+            o, final = reference.kda_forward(case.inputs, case.params)
+            m = metrics.compare(o, case.expected["o"], torch.float64)
+            mf = metrics.compare(final, case.expected["final_state"], torch.float64)
+            self.assertLess(m.rel_rms, 1e-13, case.name)
+            self.assertLess(mf.rel_rms, 1e-13, case.name)
+
+
+class Checks(unittest.TestCase):
+    def test_correct_kernel_passes_and_leaky_kernel_is_caught(self):
+        few = [c for c in CASES if c.name in ("kda_t100", "kda_varlen")]
+        good = checks.run_all([adapters.TorchKernelAdapter()], few, "cpu")
+        bad = checks.run_all([adapters.TorchKernelAdapter(future_leak=True)], few, "cpu")
+        self.assertTrue(all(r.status == "pass" for r in good), [(r.check, r.reason) for r in good if r.status != "pass"])
+        by_check = {r.check: r.status for r in bad if r.check != "golden"}
+        self.assertEqual(by_check["causality"], "fail")
+        self.assertTrue(all(r.status == "fail" for r in bad if r.check == "golden"))
+        # A golden check of a kernel that only rounds the exact result is at the floor.
+        ratios = [r.ratio for r in good if r.check == "golden"]
+        self.assertTrue(all(abs(x - 1.0) < 1e-9 for x in ratios), ratios)
+
+    def test_unavailable_kernel_is_skipped_with_reason(self):
+        class Missing(adapters.KdaAdapter):
+            name = "missing"
+
+            def load(self):
+                raise ImportError("no module named missing_kernel")
+
+        res = checks.run_all([Missing()], CASES[:1], "cpu")
+        self.assertEqual([r.status for r in res], ["skip"])
+        self.assertIn("missing_kernel", res[0].reason)
+
+    def test_reports(self):
+        res = checks.run_all([adapters.TorchKernelAdapter(future_leak=True)], CASES[:1], "cpu")
+        with tempfile.TemporaryDirectory() as d:
+            report.write_junit(Path(d) / "r.xml", res)
+            report.write_json(Path(d) / "r.json", res, {"x": 1})
+            report.write_html(Path(d) / "r.html", res, {"x": 1})
+            root = ET.parse(Path(d) / "r.xml").getroot()
+            self.assertEqual(sum(int(s.get("tests")) for s in root), len(res))
+            self.assertEqual(len(json.loads((Path(d) / "r.json").read_text())["results"]), len(res))
+            self.assertIn("causality", (Path(d) / "r.html").read_text())
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]], verbosity=1)
