@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-DTYPES = {"F64": np.float64, "F32": np.float32, "I64": np.int64, "I32": np.int32, "U8": np.uint8}
+DTYPES = {"F64": np.float64, "F32": np.float32, "I64": np.int64, "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_}
 
 
 def load(path):
@@ -45,10 +45,10 @@ def softplus(x):
     return np.where(x > 0, x + np.log1p(np.exp(-np.abs(x))), np.log1p(np.exp(np.minimum(x, 0))))
 
 
-def kda_reference(t, p):
+def prepared(t, p):
+    """The optional stages: (q, k normalised, v, decays exp(g), beta activated, scale), all [B, T, ...]."""
     q, k, v, g, beta = (t[n].astype(np.float64) for n in ("q", "k", "v", "g", "beta"))
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    K, HV = q.shape[3], v.shape[2]
     if p["qk_l2norm"]:
         q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
         k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
@@ -65,7 +65,14 @@ def kda_reference(t, p):
         beta = sigmoid(beta)
     elif p["beta"] == "two_sigmoid":
         beta = 2 * sigmoid(beta)
-    scale = p["scale"] if p["scale"] is not None else K ** -0.5
+    scale = p["scale"] if p.get("scale") is not None else K ** -0.5
+    return q, k, v, decay, beta, scale
+
+
+def kda_reference(t, p):
+    q, k, v, decay, beta, scale = prepared(t, p)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
     cu = p["cu_seqlens"]
     seqs = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)] if cu else [(b, 0, T) for b in range(B)]
     v_first = p["state_layout"] == "v_first"

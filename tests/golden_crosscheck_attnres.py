@@ -11,34 +11,19 @@ plus the partial sum of the block's earlier layers when i > 1.
 Usage: golden_crosscheck_attnres.py GOLDEN_DIR
 """
 import json
-import struct
 import sys
 from pathlib import Path
 
 import numpy as np
 
-DTYPES = {"F64": np.float64, "F32": np.float32, "I64": np.int64}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from golden_crosscheck import load as load_raw  # noqa: E402  (one safetensors reader, one KDA stage model)
 
 
 def load(path):
-    raw = Path(path).read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    data = raw[8 + n :]
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        buf = data[begin:end]
-        if entry["dtype"] == "BF16":
-            bits = np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16
-            arr = bits.view(np.float32).astype(np.float64)
-        else:
-            arr = np.frombuffer(buf, dtype=np.dtype(DTYPES[entry["dtype"]]).newbyteorder("<")).astype(np.float64)
-        out[name] = arr.reshape(entry["shape"])
-    return out, header.get("__metadata__", {})
-
+    """Every tensor as float64 (AttnRes stores no integer data that must stay integer)."""
+    tensors, meta = load_raw(path)
+    return {name: arr.astype(np.float64) for name, arr in tensors.items()}, meta
 
 def scores(query, weight, eps, sources):
     """sources [n, T, d] -> scores [n, T]"""

@@ -13,32 +13,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_crosscheck import kda_reference, load, sigmoid, softplus  # noqa: E402
+from golden_crosscheck import kda_reference, load, prepared as prepared_stages  # noqa: E402
 
 TOLERANCE = 1e-10
 
 
 def prepared(t, p):
-    q, k, v, g, beta = (t[n].astype(np.float64) for n in ("q", "k", "v", "g", "beta"))
-    B, T, H, K = q.shape
-    HV = v.shape[2]
-    if p["qk_l2norm"]:
-        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
-        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
-    bias = t["dt_bias"].astype(np.float64) if "dt_bias" in t else np.zeros((HV, K))
-    if p["gate"] == "softplus":
-        g = -np.exp(t["A_log"].astype(np.float64))[:, None] * softplus(g + bias)
-    elif p["gate"] == "lower_bound":
-        x = g + bias
-        if "A_log" in t:
-            x = np.exp(t["A_log"].astype(np.float64))[:, None] * x
-        g = p["lower_bound"] * sigmoid(x)
-    decay = np.exp(g)
-    if p["beta"] == "sigmoid":
-        beta = sigmoid(beta)
-    elif p["beta"] == "two_sigmoid":
-        beta = 2 * sigmoid(beta)
-    scale = p["scale"] if p["scale"] is not None else K ** -0.5
+    """The stages with the scale folded into q, as the chunk forms consume them."""
+    q, k, v, decay, beta, scale = prepared_stages(t, p)
     return q * scale, k, v, decay, beta
 
 
@@ -58,7 +40,7 @@ def chunk_stages(t, p, form, C):
         out["k_inv"] = np.zeros(tk)
     else:
         out["w"], out["u_pre"] = np.zeros(tk), np.zeros(tv)
-    states, starts = [], []
+    starts = []
     for n, (b, begin, end) in enumerate(seqs):
         for t0 in range(begin, end, C):
             starts.append((b, t0, min(C, end - t0)))

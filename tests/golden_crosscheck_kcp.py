@@ -11,65 +11,19 @@ FLA's way (S <- M_j S + S~_j over the ranks of that document), and runs the sing
 recurrence for the outputs. Usage: golden_crosscheck_kcp.py GOLDEN_DIR
 """
 import json
-import math
-import struct
 import sys
 from pathlib import Path
 
 import numpy as np
 
-DTYPES = {"F64": np.float64, "F32": np.float32, "I64": np.int64}
-
-
-def load(path):
-    raw = Path(path).read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    data = raw[8 + n :]
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        buf = data[begin:end]
-        if entry["dtype"] == "BF16":
-            arr = (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-        else:
-            arr = np.frombuffer(buf, dtype=np.dtype(DTYPES[entry["dtype"]]).newbyteorder("<"))
-        out[name] = arr.reshape(entry["shape"])
-    return out, header.get("__metadata__", {})
-
-
-def sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def softplus(x):
-    return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from golden_crosscheck import load, prepared as prepared_batched  # noqa: E402  (one safetensors reader, one KDA stage model)
 
 
 def prepared(t, p):
-    """q, k (normalised), v, decay, beta (activated), scale for B = 1."""
-    q, k, v, g, beta = (t[n][0].astype(np.float64) for n in ("q", "k", "v", "g", "beta"))
-    K = q.shape[-1]
-    HV = v.shape[1]
-    if p["qk_l2norm"]:
-        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
-        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
-    bias = t["dt_bias"].astype(np.float64) if "dt_bias" in t else np.zeros((HV, K))
-    if p["gate"] == "softplus":
-        g = -np.exp(t["A_log"].astype(np.float64))[:, None] * softplus(g + bias)
-    elif p["gate"] == "lower_bound":
-        x = g + bias
-        if "A_log" in t:
-            x = np.exp(t["A_log"].astype(np.float64))[:, None] * x
-        g = p["lower_bound"] * sigmoid(x)
-    decay = np.exp(g) if p["gate_base"] == "e" else np.exp2(g / math.log(2.0))
-    if p["beta"] == "sigmoid":
-        beta = sigmoid(beta)
-    elif p["beta"] == "two_sigmoid":
-        beta = 2 * sigmoid(beta)
-    return q, k, v, decay, beta, K ** -0.5
+    """The stages for the single packed row (B = 1) of a context-parallel case."""
+    q, k, v, decay, beta, _ = prepared_batched(t, p)
+    return q[0], k[0], v[0], decay[0], beta[0], q.shape[-1] ** -0.5
 
 
 def crosscheck(t, p):

@@ -16,35 +16,14 @@ Usage: golden_crosscheck_qb.py GOLDEN_DIR
 """
 import json
 import math
-import struct
 import sys
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 
-DTYPES = {"F64": np.float64, "F32": np.float32, "I64": np.int64, "I32": np.int32, "U8": np.uint8}
-
-
-def load(path):
-    raw = Path(path).read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    data = raw[8 + n :]
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        buf = data[begin:end]
-        if entry["dtype"] == "BF16":
-            bits = np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16
-            arr = bits.view(np.float32).astype(np.float64)
-        else:
-            arr = np.frombuffer(buf, dtype=np.dtype(DTYPES[entry["dtype"]]).newbyteorder("<"))
-        out[name] = arr.reshape(entry["shape"])
-    return out, header.get("__metadata__", {})
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from golden_crosscheck import load  # noqa: E402  (one safetensors reader, one KDA stage model)
 
 # ---- the method, from the design ------------------------------------------------------------
 
