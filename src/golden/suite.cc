@@ -13,6 +13,7 @@
 
 #include "k3ref/error.h"
 #include "k3ref/io/sha256.h"
+#include "k3ref/num/scalar.h"
 
 namespace k3ref::golden {
 namespace {
@@ -110,7 +111,11 @@ std::vector<GeneratedCase> generate_cases(const std::vector<Case>& cases, int jo
   };
   const int threads = std::max(1, std::min<int>(jobs, static_cast<int>(cases.size())));
   std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  for (int t = 1; t < threads; ++t)
+    pool.emplace_back([&] {
+      worker();
+      num::release_thread_caches();
+    });
   worker();
   for (auto& th : pool) th.join();
   if (failure) std::rethrow_exception(failure);

@@ -99,6 +99,7 @@ void parallel_for(std::int64_t count, int threads, Work&& work) {
           if (!failed.exchange(true)) failure = std::current_exception();
         }
       }
+      num::release_thread_caches();
     });
   for (auto& th : pool) th.join();
   if (failure) std::rethrow_exception(failure);

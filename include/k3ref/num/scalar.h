@@ -82,6 +82,14 @@ struct scalar_traits<boost::multiprecision::number<Backend, ET>> {
 template <class T>
 inline constexpr bool is_exact_v = scalar_traits<T>::is_exact;
 
+// MPFR keeps per-thread caches (constants such as log 2, exp tables). A worker thread
+// that computed in MPFR calls this before it ends so they are freed, not leaked.
+inline void release_thread_caches() {
+#if K3REF_HAVE_MPFR
+  mpfr_free_cache2(MPFR_FREE_LOCAL_CACHE);
+#endif
+}
+
 // Value of a double in any tier (exact: every double is a dyadic rational).
 template <class T>
 T from_double(double x) {
