@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_crosscheck import kda_reference, load, prepared as prepared_stages  # noqa: E402
+from golden_crosscheck import kda_reference, load, prepared as prepared_stages, rel_rms  # noqa: E402
 
 TOLERANCE = 1e-10
 
@@ -80,12 +80,6 @@ def chunk_stages(t, p, form, C):
     out["chunk_states"] = chunk_states.transpose(0, 1, 3, 2) if v_first else chunk_states
     out["chunk_starts"] = np.array(starts, dtype=np.int64).reshape(nchunks, 3)
     return out
-
-
-def rel_rms(mine, ref):
-    denom = np.sqrt((ref * ref).sum())
-    diff = np.sqrt(((mine - ref) ** 2).sum())
-    return float(diff / denom) if denom > 0 else float(np.abs(mine).max(initial=0))
 
 
 def main(golden_dir):

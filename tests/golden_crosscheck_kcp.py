@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_crosscheck import load, prepared as prepared_batched  # noqa: E402  (one safetensors reader, one KDA stage model)
+from golden_crosscheck import load, prepared as prepared_batched, rel_rms  # noqa: E402  (one safetensors reader, one KDA stage model)
 
 
 def prepared(t, p):
@@ -121,8 +121,7 @@ def main(golden_dir):
             print(f"FAIL {case['name']}: ranks with a zero transition differ: {zero_ref} vs {zero_mine}")
         for name in meta["k3ref.outputs"].split(","):
             ref, mine = tensors[name], ours[name]
-            denom = np.sqrt((ref * ref).sum())
-            rel = float(np.sqrt(((mine - ref) ** 2).sum()) / denom) if denom > 0 else float(np.abs(mine).max(initial=0))
+            rel = rel_rms(mine, ref)
             worst = max(worst, rel)
             if not (rel <= 1e-11 and np.isfinite(mine).all()):
                 ok = False
