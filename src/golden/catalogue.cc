@@ -1,9 +1,20 @@
 #include "k3ref/golden/catalogue.h"
 
+#include <cmath>
+
 #include "k3ref/error.h"
 #include "k3ref/num/scalar.h"
 
 namespace k3ref::golden {
+
+Tensor<double> draw_uniform_rounded(num::Random& rng, const Shape& shape, double lo, double hi, num::Format format) {
+  Tensor<double> t(shape);
+  for (double& x : t.values()) {
+    const double u = std::ldexp(static_cast<double>(rng.next_u64() >> 11), -53);
+    x = num::round_to(format, lo + (hi - lo) * u);
+  }
+  return t;
+}
 
 const std::vector<Generator>& generators() {
   static const std::vector<Generator> all = {

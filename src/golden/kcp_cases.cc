@@ -65,28 +65,17 @@ KcpParams from_json(const json& j) {
   return p;
 }
 
-// Uniform in [lo, hi], rounded to `format` (integer arithmetic and IEEE operations in a
-// fixed order: the same bytes everywhere).
-Tensor<double> draw(num::Random& rng, const Shape& shape, double lo, double hi, Format format) {
-  Tensor<double> t(shape);
-  for (double& x : t.values()) {
-    const double u = std::ldexp(static_cast<double>(rng.next_u64() >> 11), -53);
-    x = num::round_to(format, lo + (hi - lo) * u);
-  }
-  return t;
-}
-
 kda::Inputs<double> make_inputs(const KcpParams& p, std::uint64_t seed) {
   num::Random rng(seed);
   const double k_half_width = p.qk_l2norm ? 1.0 : 1.0 / std::sqrt(static_cast<double>(p.K));
   kda::Inputs<double> in;
-  in.q = draw(rng, {1, p.T, p.H, p.K}, -1, 1, Format::bf16);
-  in.k = draw(rng, {1, p.T, p.H, p.K}, -k_half_width, k_half_width, Format::bf16);
-  in.v = draw(rng, {1, p.T, p.HV, p.V}, -1, 1, Format::bf16);
-  in.g = draw(rng, {1, p.T, p.HV, p.K}, p.g_lo, p.g_hi, Format::bf16);
-  in.beta = draw(rng, {1, p.T, p.HV}, p.beta_lo, p.beta_hi, Format::bf16);
-  if (p.A_log) in.A_log = draw(rng, {p.HV}, 0, std::log(16.0), Format::fp32);
-  if (p.dt_bias) in.dt_bias = draw(rng, {p.HV, p.K}, -1, 1, Format::fp32);
+  in.q = draw_uniform_rounded(rng, {1, p.T, p.H, p.K}, -1, 1, Format::bf16);
+  in.k = draw_uniform_rounded(rng, {1, p.T, p.H, p.K}, -k_half_width, k_half_width, Format::bf16);
+  in.v = draw_uniform_rounded(rng, {1, p.T, p.HV, p.V}, -1, 1, Format::bf16);
+  in.g = draw_uniform_rounded(rng, {1, p.T, p.HV, p.K}, p.g_lo, p.g_hi, Format::bf16);
+  in.beta = draw_uniform_rounded(rng, {1, p.T, p.HV}, p.beta_lo, p.beta_hi, Format::bf16);
+  if (p.A_log) in.A_log = draw_uniform_rounded(rng, {p.HV}, 0, std::log(16.0), Format::fp32);
+  if (p.dt_bias) in.dt_bias = draw_uniform_rounded(rng, {p.HV, p.K}, -1, 1, Format::fp32);
   in.cu_seqlens = p.cu_seqlens;
   return in;
 }

@@ -73,17 +73,6 @@ KdaParams from_json(const json& j) {
   return p;
 }
 
-// Uniform in [lo, hi] then rounded to `format`: the stored value is exactly the value
-// the reference consumes. Only integer arithmetic and IEEE operations in a fixed order.
-Tensor<double> draw(num::Random& rng, const Shape& shape, double lo, double hi, Format format) {
-  Tensor<double> t(shape);
-  for (double& x : t.values()) {
-    const double u = std::ldexp(static_cast<double>(rng.next_u64() >> 11), -53);
-    x = num::round_to(format, lo + (hi - lo) * u);
-  }
-  return t;
-}
-
 template <class S>
 kda::Options<S> options_of(const KdaParams& p) {
   kda::Options<S> opt;
@@ -106,22 +95,22 @@ kda::Inputs<double> make_inputs(const KdaParams& p, std::uint64_t seed) {
   // that beta ||k||^2 stays in the stable range of the delta rule, as normalised keys do.
   const double k_half_width = p.qk_l2norm ? 1.0 : 1.0 / std::sqrt(static_cast<double>(p.K));
   kda::Inputs<double> in;
-  in.q = draw(rng, {p.B, p.T, p.H, p.K}, -1, 1, Format::bf16);
-  in.k = draw(rng, {p.B, p.T, p.H, p.K}, -k_half_width, k_half_width, Format::bf16);
-  in.v = draw(rng, {p.B, p.T, p.HV, p.V}, -1, 1, Format::bf16);
-  in.g = draw(rng, {p.B, p.T, p.HV, p.K}, p.g_lo, p.g_hi, Format::bf16);
-  in.beta = draw(rng, {p.B, p.T, p.HV}, p.beta_lo, p.beta_hi, Format::bf16);
+  in.q = draw_uniform_rounded(rng, {p.B, p.T, p.H, p.K}, -1, 1, Format::bf16);
+  in.k = draw_uniform_rounded(rng, {p.B, p.T, p.H, p.K}, -k_half_width, k_half_width, Format::bf16);
+  in.v = draw_uniform_rounded(rng, {p.B, p.T, p.HV, p.V}, -1, 1, Format::bf16);
+  in.g = draw_uniform_rounded(rng, {p.B, p.T, p.HV, p.K}, p.g_lo, p.g_hi, Format::bf16);
+  in.beta = draw_uniform_rounded(rng, {p.B, p.T, p.HV}, p.beta_lo, p.beta_hi, Format::bf16);
   if (p.initial_state) {
     // Values exact in bf16 although stored as F32 (FLA's chunk_kda wants an fp32 state).
     const Shape shape = p.state_layout == "v_first" ? Shape{N, p.HV, p.V, p.K} : Shape{N, p.HV, p.K, p.V};
-    in.initial_state = draw(rng, shape, -1, 1, Format::bf16);
+    in.initial_state = draw_uniform_rounded(rng, shape, -1, 1, Format::bf16);
   }
   if (p.A_log) {
     // A = exp(A_log) in [1, 16], as Mamba-style initialisations give.
-    Tensor<double> a = draw(rng, {p.HV}, 0, std::log(16.0), Format::fp32);
+    Tensor<double> a = draw_uniform_rounded(rng, {p.HV}, 0, std::log(16.0), Format::fp32);
     in.A_log = a;
   }
-  if (p.dt_bias) in.dt_bias = draw(rng, {p.HV, p.K}, -1, 1, Format::fp32);
+  if (p.dt_bias) in.dt_bias = draw_uniform_rounded(rng, {p.HV, p.K}, -1, 1, Format::fp32);
   if (!p.cu_seqlens.empty()) in.cu_seqlens = p.cu_seqlens;
   return in;
 }

@@ -13,6 +13,8 @@
 
 #include "k3ref/io/safetensors.h"
 #include "k3ref/kda/options.h"
+#include "k3ref/num/float_format.h"
+#include "k3ref/num/random.h"
 
 namespace k3ref::golden {
 
@@ -32,6 +34,11 @@ struct Generator {
   std::function<io::SafetensorsFile(const Case&)> generate;
   std::string reference_precision;  // recorded in the manifest
 };
+
+// Golden inputs: uniform in [lo, hi] from the project's own stream, then rounded to
+// `format`, so the stored value is exactly what the reference consumes. Integer
+// arithmetic and IEEE operations in a fixed order: the same bytes everywhere.
+Tensor<double> draw_uniform_rounded(num::Random& rng, const Shape& shape, double lo, double hi, num::Format format);
 
 // All registered generators (one per operator family).
 const std::vector<Generator>& generators();
