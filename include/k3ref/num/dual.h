@@ -109,6 +109,13 @@ class Dual {
     if (a.value_ > T(0)) return a;
     return Dual(a.value_, T(0));
   }
+  // a^b = exp(b log a): derivative a^b (b' log a + b a' / a), for a > 0.
+  friend Dual pow(const Dual& a, const Dual& b) {
+    using std::log;
+    using std::pow;
+    const T p = pow(a.value_, b.value_);
+    return Dual(p, p * (b.tangent_ * log(a.value_) + b.value_ * a.tangent_ / a.value_));
+  }
   // a^n for an integer n, by repeated multiplication (exact for rationals).
   friend Dual pow(const Dual& a, int n) {
     if (n < 0) return Dual(T(1)) / pow(a, -n);
