@@ -1,0 +1,234 @@
+// The chunkwise (UT transform) backward of KDA, organised as training kernels organise it
+// (proofs/kda_backward.md, part 2, derives every line):
+//   stage 1, forward recompute: the chunkwise forward's stages (chunk_states h_c, the
+//            cumulative decays a, Q_decay, K_decay, K_inv, K_restore, INV, M_qk, U);
+//   stage 2, the state-gradient recurrence over chunks, last to first (a kernel's
+//            "bwd_dh"): with dS_out the gradient arriving at the chunk's end,
+//              dU   = M_qk^T dO + K_restore dS_out        (FLA calls it dv_new)
+//              dX   = INV^T dU
+//              dh_c = Q_decay^T dO + Diag(a_last) dS_out - K_decay^T Diag(beta) dX;
+//   stage 3, the intra-chunk gradients, every chunk independently given (h_c, dS_out, dU):
+//              dL = StrictTril(-dX U^T),  dM = tril(dO U^T)
+//              dQ_decay  = dO h_c^T + dM K_inv
+//              dK_inv    = dM^T Q_decay + dL^T Diag(beta) K_decay
+//              dK_decay  = Diag(beta) (dL K_inv - dX h_c^T)
+//              dK_restore = U dS_out^T
+//              dbeta_t = dX_t . (v_t - K_decay_t h_c) + sum_s dL_ts K_decay_t . K_inv_s
+//              dV = Diag(beta) dX
+//            and the decays through the cumulative log decay G_t (a_t = exp G_t):
+//              dG_t = K_decay o dK_decay + Q_decay o dQ_decay - K_inv o dK_inv - K_restore o dK_restore
+//              dG_last += sum_t K_restore o dK_restore + a_last o rowsum(h_c o dS_out)
+//              dg_s = sum_{t >= s} dG_t   (a reverse cumulative sum inside the chunk).
+// It uses the inverse-decay (FlashKDA) form of the forward, so decays must be positive.
+// In rationals it equals the adjoint recurrence exactly (tests/kda/chunkwise_backward_test.cpp).
+#pragma once
+
+#include "k3ref/kda/backward.h"
+#include "k3ref/kda/chunkwise.h"
+
+namespace k3ref::kda {
+
+// Stage tensors of the chunkwise backward, K-first, chunks numbered as in ChunkStages.
+template <class S>
+struct ChunkBackwardStages {
+  std::int64_t chunk_size = 0;
+  Tensor<S> chunk_states;           // [chunks, HV, K, V] h_c, the state entering chunk c (stage 1)
+  Tensor<S> chunk_state_gradients;  // [chunks, HV, K, V] dh_c = dL/dh_c (stage 2)
+  Tensor<S> du;                     // [B, T, HV, V] dU of each chunk (stage 2)
+  Tensor<S> dg_cumulative;          // [B, T, HV, K] dG_t, gradient w.r.t. the cumulative log decay (stage 3)
+  Tensor<std::int64_t> chunk_starts;  // [chunks, 3]: batch row, first token, length
+};
+
+template <class S>
+struct ChunkwiseBackwardResult {
+  Gradients<S> gradients;
+  ChunkBackwardStages<S> stages;
+};
+
+// The chunkwise backward over prepared inputs: prepared gradients and the stage tensors.
+template <class S>
+std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
+    const PreparedInputs<S>& p, const std::optional<Tensor<S>>& initial_state, const Cotangents<S>& cot,
+    const Options<S>& opt, const Dims& d, std::int64_t chunk_size) {
+  for (const S& a : p.decay.values())
+    if (!(a > S(0)))
+      throw InvalidArgument("kda::chunkwise_backward: argument 'g': the inverse-decay form needs every decay > 0");
+  ChunkwiseOptions copt;
+  copt.form = ChunkForm::flashkda;
+  copt.chunk_size = chunk_size;
+  copt.record_stages = true;
+  Options<S> fopt = opt;
+  fopt.output_final_state = false;
+  fopt.output_all_states = false;
+  const ChunkStages<S> st = *chunkwise_core(p, initial_state, fopt, d, copt).stages;
+  const std::int64_t C = st.chunk_size, K = d.K, V = d.V, h_per = d.HV / d.H;
+  const bool v_first = opt.state_layout == StateLayout::v_first;
+  const std::int64_t chunks = st.chunk_starts.dim(0);
+
+  ChunkBackwardStages<S> bs;
+  bs.chunk_size = C;
+  bs.chunk_starts = st.chunk_starts;
+  bs.chunk_states = Tensor<S>({chunks, d.HV, K, V});
+  for (std::int64_t c = 0; c < chunks; ++c)
+    for (std::int64_t hv = 0; hv < d.HV; ++hv)
+      for (std::int64_t i = 0; i < K; ++i)
+        for (std::int64_t j = 0; j < V; ++j)
+          bs.chunk_states(c, hv, i, j) = v_first ? st.chunk_states(c, hv, j, i) : st.chunk_states(c, hv, i, j);
+  bs.chunk_state_gradients = Tensor<S>({chunks, d.HV, K, V});
+  bs.du = Tensor<S>({d.B, d.T, d.HV, V});
+  bs.dg_cumulative = Tensor<S>({d.B, d.T, d.HV, K});
+
+  PreparedGradients<S> g;
+  g.dq = Tensor<S>({d.B, d.T, d.HV, K});
+  g.dk = Tensor<S>({d.B, d.T, d.HV, K});
+  g.dv = Tensor<S>({d.B, d.T, d.HV, V});
+  g.ddecay = Tensor<S>({d.B, d.T, d.HV, K});
+  g.dbeta = Tensor<S>({d.B, d.T, d.HV});
+  g.d_initial_state = Tensor<S>({d.N, d.HV, K, V});
+
+  // Chunks of each sequence (as chunkwise_core numbers them).
+  std::vector<std::int64_t> first_chunk(d.N + 1, 0);
+  for (std::int64_t n = 0; n < d.N; ++n)
+    first_chunk[n + 1] = first_chunk[n] + (d.seq_end[n] - d.seq_begin[n] + C - 1) / C;
+
+  // dS_out of a chunk: dF for a sequence's last chunk, else dh of the next chunk.
+  auto final_gradient = [&](std::int64_t n, std::int64_t hv) {
+    std::vector<S> G(static_cast<std::size_t>(K * V), S(0));
+    if (cot.d_final_state)
+      for (std::int64_t i = 0; i < K; ++i)
+        for (std::int64_t j = 0; j < V; ++j)
+          G[i * V + j] = v_first ? (*cot.d_final_state)(n, hv, j, i) : (*cot.d_final_state)(n, hv, i, j);
+    return G;
+  };
+
+  detail::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
+    const std::int64_t n = item / d.HV, hv = item % d.HV, h = hv / h_per;
+    std::vector<S> dS_out = final_gradient(n, hv);
+    for (std::int64_t c = first_chunk[n + 1]; c-- > first_chunk[n];) {
+      const std::int64_t b = st.chunk_starts(c, 0), t0 = st.chunk_starts(c, 1), len = st.chunk_starts(c, 2);
+      const std::int64_t last = t0 + len - 1;
+      auto H = [&](std::int64_t i, std::int64_t j) -> const S& { return bs.chunk_states(c, hv, i, j); };
+      auto dO = [&](std::int64_t t, std::int64_t j) -> const S& { return cot.d_o(b, t0 + t, hv, j); };
+      auto U = [&](std::int64_t t, std::int64_t j) -> const S& { return st.u(b, t0 + t, hv, j); };
+      auto INV = [&](std::int64_t t, std::int64_t s) -> const S& { return st.inv(b, t0 + t, hv, s); };
+      auto M = [&](std::int64_t t, std::int64_t s) -> const S& { return st.m_qk(b, t0 + t, hv, s); };
+      auto Qd = [&](std::int64_t t, std::int64_t i) -> const S& { return st.q_decay(b, t0 + t, hv, i); };
+      auto Kd = [&](std::int64_t t, std::int64_t i) -> const S& { return st.k_decay(b, t0 + t, hv, i); };
+      auto Ki = [&](std::int64_t t, std::int64_t i) -> const S& { return st.k_inv(b, t0 + t, hv, i); };
+      auto Kr = [&](std::int64_t t, std::int64_t i) -> const S& { return st.k_restore(b, t0 + t, hv, i); };
+      auto beta = [&](std::int64_t t) -> const S& { return p.beta(b, t0 + t, hv); };
+      auto dSo = [&](std::int64_t i, std::int64_t j) -> const S& { return dS_out[i * V + j]; };
+
+      // Stage 2: dU = M^T dO + K_restore dS_out; dX = INV^T dU.
+      std::vector<S> dU(static_cast<std::size_t>(len * V), S(0)), dX(static_cast<std::size_t>(len * V), S(0));
+      for (std::int64_t s = 0; s < len; ++s)
+        for (std::int64_t j = 0; j < V; ++j) {
+          S acc(0);
+          for (std::int64_t t = s; t < len; ++t) acc += M(t, s) * dO(t, j);
+          for (std::int64_t i = 0; i < K; ++i) acc += Kr(s, i) * dSo(i, j);
+          dU[s * V + j] = acc;
+          bs.du(b, t0 + s, hv, j) = acc;
+        }
+      for (std::int64_t s = 0; s < len; ++s)
+        for (std::int64_t j = 0; j < V; ++j) {
+          S acc(0);
+          for (std::int64_t t = s; t < len; ++t) acc += INV(t, s) * dU[t * V + j];
+          dX[s * V + j] = acc;
+        }
+      // dh_c = Q_decay^T dO + Diag(a_last) dS_out - K_decay^T Diag(beta) dX.
+      std::vector<S> dh(static_cast<std::size_t>(K * V));
+      for (std::int64_t i = 0; i < K; ++i)
+        for (std::int64_t j = 0; j < V; ++j) {
+          S acc = st.decay(b, last, hv, i) * dSo(i, j);
+          for (std::int64_t t = 0; t < len; ++t) acc += Qd(t, i) * dO(t, j) - Kd(t, i) * beta(t) * dX[t * V + j];
+          dh[i * V + j] = acc;
+          bs.chunk_state_gradients(c, hv, i, j) = acc;
+        }
+
+      // Stage 3: the intra-chunk gradients.
+      std::vector<S> dL(static_cast<std::size_t>(len * len), S(0)), dM(static_cast<std::size_t>(len * len), S(0));
+      for (std::int64_t t = 0; t < len; ++t)
+        for (std::int64_t s = 0; s <= t; ++s) {
+          S xu(0), ou(0);
+          for (std::int64_t j = 0; j < V; ++j) {
+            xu += dX[t * V + j] * U(s, j);
+            ou += dO(t, j) * U(s, j);
+          }
+          if (s < t) dL[t * len + s] = -xu;
+          dM[t * len + s] = ou;
+        }
+      std::vector<S> dG(static_cast<std::size_t>(len * K), S(0));
+      S* dG_last = &dG[(len - 1) * K];
+      for (std::int64_t t = 0; t < len; ++t) {
+        // Residual r_t = v_t - K_decay_t h_c (the X before beta).
+        S dbeta(0);
+        for (std::int64_t j = 0; j < V; ++j) {
+          S kh(0);
+          for (std::int64_t i = 0; i < K; ++i) kh += Kd(t, i) * H(i, j);
+          dbeta += dX[t * V + j] * (p.v(b, t0 + t, hv, j) - kh);
+          g.dv(b, t0 + t, hv, j) = beta(t) * dX[t * V + j];
+        }
+        for (std::int64_t s = 0; s < t; ++s) {
+          S kk(0);
+          for (std::int64_t i = 0; i < K; ++i) kk += Kd(t, i) * Ki(s, i);
+          dbeta += dL[t * len + s] * kk;
+        }
+        g.dbeta(b, t0 + t, hv) = dbeta;
+        for (std::int64_t i = 0; i < K; ++i) {
+          S dQd(0), dKi(0), dKd(0), dKr(0);
+          for (std::int64_t j = 0; j < V; ++j) {
+            dQd += dO(t, j) * H(i, j);
+            dKd -= dX[t * V + j] * H(i, j);
+            dKr += U(t, j) * dSo(i, j);
+          }
+          for (std::int64_t s = 0; s <= t; ++s) dQd += dM[t * len + s] * Ki(s, i);
+          for (std::int64_t r = t; r < len; ++r) dKi += dM[r * len + t] * Qd(r, i);
+          for (std::int64_t r = t + 1; r < len; ++r) dKi += dL[r * len + t] * beta(r) * Kd(r, i);
+          for (std::int64_t s = 0; s < t; ++s) dKd += dL[t * len + s] * Ki(s, i);
+          dKd *= beta(t);
+          const S a = st.decay(b, t0 + t, hv, i), a_last = st.decay(b, last, hv, i);
+          g.dq(b, t0 + t, hv, i) = p.scale * (a * dQd);
+          g.dk(b, t0 + t, hv, i) = a * dKd + dKi / a + (a_last / a) * dKr;
+          dG[t * K + i] += Kd(t, i) * dKd + Qd(t, i) * dQd - Ki(t, i) * dKi - Kr(t, i) * dKr;
+          dG_last[i] += Kr(t, i) * dKr;
+        }
+      }
+      for (std::int64_t i = 0; i < K; ++i) {
+        S hs(0);
+        for (std::int64_t j = 0; j < V; ++j) hs += H(i, j) * dSo(i, j);
+        dG_last[i] += st.decay(b, last, hv, i) * hs;
+      }
+      // dg_s = sum_{t >= s} dG_t; the multiplicative decay's gradient is dg / decay.
+      for (std::int64_t i = 0; i < K; ++i) {
+        S suffix(0);
+        for (std::int64_t t = len; t-- > 0;) {
+          bs.dg_cumulative(b, t0 + t, hv, i) = dG[t * K + i];
+          suffix += dG[t * K + i];
+          g.ddecay(b, t0 + t, hv, i) = suffix / p.decay(b, t0 + t, hv, i);
+        }
+      }
+      dS_out = std::move(dh);
+    }
+    std::copy(dS_out.begin(), dS_out.end(), g.d_initial_state.data() + g.d_initial_state.offset(n, hv, 0, 0));
+  });
+  return {std::move(g), std::move(bs)};
+}
+
+// The full KDA backward by the chunkwise form (chunk size C; 0 means 16).
+template <class S>
+ChunkwiseBackwardResult<S> chunkwise_backward(const Inputs<S>& in, const Options<S>& opt, const Cotangents<S>& cot,
+                                              std::int64_t chunk_size = 0) {
+  const Dims d = validate(shapes_of(in, opt));
+  if (opt.lower_bound && !(*opt.lower_bound < S(0)))
+    throw InvalidArgument("kda: argument 'lower_bound': must be negative");
+  if (opt.num_threads < 1) throw InvalidArgument("kda: argument 'num_threads': must be at least 1");
+  if (chunk_size < 0) throw InvalidArgument("kda::chunkwise_backward: argument 'chunk_size': must be >= 0");
+  validate_cotangents(d, cot.d_o.shape(),
+                      cot.d_final_state ? std::optional<Shape>(cot.d_final_state->shape()) : std::nullopt,
+                      opt.state_layout);
+  const PreparedInputs<S> p = prepare(in, opt, d);
+  auto [pg, stages] = chunkwise_adjoint(p, in.initial_state, cot, opt, d, chunk_size);
+  return {stage_backward(in, opt, p, std::move(pg), d), std::move(stages)};
+}
+
+}  // namespace k3ref::kda
