@@ -187,6 +187,28 @@ RC_GTEST_PROP(KcpBackward, GradientsAgreeWithForwardModeDualNumbersExactly, ()) 
 }
 #endif
 
+// The full context-parallel backward, rank by rank, gathered: every gradient equals the
+// single-device adjoint recurrence (kda::recurrent_backward) exactly, for every merge.
+RC_GTEST_PROP(KcpBackward, GatheredRankGradientsEqualTheSingleDeviceBackward, ()) {
+  const std::int64_t H = *rc::gen::inRange(1, 3);
+  const Sizes s{H, H * *rc::gen::inRange(1, 3), *rc::gen::inRange<std::int64_t>(1, 3), *rc::gen::inRange<std::int64_t>(1, 3)};
+  const auto cu = random_documents(4, 5);
+  const auto in = random_packed_inputs(s, cu, *rc::gen::arbitrary<bool>());
+  const auto opt = exact_options();
+  const std::int64_t N = static_cast<std::int64_t>(cu.size()) - 1;
+  kda::Cotangents<Q> cot{random_tensor({1, cu.back(), s.HV, s.V}, -3, 3), std::nullopt};
+  if (*rc::gen::arbitrary<bool>()) cot.d_final_state = random_tensor({N, s.HV, s.K, s.V}, -3, 3);
+  const auto merge = *rc::gen::element(Merge::origin_rank, Merge::sequential_scan, Merge::tree_scan);
+  const auto want = kda::recurrent_backward(in, opt, cot);
+  const auto got = context_parallel_backward(in, opt, random_splits(cu.back(), 6), cot, merge).gradients;
+  RC_ASSERT(got.dq == want.dq);
+  RC_ASSERT(got.dk == want.dk);
+  RC_ASSERT(got.dv == want.dv);
+  RC_ASSERT(got.dg == want.dg);
+  RC_ASSERT(got.dbeta == want.dbeta);
+  RC_ASSERT(got.d_initial_state == want.d_initial_state);
+}
+
 // One token: the adjoint sweep is M_t^T (G + q^ dO^T) with M_t written out.
 RC_GTEST_PROP(KcpBackward, AdjointOfOneTokenIsTheTransposedTransition, ()) {
   const Sizes s{1, 1, *rc::gen::inRange<std::int64_t>(1, 4), *rc::gen::inRange<std::int64_t>(1, 4)};

@@ -15,6 +15,7 @@
 #pragma once
 
 #include "k3ref/kcp/context_parallel.h"
+#include "k3ref/kda/backward.h"
 
 namespace k3ref::kcp {
 
@@ -177,6 +178,69 @@ StateBackwardResult<S> context_parallel_state_backward(const kda::Inputs<S>& in,
     }
   }
   res.initial_state_gradient = v_first ? detail::swap_last_two(dh0) : dh0;
+  return res;
+}
+
+// The full context-parallel backward: after the state pass above, each rank runs the
+// adjoint recurrence over its own slice (kda::adjoint_span), starting from the forward
+// state it entered with and from the state gradient that arrives at its end from the next
+// rank, and writes the gradients of its own tokens. Gathered, they equal the single-device
+// backward exactly (tests/kcp/backward_test.cpp). Only the token ranges differ between
+// ranks, so a kernel's rank r can be checked alone on its slice of each gradient.
+template <class S>
+struct ContextParallelBackwardResult {
+  StateBackwardResult<S> state;    // plan, adjoint fragments, entering (state) gradients, dL/dh0
+  std::vector<Tensor<S>> entering_states;  // per rank [HV, K, V] K-first, from the forward pass
+  kda::Gradients<S> gradients;     // gathered over ranks
+};
+
+template <class S>
+ContextParallelBackwardResult<S> context_parallel_backward(const kda::Inputs<S>& in, const kda::Options<S>& opt,
+                                                           const std::vector<std::int64_t>& splits,
+                                                           const kda::Cotangents<S>& cot,
+                                                           Merge merge = Merge::origin_rank) {
+  const auto setup = detail::setup_split(in, opt, splits, "kcp::context_parallel_backward");
+  const kda::Dims& d = setup.d;
+  kda::validate_cotangents(d, cot.d_o.shape(),
+                           cot.d_final_state ? std::optional<Shape>(cot.d_final_state->shape()) : std::nullopt,
+                           opt.state_layout);
+  ContextParallelBackwardResult<S> res;
+  res.state = context_parallel_state_backward(in, opt, splits, cot.d_o, cot.d_final_state, merge);
+  res.entering_states = context_parallel_forward(in, opt, splits, merge).entering_states;
+  const Plan& plan = res.state.plan;
+  const auto& cu = plan.cu_seqlens;
+  std::optional<Tensor<S>> dF;
+  if (cot.d_final_state)
+    dF = opt.state_layout == kda::StateLayout::v_first ? detail::swap_last_two(*cot.d_final_state) : *cot.d_final_state;
+
+  kda::PreparedGradients<S> pg{Tensor<S>({1, d.T, d.HV, d.K}), Tensor<S>({1, d.T, d.HV, d.K}),
+                               Tensor<S>({1, d.T, d.HV, d.V}), Tensor<S>({1, d.T, d.HV, d.K}),
+                               Tensor<S>({1, d.T, d.HV}),       Tensor<S>({d.N, d.HV, d.K, d.V})};
+  const std::int64_t P = plan.num_ranks();
+  // Ranks write disjoint token ranges.
+  kda::detail::parallel_for(P, opt.num_threads, [&](std::int64_t r) {
+    const RankSlice& s = plan.ranks[static_cast<std::size_t>(r)];
+    if (s.empty()) return;
+    for (std::size_t j = 0; j + 1 < s.local_cu_seqlens.size(); ++j) {
+      const std::int64_t n = s.first_doc + static_cast<std::int64_t>(j);
+      const std::int64_t t0 = s.begin + s.local_cu_seqlens[j], t1 = s.begin + s.local_cu_seqlens[j + 1];
+      if (t0 == t1) continue;
+      const Tensor<S> before = j == 0 ? res.entering_states[static_cast<std::size_t>(r)] : detail::initial_of(setup.h0, n, d);
+      const bool ends_here = cu[static_cast<std::size_t>(n) + 1] == t1;
+      Tensor<S> after({d.HV, d.K, d.V});
+      if (ends_here)
+        after = detail::initial_of(dF, n, d);
+      else if (r + 1 < P)
+        after = res.state.entering_gradients[static_cast<std::size_t>(r) + 1];
+      for (std::int64_t hv = 0; hv < d.HV; ++hv) {
+        const std::size_t at = static_cast<std::size_t>(hv * d.K * d.V), size = static_cast<std::size_t>(d.K * d.V);
+        std::vector<S> state(before.data() + at, before.data() + at + size), G(after.data() + at, after.data() + at + size);
+        kda::adjoint_span(setup.p, d, 0, hv, t0, t1, state, cot.d_o, G, pg);
+      }
+    }
+  });
+  res.gradients = kda::stage_backward(in, opt, setup.p, std::move(pg), d);
+  res.gradients.d_initial_state = res.state.initial_state_gradient;
   return res;
 }
 
