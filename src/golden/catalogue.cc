@@ -27,6 +27,7 @@ const std::vector<Generator>& generators() {
       {"attnres.block", generate_attnres, std::to_string(num::golden_bits) + "-bit binary float"},
       {"attnres.phase1", generate_attnres, std::to_string(num::golden_bits) + "-bit binary float"},
       {"kcp.context_parallel", generate_kcp_context_parallel, std::to_string(num::golden_bits) + "-bit binary float"},
+      {"kda.backward", generate_kda_backward, std::to_string(num::golden_bits) + "-bit binary float"},
       // Each operator family registers its generator here (one line per op).
   };
   return all;
@@ -44,7 +45,8 @@ std::vector<Case> suite(const std::string& name) {
   if (name == "default") {
     std::vector<Case> cases;
     // Each operator family appends its default cases here (one line per family).
-    for (auto family : {kda_default_cases, kda_chunkwise_default_cases, qb_default_cases, attnres_default_cases, kcp_default_cases}) {
+    for (auto family : {kda_default_cases, kda_chunkwise_default_cases, qb_default_cases, attnres_default_cases, kcp_default_cases,
+                        kda_backward_default_cases}) {
       auto more = family();
       cases.insert(cases.end(), more.begin(), more.end());
     }

@@ -134,11 +134,10 @@ io::SafetensorsFile generate_kda_recurrent(const Case& c) {
 
   using G = num::golden_float;
   const kda::Outputs<G> exact = kda::recurrent_forward(kda::lift<G>(in), options_of<G>(p));
-  auto to_double = [](const Tensor<G>& t) { return t.map<double>([](const G& x) { return num::to_double_rne(x); }); };
   kda::Outputs<double> out;
-  out.o = to_double(exact.o);
-  if (exact.final_state) out.final_state = to_double(*exact.final_state);
-  if (exact.all_states) out.all_states = to_double(*exact.all_states);
+  out.o = round_to_double(exact.o);
+  if (exact.final_state) out.final_state = round_to_double(*exact.final_state);
+  if (exact.all_states) out.all_states = round_to_double(*exact.all_states);
 
   io::SafetensorsFile file;
   file.tensors.emplace_back("q", stored(in.q, DType::BF16));
@@ -162,6 +161,16 @@ io::SafetensorsFile generate_kda_recurrent(const Case& c) {
                    {"k3ref.reference_precision", std::to_string(num::golden_bits) + "-bit binary float"},
                    {"k3ref.outputs", exact.all_states ? "o,final_state,all_states" : "o,final_state"}};
   return file;
+}
+
+kda::Options<num::golden_float> kda_golden_options(const nlohmann::json& kda_params) {
+  return options_of<num::golden_float>(from_json(kda_params));
+}
+kda::Options<double> kda_double_options(const nlohmann::json& kda_params) {
+  return options_of<double>(from_json(kda_params));
+}
+Tensor<double> round_to_double(const Tensor<num::golden_float>& t) {
+  return t.map<double>([](const num::golden_float& x) { return num::to_double_rne(x); });
 }
 
 kda::Outputs<double> kda_recurrent_in_double(const Case& c, const io::SafetensorsFile& golden_file) {

@@ -17,24 +17,6 @@ namespace {
 using nlohmann::json;
 using G = num::golden_float;
 
-// The options of a recurrence case's parameters (the fields kda_cases.cc writes).
-kda::Options<G> options_from(const json& p) {
-  kda::Options<G> opt;
-  if (!p.at("scale").is_null()) opt.scale = G(p.at("scale").get<double>());
-  opt.qk_l2norm = p.at("qk_l2norm");
-  opt.gate = *kda::gate_form_from_string(p.at("gate").get<std::string>());
-  opt.gate_base = *kda::gate_base_from_string(p.at("gate_base").get<std::string>());
-  if (!p.at("lower_bound").is_null()) opt.lower_bound = G(p.at("lower_bound").get<double>());
-  opt.beta = *kda::beta_form_from_string(p.at("beta").get<std::string>());
-  opt.state_layout = *kda::state_layout_from_string(p.at("state_layout").get<std::string>());
-  opt.output_final_state = true;
-  return opt;
-}
-
-Tensor<double> to_double(const Tensor<G>& t) {
-  return t.map<double>([](const G& x) { return num::to_double_rne(x); });
-}
-
 }  // namespace
 
 io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
@@ -48,20 +30,20 @@ io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
   copt.chunk_size = c.params.at("chunk_size");
   copt.sub_chunk = c.params.at("sub_chunk");
   copt.record_stages = true;
-  const auto exact = kda::chunkwise_forward(kda::lift<G>(in), options_from(kda_params), copt);
+  const auto exact = kda::chunkwise_forward(kda::lift<G>(in), kda_golden_options(kda_params), copt);
   const auto& st = *exact.stages;
 
   io::SafetensorsFile file;
   for (const char* name : kda::input_names)
     if (const io::RawTensor* t = inputs_file.find(name)) file.tensors.emplace_back(name, *t);
   kda::Outputs<double> out;
-  out.o = to_double(exact.out.o);
-  out.final_state = to_double(*exact.out.final_state);
+  out.o = round_to_double(exact.out.o);
+  out.final_state = round_to_double(*exact.out.final_state);
   kda::add_outputs(file, out);
   std::string names = "o,final_state";
   auto stage = [&](const char* name, const Tensor<G>& t) {
     if (t.rank() == 0) return;  // a tensor the form does not have
-    file.tensors.emplace_back(name, io::from_f64(to_double(t), DType::F64));
+    file.tensors.emplace_back(name, io::from_f64(round_to_double(t), DType::F64));
     names += std::string(",") + name;
   };
   stage("decay", st.decay);

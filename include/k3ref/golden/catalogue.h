@@ -15,6 +15,7 @@
 #include "k3ref/kda/options.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
+#include "k3ref/num/scalar.h"
 
 namespace k3ref::golden {
 
@@ -51,6 +52,12 @@ std::vector<std::string> suite_names();
 // KDA recurrence cases (src/golden/kda_cases.cc).
 std::vector<Case> kda_default_cases();
 io::SafetensorsFile generate_kda_recurrent(const Case&);
+// The options a KDA case's parameters describe, in the golden tier and in double.
+kda::Options<num::golden_float> kda_golden_options(const nlohmann::json& kda_params);
+kda::Options<double> kda_double_options(const nlohmann::json& kda_params);
+// A golden-precision tensor rounded to double (round to nearest even), as goldens store it.
+Tensor<double> round_to_double(const Tensor<num::golden_float>& t);
+
 // The double-precision recurrence run on a KDA case's stored inputs with the case's
 // options: what the double tier gives against the golden's 256-bit outputs.
 kda::Outputs<double> kda_recurrent_in_double(const Case&, const io::SafetensorsFile& golden_file);
@@ -75,5 +82,12 @@ io::SafetensorsFile generate_attnres(const Case&);
 // fragments, merged entering states and outputs of a packed sequence split over P ranks.
 std::vector<Case> kcp_default_cases();
 io::SafetensorsFile generate_kcp_context_parallel(const Case&);
+
+// KDA gradient goldens (src/golden/kda_backward_cases.cc), "kda.backward": the inputs of a
+// recurrence case, upstream gradients d_o and d_final_state, every input's gradient, the
+// chunkwise backward's stage tensors (C = 64) and, for a case with `splits`, the
+// context-parallel backward's per-rank entering states and state gradients.
+std::vector<Case> kda_backward_default_cases();
+io::SafetensorsFile generate_kda_backward(const Case&);
 
 }  // namespace k3ref::golden
