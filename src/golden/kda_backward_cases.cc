@@ -76,8 +76,10 @@ io::SafetensorsFile generate_kda_backward(const Case& c) {
   const std::int64_t N = in.cu_seqlens ? static_cast<std::int64_t>(in.cu_seqlens->size()) - 1 : B;
   const bool v_first = opt.state_layout == kda::StateLayout::v_first;
   const Tensor<double> d_o = draw_uniform_rounded(rng, {B, T, HV, V}, -1, 1, Format::bf16);
-  const Tensor<double> d_final =
+  Tensor<double> d_final =
       draw_uniform_rounded(rng, v_first ? Shape{N, HV, V, K} : Shape{N, HV, K, V}, -1, 1, Format::bf16);
+  // A kernel in context-parallel mode returns no final state: then the loss has no such term.
+  if (!c.params.value("final_state_gradient", true)) d_final = Tensor<double>(d_final.shape());
   auto up = [](const Tensor<double>& t) { return t.map<G>([](double x) { return G(x); }); };
   const kda::Inputs<G> gin = kda::lift<G>(in);
   const kda::Cotangents<G> cot{up(d_o), up(d_final)};
@@ -152,6 +154,23 @@ std::vector<Case> kda_backward_default_cases() {
                                    {"kda_fla_chunk_like", {}}};
   const std::vector<Case> recurrent = kda_default_cases();
   std::vector<Case> cases;
+  // For a context-parallel kernel across 2 devices (FLA's cp mode): T divisible by 2, no
+  // initial state and no final-state gradient (the mode supports neither), a document
+  // crossing the split at 48 and a 1-token document.
+  {
+    const Case* varlen = nullptr;
+    for (const Case& r : recurrent)
+      if (r.name == "kda_varlen") varlen = &r;
+    json kda = varlen->params;
+    kda["T"] = 96;
+    kda["K"] = 64;
+    kda["V"] = 64;
+    kda["cu_seqlens"] = {0, 30, 31, 96};
+    kda["initial_state"] = false;
+    cases.push_back(Case{"kda_backward_cp2_varlen", "kda.backward", 0x6b6470ull,
+                         {{"base_case", "kda_backward_cp2_varlen_inputs"}, {"kda", kda}, {"splits", {0, 48, 96}},
+                          {"final_state_gradient", false}}});
+  }
   for (const Pick& pick : picks) {
     const Case* base = nullptr;
     for (const Case& r : recurrent)
