@@ -1,0 +1,197 @@
+"""Backward checks: a training kernel's gradients (autograd through FLA's chunk_kda)
+against k3ref's gradient goldens ("kda.backward", docs/backward.md), on one GPU and in
+context-parallel mode across 2 GPUs, rank by rank.
+
+For each case the kernel runs the golden's inputs with requires_grad, and
+torch.autograd.backward((o, final_state), (d_o, d_final_state)) gives its gradients.
+Each gradient is scored by FLA's own test metric (relative RMS error, `err_ratio` in
+fla/utils/_testing.py) against the golden, and by that error over the golden's bf16
+rounding floor (the error of merely storing the exact gradient in bf16). The pass
+thresholds are the ones FLA's tests assert for its backward: 0.008 for dq, dk, dv and the
+state gradient, 0.02 for dg, dbeta, dA_log and ddt_bias (FACTS.md).
+
+    PYTHONPATH=gpu_check python3 -m k3gc.backward --goldens goldens --fla-path DIR --out report/
+    PYTHONPATH=gpu_check torchrun --nproc_per_node 2 -m k3gc.backward --cp --goldens goldens ...
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from . import golden
+from .adapters import FlaAdapter, _add_path
+
+THRESHOLDS = {"dq": 0.008, "dk": 0.008, "dv": 0.008, "d_initial_state": 0.008,
+              "dg": 0.02, "dbeta": 0.02, "dA_log": 0.02, "ddt_bias": 0.02}
+INPUT_OF = {"dq": "q", "dk": "k", "dv": "v", "dg": "g", "dbeta": "beta", "d_initial_state": "initial_state",
+            "dA_log": "A_log", "ddt_bias": "dt_bias"}
+
+
+def rel_rms(x, ref):
+    x, ref = x.double(), ref.double()
+    denom = ref.pow(2).sum().sqrt()
+    diff = (x - ref).pow(2).sum().sqrt()
+    return float(diff / denom) if denom > 0 else float(x.abs().max()) if x.numel() else 0.0
+
+
+def score(name, got, want):
+    """FLA's err_ratio, the bf16 floor of the golden, their ratio, pass/fail."""
+    got = got.detach().reshape(want.shape).double().cpu()
+    err = rel_rms(got, want)
+    floor = rel_rms(want.to(torch.bfloat16), want)
+    finite = bool(torch.isfinite(got).all())
+    threshold = THRESHOLDS[name]
+    return {"tensor": name, "err_ratio": err, "bf16_floor": floor,
+            "over_floor": err / floor if floor > 0 else (0.0 if err == 0 else math.inf),
+            "threshold": threshold, "finite": finite, "passed": finite and err <= threshold}
+
+
+def unsupported(params, s):
+    if params.get("state_layout") == "v_first":
+        return "the golden uses a V-first state (FLA's backward is checked K-first)"
+    if s["K"] > 256:
+        return "FLA KDA supports K <= 256"
+    if params.get("gate") == "softplus" and not params.get("A_log"):
+        return "FLA's softplus gate needs A_log"
+    return None
+
+
+def _leaf(t, device, dtype=None):
+    t = t.to(device)
+    if dtype is not None:
+        t = t.to(dtype)
+    return t.detach().clone().requires_grad_(True)
+
+
+def run_single(case, adapter, device, input_dtype=None):
+    """Gradients of a kernel (an adapter's run) on one device, by autograd, for the inputs
+    the case has. Inputs enter in their stored dtypes (what a kernel takes; the state and
+    gate parameters in fp32) unless `input_dtype` says otherwise (fp64 for a reference)."""
+    inputs = {}
+    for name in ("q", "k", "v", "g", "beta"):
+        inputs[name] = _leaf(case.tensors[name], device, input_dtype)
+    # Without an initial state the golden still holds dL/d(zero state): pass zeros to get it.
+    h0 = case.tensors.get("initial_state", torch.zeros(case.tensors["d_initial_state"].shape))
+    inputs["initial_state"] = _leaf(h0, device, input_dtype or torch.float32)
+    for name in ("A_log", "dt_bias"):
+        if name in case.tensors:
+            inputs[name] = _leaf(case.tensors[name], device, input_dtype or torch.float32)
+    if "cu_seqlens" in case.tensors:
+        inputs["cu_seqlens"] = case.tensors["cu_seqlens"].to(device)
+    o, final = adapter.run(inputs, case.params["kda"])
+    d_o = case.tensors["d_o"].to(device).to(o.dtype)
+    d_final = case.tensors["d_final_state"].to(device).to(final.dtype)
+    torch.autograd.backward((o, final), (d_o, d_final))
+    return {g: inputs[i].grad for g, i in INPUT_OF.items() if i in inputs and inputs[i].grad is not None}
+
+
+def check_single(golden_dir, out_dir):
+    adapters = [FlaAdapter("chunk_kda"), FlaAdapter("chunk_kda", safe_gate=True)]
+    device = torch.device("cuda")
+    rows = []
+    for case in golden.load_suite(golden_dir, ops=("kda.backward",)):
+        params = case.params["kda"]
+        if "final_state_gradient" in case.params and not case.params["final_state_gradient"]:
+            continue  # the context-parallel case, checked by check_context_parallel
+        s = dict(B=params["B"], T=params["T"], H=params["H"], HV=params["HV"], K=params["K"], V=params["V"])
+        for adapter in adapters:
+            row = {"kernel": adapter.name, "case": case.name}
+            if not adapter.available():
+                row.update(status="skipped", reason=adapter.unavailable_reason)
+            elif unsupported(params, s) or adapter.unsupported(params, s):
+                row.update(status="skipped", reason=unsupported(params, s) or adapter.unsupported(params, s))
+            else:
+                try:
+                    grads = run_single(case, adapter, device)
+                    row["scores"] = [score(g, grads[g], case.tensors[g]) for g in THRESHOLDS if g in case.tensors and g in grads]
+                    row["status"] = "passed" if all(x["passed"] for x in row["scores"]) else "failed"
+                except Exception as e:  # a crash is a failure with its message
+                    row.update(status="failed", reason=f"{type(e).__name__}: {e}")
+            rows.append(row)
+    return rows
+
+
+def check_context_parallel(golden_dir):
+    """Run under torchrun with 2 processes: each rank computes its slice of the gradients
+    in FLA's cp mode; rank 0 gathers and scores every rank's slice against the golden."""
+    import torch.distributed as dist
+    from fla.ops.cp import build_cp_context
+    from fla.ops.kda import chunk_kda
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    rows = []
+    for case in golden.load_suite(golden_dir, ops=("kda.backward",)):
+        if case.params.get("final_state_gradient", True):
+            continue
+        splits = [int(x) for x in case.tensors["splits"]]
+        if len(splits) != world + 1:
+            continue
+        p = case.params["kda"]
+        t0, t1 = splits[rank], splits[rank + 1]
+        cu = case.tensors["cu_seqlens"].to(device)
+        ctx = build_cp_context(cu, group=dist.group.WORLD)
+        local = {n: _leaf(case.tensors[n][:, t0:t1], device) for n in ("q", "k", "v", "g", "beta")}
+        kw = dict(scale=p.get("scale"), use_qk_l2norm_in_kernel=bool(p.get("qk_l2norm")), cp_context=ctx)
+        if p.get("beta", "as_given") != "as_given":
+            kw["use_beta_sigmoid_in_kernel"] = True
+            kw["allow_neg_eigval"] = p["beta"] == "two_sigmoid"
+        o, _ = chunk_kda(local["q"], local["k"], local["v"], local["g"], local["beta"], **kw)[:2]
+        o.backward(case.tensors["d_o"][:, t0:t1].to(device).to(o.dtype))
+        mine = {g: local[INPUT_OF[g]].grad.detach().double() for g in ("dq", "dk", "dv", "dg", "dbeta")}
+        gathered = {}
+        for g, t in mine.items():
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            gathered[g] = parts
+        if rank == 0:
+            for r in range(world):
+                a, b = splits[r], splits[r + 1]
+                rows.append({"kernel": "fla.chunk_kda[cp]", "case": f"{case.name} rank {r} tokens [{a}, {b})",
+                             "scores": [score(g, gathered[g][r].cpu(), case.tensors[g][:, a:b]) for g in gathered]})
+                rows[-1]["status"] = "passed" if all(x["passed"] for x in rows[-1]["scores"]) else "failed"
+    dist.destroy_process_group()
+    return rows if rank == 0 else None
+
+
+def print_table(rows):
+    print(f"{'kernel':<26} {'case':<44} {'tensor':<16} {'err_ratio':>10} {'floor':>10} {'x floor':>8} {'limit':>7}  result")
+    for row in rows:
+        if "scores" not in row:
+            print(f"{row['kernel']:<26} {row['case']:<44} {'-':<16} {'':>10} {'':>10} {'':>8} {'':>7}  {row['status']}: {row.get('reason', '')}")
+            continue
+        for x in row["scores"]:
+            print(f"{row['kernel']:<26} {row['case']:<44} {x['tensor']:<16} {x['err_ratio']:>10.3e} {x['bf16_floor']:>10.3e} "
+                  f"{x['over_floor']:>8.2f} {x['threshold']:>7.3f}  {'pass' if x['passed'] else 'FAIL'}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--goldens", default="goldens")
+    ap.add_argument("--fla-path", help="directory holding the fla package (else the installed one)")
+    ap.add_argument("--out", help="directory for backward.json")
+    ap.add_argument("--cp", action="store_true", help="context-parallel check (run under torchrun, 2 processes)")
+    args = ap.parse_args(argv)
+    FlaAdapter.fla_path = args.fla_path
+    _add_path(args.fla_path)
+    rows = check_context_parallel(args.goldens) if args.cp else check_single(args.goldens, args.out)
+    if rows is None:
+        return 0
+    print_table(rows)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / ("backward_cp.json" if args.cp else "backward.json")).write_text(json.dumps(rows, indent=1))
+    failed = [r for r in rows if r["status"] == "failed"]
+    print(f"{len(rows)} rows: {sum(r['status'] == 'passed' for r in rows)} passed, {len(failed)} failed, "
+          f"{sum(r['status'] == 'skipped' for r in rows)} skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
