@@ -235,23 +235,29 @@ class LibReferenceAdapter(KdaAdapter):
 
 class TorchKernelAdapter(KdaAdapter):
     """The PyTorch fp64 recurrence with its output rounded to bf16 (1.0x the floor by
-    construction): a kernel for the host-side tests, on the CPU. `future_leak` makes it
-    read q of token t+1 (a causality bug) for testing the checks themselves."""
+    construction): a kernel for the host-side tests, on the CPU. A mutation makes it wrong
+    on purpose, to test the checks themselves: `future_leak` reads q of token t+1 (a
+    causality bug), `ignore_initial_state` starts every sequence from zero."""
 
     accepts_out = False
+    MUTATIONS = (None, "future_leak", "ignore_initial_state")
 
-    def __init__(self, future_leak=False, device="cpu"):
+    def __init__(self, future_leak=False, device="cpu", mutation=None):
         super().__init__()
-        self.future_leak = future_leak
+        self.mutation = "future_leak" if future_leak else mutation
+        if self.mutation not in self.MUTATIONS:
+            raise ValueError(f"unknown mutation {mutation}")
         self.device = device
-        self.name = "torch.fp64_bf16" + ("[future_leak]" if future_leak else "")
-        self.kind = "mutant" if future_leak else "kernel"
+        self.name = "torch.fp64_bf16" + (f"[{self.mutation}]" if self.mutation else "")
+        self.kind = "mutant" if self.mutation else "kernel"
 
     def run(self, inputs, params, out=None):
-        if self.future_leak:
-            inputs = dict(inputs)
+        inputs = dict(inputs)
+        if self.mutation == "future_leak":
             q = inputs["q"]
             inputs["q"] = torch.cat([q[:, 1:], q[:, -1:]], dim=1)
+        elif self.mutation == "ignore_initial_state":
+            inputs.pop("initial_state", None)
         o, final = reference.kda_forward(inputs, params)
         return o.to(torch.bfloat16), final.to(torch.float32)
 
@@ -268,3 +274,12 @@ def all_adapters(include_mutants=True):
     if include_mutants:
         adapters += [LibKernelAdapter(m) for m in range(1, len(lib.MUTATIONS))]
     return adapters
+
+
+def kernel_by_name(name):
+    """The KDA adapter called `name` (as reports print it), including the CPU test kernels."""
+    known = all_adapters(include_mutants=True) + [TorchKernelAdapter(mutation=m) for m in TorchKernelAdapter.MUTATIONS]
+    for a in known:
+        if a.name == name:
+            return a
+    raise ValueError(f"no KDA kernel named '{name}'; known: {', '.join(a.name for a in known)}")

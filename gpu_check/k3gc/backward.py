@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -89,11 +90,21 @@ def run_single(case, adapter, device, input_dtype=None):
     return {g: inputs[i].grad for g, i in INPUT_OF.items() if i in inputs and inputs[i].grad is not None}
 
 
-def check_single(golden_dir, out_dir):
+def _selected(case, only):
+    return not only or case.name in only
+
+
+def _progress(message):
+    print(message, flush=True)
+
+
+def check_single(golden_dir, only=None):
     adapters = [FlaAdapter("chunk_kda"), FlaAdapter("chunk_kda", safe_gate=True)]
     device = torch.device("cuda")
     rows = []
     for case in golden.load_suite(golden_dir, ops=("kda.backward",)):
+        if not _selected(case, only):
+            continue
         params = case.params["kda"]
         if "final_state_gradient" in case.params and not case.params["final_state_gradient"]:
             continue  # the context-parallel case, checked by check_context_parallel
@@ -106,7 +117,10 @@ def check_single(golden_dir, out_dir):
                 row.update(status="skipped", reason=unsupported(params, s) or adapter.unsupported(params, s))
             else:
                 try:
+                    start = time.perf_counter()
                     grads = run_single(case, adapter, device)
+                    torch.cuda.synchronize()
+                    _progress(f"{adapter.name} {case.name}: {time.perf_counter() - start:.1f} s (compilation included)")
                     row["scores"] = [score(g, grads[g], case.tensors[g]) for g in THRESHOLDS if g in case.tensors and g in grads]
                     row["status"] = "passed" if all(x["passed"] for x in row["scores"]) else "failed"
                 except Exception as e:  # a crash is a failure with its message
@@ -115,7 +129,7 @@ def check_single(golden_dir, out_dir):
     return rows
 
 
-def check_context_parallel(golden_dir):
+def check_context_parallel(golden_dir, only=None):
     """Run under torchrun with 2 processes: each rank computes its slice of the gradients
     in FLA's cp mode; rank 0 gathers and scores every rank's slice against the golden."""
     import torch.distributed as dist
@@ -128,7 +142,7 @@ def check_context_parallel(golden_dir):
     torch.cuda.set_device(device)
     rows = []
     for case in golden.load_suite(golden_dir, ops=("kda.backward",)):
-        if case.params.get("final_state_gradient", True):
+        if case.params.get("final_state_gradient", True) or not _selected(case, only):
             continue
         splits = [int(x) for x in case.tensors["splits"]]
         if len(splits) != world + 1:
@@ -137,13 +151,16 @@ def check_context_parallel(golden_dir):
         t0, t1 = splits[rank], splits[rank + 1]
         cu = case.tensors["cu_seqlens"].to(device)
         ctx = build_cp_context(cu, group=dist.group.WORLD)
+        _progress(f"rank {rank}: {case.name} tokens [{t0}, {t1}), context built")
         local = {n: _leaf(case.tensors[n][:, t0:t1], device) for n in ("q", "k", "v", "g", "beta")}
         kw = dict(scale=p.get("scale"), use_qk_l2norm_in_kernel=bool(p.get("qk_l2norm")), cp_context=ctx)
         if p.get("beta", "as_given") != "as_given":
             kw["use_beta_sigmoid_in_kernel"] = True
             kw["allow_neg_eigval"] = p["beta"] == "two_sigmoid"
         o, _ = chunk_kda(local["q"], local["k"], local["v"], local["g"], local["beta"], **kw)[:2]
+        _progress(f"rank {rank}: forward done")
         o.backward(case.tensors["d_o"][:, t0:t1].to(device).to(o.dtype))
+        _progress(f"rank {rank}: backward done")
         mine = {g: local[INPUT_OF[g]].grad.detach().double() for g in ("dq", "dk", "dv", "dg", "dbeta")}
         gathered = {}
         for g, t in mine.items():
@@ -177,10 +194,11 @@ def main(argv=None):
     ap.add_argument("--fla-path", help="directory holding the fla package (else the installed one)")
     ap.add_argument("--out", help="directory for backward.json")
     ap.add_argument("--cp", action="store_true", help="context-parallel check (run under torchrun, 2 processes)")
+    ap.add_argument("--cases", nargs="*", help="only these golden cases")
     args = ap.parse_args(argv)
     FlaAdapter.fla_path = args.fla_path
     _add_path(args.fla_path)
-    rows = check_context_parallel(args.goldens) if args.cp else check_single(args.goldens, args.out)
+    rows = check_context_parallel(args.goldens, args.cases) if args.cp else check_single(args.goldens, args.cases)
     if rows is None:
         return 0
     print_table(rows)

@@ -413,3 +413,21 @@ def mutant_kills(results):
             if r.status in ("fail", "error"):
                 kills[r.adapter].append(f"{r.check}:{r.case}")
     return kills
+
+
+def run_op_adapters(adapters, cases, device, progress=None):
+    """Golden checks of the AttnRes and QB adapters (attnres_check, qb_check) on the cases
+    of their operators; an unavailable implementation is one skipped result with the reason."""
+    results = []
+    for a in adapters:
+        if not a.available():
+            results.append(CheckResult(a.name, "all", "-", "skip", "not available: " + a.unavailable_reason))
+            continue
+        for case in cases:
+            if not a.supports(case):
+                continue
+            results.append(a.check(case, device))
+            if progress:
+                r = results[-1]
+                progress(f"{r.adapter} {r.check}[{r.case}] {r.status} {r.seconds:.1f}s: {r.reason[:160]}")
+    return results

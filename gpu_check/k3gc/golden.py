@@ -81,3 +81,33 @@ def load_suite(directory, ops=("kda.recurrent",)):
         if case.op in ops:
             cases.append(case)
     return cases
+
+
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+def write_safetensors(path, tensors, metadata):
+    """Writes tensors (name -> torch tensor, in the given order) and string metadata in the
+    layout of k3ref's writer (docs/golden-format.md): contiguous data in order, the JSON
+    header padded with spaces to a multiple of 8 bytes, written to a temporary file renamed
+    into place."""
+    header = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
+    blobs = []
+    offset = 0
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        raw = t.view(_BITS[t.dtype]) if t.dtype in _BITS else t
+        data = raw.numpy().astype(raw.numpy().dtype.newbyteorder("<"), copy=False).tobytes() if t.numel() else b""
+        header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for b in blobs:
+            f.write(b)
+    tmp.replace(path)

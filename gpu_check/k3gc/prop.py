@@ -1,0 +1,396 @@
+"""Property-based testing of a KDA kernel against the reference (issue 9 item 4).
+
+    python3 -m k3gc prop --kernel NAME [--examples N] [--seed S] [--max-T T] [--out DIR]
+    python3 -m k3gc prop --kernel NAME --replay FILE
+
+Hypothesis draws a case (shapes, options, values; the edges of the golden catalogue: odd T,
+odd head sizes such as 100, extreme gates at -5 and beyond, beta near 0 and near 2, empty
+varlen sequences, grouped value heads), runs the kernel, computes the reference in-process
+(the k3ref Python module in double; libk3gc's fp64 GPU recurrence for long cases when a GPU
+is present; the PyTorch fp64 recurrence when neither is there) and judges o and the final
+state under the kernel's tolerance policy. On a failure Hypothesis shrinks the case to a
+minimal one, which is written as a golden file (the layout of goldens/kda_*.safetensors,
+reference at 256 bits when the module is available) and printed with the one command that
+replays it. The seed printed at the start replays the whole run.
+
+Judging: the policy of the adapter (metrics.ALIASES). For floor policies the floor is the
+larger of the measured rounding floor and the nominal one (metrics.nominal_floor): on the
+few elements of a shrunk case the measured floor can be near zero by chance (reference
+values that happen to lie near bf16 numbers), and a correct kernel must not fail for that.
+"""
+import hashlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from . import adapters as A
+from . import golden, lib, metrics as M, reference
+
+GENERATOR_VERSION = "k3gc.prop/1"
+LONG_CASE_ELEMENTS = 1 << 22  # T * HV * K * V above which the GPU fp64 reference is used, when present
+
+# --------------------------------------------------------------------------- reference
+
+
+def _module():
+    try:
+        import k3ref  # the pybind11 module (python/), on PYTHONPATH or installed
+
+        return k3ref
+    except ImportError:
+        return None
+
+
+def _np(t):
+    return None if t is None else t.detach().cpu().to(torch.float64).numpy()
+
+
+def module_reference(inputs, params, precision="double"):
+    """(o, final_state) as float64 torch tensors from the k3ref module."""
+    k3ref = _module()
+    cu = inputs.get("cu_seqlens")
+    out = k3ref.kda_recurrent(
+        _np(inputs["q"]), _np(inputs["k"]), _np(inputs["v"]), _np(inputs["g"]), _np(inputs["beta"]),
+        initial_state=_np(inputs.get("initial_state")), A_log=_np(inputs.get("A_log")),
+        dt_bias=_np(inputs.get("dt_bias")), cu_seqlens=None if cu is None else cu.cpu().numpy(),
+        scale=params.get("scale"), qk_l2norm=bool(params.get("qk_l2norm")), gate=params.get("gate", "log_decay"),
+        gate_base=params.get("gate_base", "e"), lower_bound=params.get("lower_bound"),
+        beta_mode=params.get("beta", "as_given"), state_layout=params.get("state_layout", "k_first"),
+        precision=precision, num_threads=2)
+    return torch.from_numpy(out["o"]), torch.from_numpy(out["final_state"])
+
+
+def compute_reference(inputs, params, device):
+    """(o, final_state, source) in float64 on the CPU."""
+    s = A._shapes(inputs)
+    size = s["T"] * s["HV"] * s["K"] * s["V"]
+    if (str(device).startswith("cuda") and size >= LONG_CASE_ELEMENTS and lib.available()
+            and s["K"] <= 128 and s["V"] <= 128):
+        gpu = {k: v.to(device) for k, v in inputs.items()}
+        o, f = lib.kda_forward(gpu, params, precision=0, output_dtype=torch.float64, state_dtype=torch.float64)
+        return o.cpu(), f.cpu(), "libk3gc fp64"
+    if _module() is not None:
+        o, f = module_reference(inputs, params)
+        return o, f, "k3ref module (double)"
+    o, f = reference.kda_forward({k: v.cpu() for k, v in inputs.items()}, params)
+    return o, f, "PyTorch fp64"
+
+
+# --------------------------------------------------------------------------- judging
+
+
+def judge_outputs(adapter, o, final, ref_o, ref_final):
+    """(passed, reason) of a kernel's outputs against the reference, under its policy."""
+    policy = M.parse_policy(adapter.policy)
+    fmt = adapter.output_dtype
+    reasons = []
+    ok_all = True
+    for what, x, r in (("o", o, ref_o), ("final_state", final, ref_final)):
+        if x is None:
+            continue
+        x = x.detach().cpu()
+        if x.numel() != r.numel():
+            return False, f"{what}: {x.numel()} elements, reference {r.numel()}"
+        m = M.compare(x.to(torch.float64) if what == "final_state" else x, r, fmt)
+        if policy.kind == "floor" and m.first_nonfinite_mismatch < 0:
+            floor = max(m.floor_rel_rms, M.nominal_floor(r, fmt))
+            bound = policy.bound * floor
+            ok = m.rel_rms <= bound or m.max_abs == 0
+            reason = (f"rel RMS {m.rel_rms:.3e} {'<=' if ok else '>'} {bound:.3e} ({policy.bound:g} x floor "
+                      f"{floor:.3e}); max abs {m.max_abs:.3e} at flat index {m.max_abs_index}")
+        else:
+            ok, reason = M.judge(m, policy)
+        reasons.append(f"{what}: {reason}")
+        ok_all &= ok
+    return ok_all, "; ".join(reasons)
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def make_inputs(case):
+    """Inputs of a drawn case, exactly representable in bf16 (fp32 for A_log, dt_bias),
+    deterministic in case['seed']; the scheme of the golden generator (kda_cases.cc)."""
+    gen = torch.Generator().manual_seed(case["seed"])
+
+    def uniform(shape, lo, hi, dtype=torch.bfloat16):
+        return (torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(dtype)
+
+    B, T, H, HV, K, V = (case[n] for n in ("B", "T", "H", "HV", "K", "V"))
+    # Without the in-kernel L2 norm, keys in [-1/sqrt(K), 1/sqrt(K)] keep beta ||k||^2 <= 2.
+    kw = 1.0 if case["qk_l2norm"] else 1.0 / math.sqrt(K)
+    inputs = {
+        "q": uniform((B, T, H, K), -1, 1),
+        "k": uniform((B, T, H, K), -kw, kw),
+        "v": uniform((B, T, HV, V), -1, 1),
+        "g": uniform((B, T, HV, K), *case["g_range"]),
+        "beta": uniform((B, T, HV), *case["beta_range"]),
+    }
+    N = len(case["cu_seqlens"]) - 1 if case["cu_seqlens"] else B
+    if case["initial_state"]:
+        shape = (N, HV, V, K) if case["state_layout"] == "v_first" else (N, HV, K, V)
+        inputs["initial_state"] = uniform(shape, -1, 1).to(torch.float32)
+    if case["A_log"]:
+        inputs["A_log"] = uniform((HV,), 0, math.log(16.0), torch.float32)
+    if case["dt_bias"]:
+        inputs["dt_bias"] = uniform((HV, K), -1, 1, torch.float32)
+    if case["cu_seqlens"]:
+        inputs["cu_seqlens"] = torch.tensor(case["cu_seqlens"], dtype=torch.int64)
+    return inputs
+
+
+def params_of(case):
+    """The golden params (kda_cases.cc's KdaParams as JSON)."""
+    keys = ("B", "T", "H", "HV", "K", "V", "cu_seqlens", "initial_state", "gate", "gate_base", "g_range",
+            "lower_bound", "A_log", "dt_bias", "beta", "beta_range", "qk_l2norm", "scale", "state_layout",
+            "all_states")
+    p = {k: case[k] for k in keys}
+    p["g_range"] = list(p["g_range"])
+    p["beta_range"] = list(p["beta_range"])
+    return p
+
+
+def case_strategy(st, fixed, max_T):
+    """A Hypothesis strategy of cases. `fixed` pins what the kernel cannot vary (e.g.
+    FlashKDA: K = V = 128). Each choice lists its mildest value first: that is where
+    Hypothesis shrinks to."""
+
+    def pick(name, strategy):
+        if name not in fixed:
+            return strategy
+        value = fixed[name]
+        return st.sampled_from(value) if isinstance(value, list) else st.just(value)
+
+    @st.composite
+    def case(draw):
+        c = {}
+        c["H"] = draw(pick("H", st.integers(1, 2)))
+        c["HV"] = c["H"] * draw(pick("group", st.sampled_from([1, 2, 3])))
+        head = st.one_of(st.integers(1, 8), st.sampled_from([16, 31, 64, 100, 128]))
+        c["K"] = draw(pick("K", head))
+        c["V"] = draw(pick("V", head))
+        if draw(pick("varlen", st.booleans())):
+            lengths = draw(st.lists(st.integers(0, max(1, max_T // 3)), min_size=1, max_size=4))
+            cu = [0]
+            for n in lengths:
+                cu.append(cu[-1] + n)
+            if cu[-1] == 0:
+                cu[-1] = 1
+            c["B"], c["T"], c["cu_seqlens"] = 1, cu[-1], cu
+        else:
+            c["B"] = draw(pick("B", st.integers(1, 2)))
+            c["T"] = draw(st.integers(1, max_T))
+            c["cu_seqlens"] = None
+        c["gate"] = draw(pick("gate", st.sampled_from(["log_decay", "lower_bound", "softplus"])))
+        c["gate_base"] = "e"
+        c["lower_bound"] = None
+        c["A_log"] = c["dt_bias"] = False
+        if c["gate"] == "log_decay":
+            # no decay, mild, the safe-gate bound -5, beyond it
+            c["g_range"] = draw(st.sampled_from([(-1.0, 0.0), (0.0, 0.0), (-5.0, -5.0), (-5.0, 0.0), (-8.0, -5.0),
+                                                 (-12.0, 0.0)]))
+        else:
+            c["g_range"] = draw(st.sampled_from([(-4.0, 4.0), (-20.0, 20.0), (20.0, 30.0)]))
+            # k3ref's softplus gate needs A_log (as FLA's does); the lower-bound gate may omit it.
+            c["A_log"] = True if c["gate"] == "softplus" else draw(pick("A_log", st.booleans()))
+            c["dt_bias"] = draw(pick("dt_bias", st.booleans()))
+            if c["gate"] == "lower_bound":
+                c["lower_bound"] = draw(pick("lower_bound", st.sampled_from([-5.0, -1.0, -0.25, -8.0])))
+        c["beta"] = draw(pick("beta", st.sampled_from(["as_given", "sigmoid", "two_sigmoid"])))
+        if c["beta"] == "as_given":
+            ranges = [(0.0, 1.0), (0.0, 2.0**-8), (2.0 - 2.0**-6, 2.0)]  # beta near 0, near 2
+        else:
+            ranges = [(-4.0, 4.0), (-12.0, -8.0), (8.0, 12.0)]  # sigmoid near 0, near 1 (2 for two_sigmoid)
+        c["beta_range"] = draw(st.sampled_from(ranges))
+        c["qk_l2norm"] = draw(pick("qk_l2norm", st.booleans()))
+        c["scale"] = draw(pick("scale", st.sampled_from([None, 0.5])))
+        c["state_layout"] = draw(pick("state_layout", st.sampled_from(["k_first", "v_first"])))
+        c["initial_state"] = draw(pick("initial_state", st.booleans()))
+        c["all_states"] = False
+        c["seed"] = draw(st.integers(0, 2**32 - 1))
+        return c
+
+    return case()
+
+
+# Cases a kernel cannot take are pinned here rather than filtered (filtering would reject
+# most draws for FlashKDA).
+FIXED = {
+    "flashkda.fwd": dict(K=128, V=128, group=1, gate="lower_bound", beta="sigmoid", qk_l2norm=True, A_log=True,
+                         dt_bias=True, lower_bound=[-5.0, -1.0, -0.25]),
+    "fla.chunk_kda[safe_gate]": dict(gate="lower_bound", lower_bound=[-5.0, -1.0, -0.25]),
+}
+
+
+def fixed_for(adapter):
+    return dict(getattr(adapter, "prop_fixed", None) or FIXED.get(adapter.name, {}))
+
+
+# --------------------------------------------------------------------------- golden writing
+
+
+def write_failure(case, adapter, reason, out_dir, device):
+    """Writes the case as a golden file; returns its path. The expected outputs are the
+    reference at 256 bits (the k3ref module's 'high') rounded once to double when the module
+    is present, else the fp64 reference used for judging (named in the metadata)."""
+    inputs = make_inputs(case)
+    params = params_of(case)
+    if _module() is not None:
+        o, final = module_reference(inputs, params, precision="high")
+        precision = "256-bit binary float"
+    else:
+        o, final, src = compute_reference(inputs, params, device)
+        precision = f"binary64 ({src})"
+    digest = hashlib.sha256(json.dumps([case, adapter.name], sort_keys=True).encode()).hexdigest()[:10]
+    safe = "".join(ch if ch.isalnum() else "_" for ch in adapter.name).strip("_")
+    name = f"prop_{safe}_{digest}"
+    tensors = {}
+    for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens"):
+        if n in inputs:
+            tensors[n] = inputs[n]
+    tensors["o"] = o.to(torch.float64)
+    tensors["final_state"] = final.to(torch.float64)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.safetensors"
+    golden.write_safetensors(path, tensors, {
+        "k3ref.case": name,
+        "k3ref.op": "kda.recurrent",
+        "k3ref.seed": str(case["seed"]),
+        "k3ref.params": json.dumps(params, separators=(",", ":")),
+        "k3ref.generator_version": GENERATOR_VERSION,
+        "k3ref.reference_precision": precision,
+        "k3ref.outputs": "o,final_state",
+        "k3gc.kernel": adapter.name,
+        "k3gc.failure": reason[:1000],
+    })
+    return path
+
+
+def python_path():
+    """PYTHONPATH for the printed commands: gpu_check/, and the k3ref module's directory when
+    it is in use (so a replayed run computes its reference the same way)."""
+    parts = [str(Path(__file__).resolve().parents[1])]
+    k3ref = _module()
+    if k3ref is not None and getattr(k3ref, "__file__", None):
+        parts.append(str(Path(k3ref.__file__).resolve().parent))
+    return ":".join(parts)
+
+
+def replay_command(path, adapter_name, extra=""):
+    return f"PYTHONPATH={python_path()} python3 -m k3gc prop --kernel '{adapter_name}' --replay {path}{extra}"
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def run_case(adapter, case, device):
+    """(passed, reason, reference source) of one case."""
+    inputs = make_inputs(case)
+    params = params_of(case)
+    ref_o, ref_f, src = compute_reference(inputs, params, device)
+    dev_inputs = {k: v.to(device) for k, v in inputs.items()}
+    try:
+        o, final = adapter.run(dev_inputs, params)
+        if str(device).startswith("cuda"):
+            torch.cuda.synchronize()
+    except Exception as e:  # a kernel that raises on a valid case fails it
+        return False, f"raised {type(e).__name__}: {str(e).splitlines()[0][:200]}", src
+    ok, reason = judge_outputs(adapter, o, final, ref_o, ref_f)
+    return ok, reason, src
+
+
+def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failures", device="cpu", log=print):
+    """Runs the property; returns a dict: passed, examples run, seed, and on failure the
+    shrunk case, the reason, the golden file and the replay command."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import seed as hypothesis_seed
+
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**32)
+    adapter.device_sync = str(device).startswith("cuda")
+    if not adapter.available():
+        return {"passed": None, "skipped": adapter.unavailable_reason, "seed": seed}
+    state = {"examples": 0, "failure": None, "sources": set()}
+
+    @hypothesis_seed(seed)
+    @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
+              suppress_health_check=list(HealthCheck))
+    @given(case_strategy(st, fixed_for(adapter), max_T))
+    def prop(case):
+        state["examples"] += 1
+        shapes = dict(B=case["B"], T=case["T"], H=case["H"], HV=case["HV"], K=case["K"], V=case["V"])
+        from hypothesis import assume
+
+        assume(adapter.unsupported(params_of(case), shapes) is None)
+        ok, reason, src = run_case(adapter, case, device)
+        state["sources"].add(src)
+        if not ok:
+            state["failure"] = (case, reason)  # Hypothesis replays the shrunk case last
+            raise AssertionError(reason)
+
+    t0 = time.time()
+    try:
+        prop()
+        return {"passed": True, "examples": state["examples"], "seed": seed, "seconds": time.time() - t0,
+                "reference": sorted(state["sources"])}
+    except AssertionError:
+        case, reason = state["failure"]
+    path = write_failure(case, adapter, reason, out_dir, device)
+    return {"passed": False, "examples": state["examples"], "seed": seed, "seconds": time.time() - t0,
+            "case": case, "reason": reason, "golden": str(path), "reference": sorted(state["sources"]),
+            "replay": replay_command(path, adapter.name)}
+
+
+def replay(adapter, path, device):
+    """Runs the kernel on one golden file (the written failure, or any KDA golden) and judges
+    it as the property does. Returns (passed, reason)."""
+    case = golden.load_case(path)
+    if case.op != "kda.recurrent":
+        raise ValueError(f"{path}: op {case.op}, not kda.recurrent")
+    if not adapter.available():
+        return None, "not available: " + adapter.unavailable_reason
+    why = adapter.unsupported(case.params, A._shapes(case.inputs))
+    if why:
+        return None, "unsupported: " + why
+    inputs = {k: v.to(device) for k, v in case.inputs.items()}
+    o, final = adapter.run(inputs, case.params)
+    return judge_outputs(adapter, o, final, case.expected["o"], case.expected["final_state"])
+
+
+def main(args):
+    if args.lib:
+        lib.load(args.lib)
+    A.FlaAdapter.fla_path = args.fla_path
+    A.FlashKdaAdapter.flashkda_path = args.flashkda_path
+    adapter = A.kernel_by_name(args.kernel)
+    adapter.device_sync = args.device.startswith("cuda")
+    if args.replay:
+        ok, reason = replay(adapter, args.replay, args.device)
+        status = {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
+        print(f"{status} {adapter.name} on {args.replay}: {reason}")
+        return 1 if ok is False else 0
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
+    flags = (f" --fla-path {args.fla_path}" if args.fla_path else "") + (
+        f" --flashkda-path {args.flashkda_path}" if args.flashkda_path else "")
+    print(f"prop: kernel {adapter.name}, {args.examples} examples, T <= {args.max_T}, seed {seed}", flush=True)
+    print(f"replay the whole run: PYTHONPATH={python_path()} python3 -m k3gc prop "
+          f"--kernel '{adapter.name}' --examples {args.examples} --max-T {args.max_T} --seed {seed}{flags}", flush=True)
+    res = property_run(adapter, args.examples, seed, args.max_T, args.out, args.device)
+    if res["passed"] is None:
+        print(f"SKIP {adapter.name}: not available: {res['skipped']}")
+        return 0
+    if res["passed"]:
+        print(f"PASS {adapter.name}: {res['examples']} examples in {res['seconds']:.1f} s "
+              f"(reference: {', '.join(res['reference'])})")
+        return 0
+    print(f"FAIL {adapter.name} after {res['examples']} kernel runs (drawing and shrinking); shrunk case:")
+    print(json.dumps(res["case"]))
+    print(f"reason: {res['reason']}")
+    print(f"written: {res['golden']}")
+    print(f"replay this case: {res['replay']}{flags}")
+    return 1
