@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 
 
-def cpp_throughput(build_dir, threads):
-    exe = Path(build_dir) / "bench" / "kda_recurrent_benchmark"
+def cpp_throughput(build_dir, threads, name="kda_recurrent_benchmark"):
+    exe = Path(build_dir) / "bench" / name
+    if not exe.exists():
+        return None
     out = subprocess.run(
         [str(exe), f"--benchmark_filter=BM_KdaRecurrentDouble/T:4096/H:4/threads:{threads}/",
          "--benchmark_format=json", "--benchmark_min_time=2"],
@@ -53,15 +55,25 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch-tokens", type=int, default=1024)
     args = ap.parse_args()
-    cpp, gflops = cpp_throughput(args.build_dir, args.threads)
-    print(f"k3ref double recurrence : {cpp:12.0f} token-heads/s ({gflops:.2f} GFLOP/s, {args.threads} threads)")
+    # As built (the project's flags), and with -march=native (the flags of -Dnative=true)
+    # when that program was built.
+    runs = [("k3ref double recurrence", cpp_throughput(args.build_dir, args.threads)),
+            ("  ... with -march=native", cpp_throughput(args.build_dir, args.threads, "kda_recurrent_benchmark_native"))]
+    if runs[0][1] is None:
+        print(f"{args.build_dir}/bench/kda_recurrent_benchmark not found (configure with -Dbenchmarks=enabled)")
+        return 1
+    for label, result in runs:
+        if result is not None:
+            print(f"{label:24s}: {result[0]:12.0f} token-heads/s ({result[1]:.2f} GFLOP/s, {args.threads} threads)")
     try:
         torch_rate = torch_throughput(args.threads, args.torch_tokens)
     except ImportError:
         print("PyTorch not importable: no comparison (Debian: apt-get install python3-torch; run /usr/bin/python3)")
         return 0
-    print(f"PyTorch float64 loop    : {torch_rate:12.0f} token-heads/s ({args.threads} threads)")
-    print(f"ratio                   : {cpp / torch_rate:12.1f}x")
+    print(f"{'PyTorch float64 loop':24s}: {torch_rate:12.0f} token-heads/s ({args.threads} threads)")
+    print(f"{'ratio':24s}: {runs[0][1][0] / torch_rate:12.1f}x")
+    if runs[1][1] is not None:
+        print(f"{'ratio, -march=native':24s}: {runs[1][1][0] / torch_rate:12.1f}x")
     return 0
 
 

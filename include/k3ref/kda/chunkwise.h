@@ -94,12 +94,53 @@ struct ChunkwiseOutputs {
 
 namespace detail {
 
+// C [+]= op(A) B for a short inner dimension: each block of N columns of a row of C is
+// accumulated in num::Lanes (registers, for double) over l = 0..k-1 in order, exactly the
+// operations of gemm's plain loop. Four rows at a time share the loads of B and give four
+// independent chains of additions. Needs n % N == 0.
+template <class S, int N>
+void gemm_rows_in_lanes(std::int64_t m, std::int64_t n, std::int64_t k, const S* A, bool trans_a, const S* B, S* C,
+                        bool accumulate) {
+  using L = num::Lanes<S, N>;
+  auto a_at = [&](std::int64_t i, std::int64_t l) -> const S& { return trans_a ? A[l * m + i] : A[i * k + l]; };
+  auto start = [&](std::int64_t i, std::int64_t j0) { return accumulate ? L::load(C + i * n + j0) : L::splat(S(0)); };
+  std::int64_t i = 0;
+  for (; i + 4 <= m; i += 4)
+    for (std::int64_t j0 = 0; j0 < n; j0 += N) {
+      L s0 = start(i, j0), s1 = start(i + 1, j0), s2 = start(i + 2, j0), s3 = start(i + 3, j0);
+      for (std::int64_t l = 0; l < k; ++l) {
+        const L b = L::load(B + l * n + j0);
+        s0.add_scaled(a_at(i, l), b);
+        s1.add_scaled(a_at(i + 1, l), b);
+        s2.add_scaled(a_at(i + 2, l), b);
+        s3.add_scaled(a_at(i + 3, l), b);
+      }
+      s0.store(C + i * n + j0);
+      s1.store(C + (i + 1) * n + j0);
+      s2.store(C + (i + 2) * n + j0);
+      s3.store(C + (i + 3) * n + j0);
+    }
+  for (; i < m; ++i)
+    for (std::int64_t j0 = 0; j0 < n; j0 += N) {
+      L s0 = start(i, j0);
+      for (std::int64_t l = 0; l < k; ++l) s0.add_scaled(a_at(i, l), L::load(B + l * n + j0));
+      s0.store(C + i * n + j0);
+    }
+}
+
 // C (m x n) = [C +] op(A) op(B), op(X) = X or X^T as flagged; A is m x k (k x m when
 // transposed), B k x n (n x k when transposed), all row-major. Each partial sum is rounded
-// at `acc` by the policy. In double with the exact policy Eigen's blocked product does it.
+// at `acc` by the policy. In double with the exact policy Eigen's blocked product does it,
+// or gemm_rows_in_lanes when the inner dimension is at most 16.
 template <class S, class Policy>
 void gemm(const Policy& pol, contract::Point acc, std::int64_t m, std::int64_t n, std::int64_t k, const S* A,
           bool trans_a, const S* B, bool trans_b, S* C, bool accumulate) {
+  if constexpr (std::is_same_v<S, double> && Policy::is_identity) {
+    // FlashKDA's chunk (C = 16) multiplies by c x c factors and by K_restore^T (k = c):
+    // with so short an inner dimension Eigen's packing costs more than the product, and
+    // the accumulators of a row fit in registers.
+    if (!trans_b && k <= 16 && n % 8 == 0) return gemm_rows_in_lanes<S, 8>(m, n, k, A, trans_a, B, C, accumulate);
+  }
 #if K3REF_HAVE_EIGEN
   if constexpr (std::is_same_v<S, double> && Policy::is_identity) {
     using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -145,40 +186,65 @@ void round_all(const Policy& pol, contract::Point p, std::vector<S>& x) {
 }
 
 // (I + L)^-1 by Neumann doubling: P = I - L, then P <- P (I + L^(2^j)) for j = 1..m-1.
+// Writes P (c x c); `work` is scratch of 3 c x c matrices (no allocation per chunk).
 template <class S, class Policy>
-std::vector<S> inverse_by_neumann_doubling(const Policy& pol, const std::vector<S>& L, std::int64_t c, int factors) {
+void inverse_by_neumann_doubling_into(const Policy& pol, const S* L, std::int64_t c, int factors, S* P, S* work) {
   using contract::Point;
-  std::vector<S> P(c * c), power = L, sq(c * c), next(c * c);
+  const std::int64_t cc = c * c;
+  S* power = work;           // L^(2^step)
+  S* factor = work + cc;     // I + L^(2^step); also the squaring's output before it is copied to power
+  S* next = work + 2 * cc;   // P (I + L^(2^step))
+  auto round_block = [&](S* x) {
+    if constexpr (!Policy::is_identity)
+      for (std::int64_t i = 0; i < cc; ++i) x[i] = pol.round(Point::inv, x[i]);
+  };
   for (std::int64_t i = 0; i < c; ++i)
     for (std::int64_t j = 0; j < c; ++j) P[i * c + j] = (i == j ? S(1) : S(0)) - L[i * c + j];
-  round_all(pol, Point::inv, P);
+  round_block(P);
+  std::copy(L, L + cc, power);
   for (int step = 1; step < factors; ++step) {
-    gemm(pol, Point::inv_accumulate, c, c, c, power.data(), false, power.data(), false, sq.data(), false);
-    round_all(pol, Point::inv, sq);
-    power.swap(sq);
-    std::vector<S> factor = power;  // I + L^(2^step)
+    gemm(pol, Point::inv_accumulate, c, c, c, power, false, power, false, factor, false);
+    round_block(factor);
+    std::copy(factor, factor + cc, power);
     for (std::int64_t i = 0; i < c; ++i) factor[i * c + i] += S(1);
-    round_all(pol, Point::inv, factor);
-    gemm(pol, Point::inv_accumulate, c, c, c, P.data(), false, factor.data(), false, next.data(), false);
-    round_all(pol, Point::inv, next);
-    P.swap(next);
+    round_block(factor);
+    gemm(pol, Point::inv_accumulate, c, c, c, P, false, factor, false, next, false);
+    round_block(next);
+    std::copy(next, next + cc, P);
   }
+}
+
+template <class S, class Policy>
+std::vector<S> inverse_by_neumann_doubling(const Policy& pol, const std::vector<S>& L, std::int64_t c, int factors) {
+  std::vector<S> P(c * c), work(3 * c * c);
+  inverse_by_neumann_doubling_into(pol, L.data(), c, factors, P.data(), work.data());
   return P;
 }
 
-// (I + L)^-1 by forward substitution, row by row: X[t, s] = -sum_{s <= r < t} L[t, r] X[r, s].
+// (I + L)^-1 by forward substitution: X[t, s] = -sum_{s <= r < t} L[t, r] X[r, s], the sum
+// taken in order r = s..t-1 and held in X's row t. The loop runs r outside s, so the inner
+// loop is a vectorisable row update; each element still sees the same operations in the
+// same order. Writes X (c x c).
+template <class S, class Policy>
+void inverse_by_forward_substitution_into(const Policy& pol, const S* L, std::int64_t c, S* X) {
+  using contract::Point;
+  for (std::int64_t i = 0; i < c * c; ++i) X[i] = S(0);
+  for (std::int64_t t = 0; t < c; ++t) {
+    S* __restrict acc = X + t * c;
+    for (std::int64_t r = 0; r < t; ++r) {
+      const S l = L[t * c + r];
+      const S* __restrict xr = X + r * c;
+      for (std::int64_t s = 0; s <= r; ++s) acc[s] = pol.round(Point::inv_accumulate, acc[s] - l * xr[s]);
+    }
+    for (std::int64_t s = 0; s < t; ++s) acc[s] = pol.round(Point::inv, acc[s]);
+    acc[t] = S(1);
+  }
+}
+
 template <class S, class Policy>
 std::vector<S> inverse_by_forward_substitution(const Policy& pol, const std::vector<S>& L, std::int64_t c) {
-  using contract::Point;
-  std::vector<S> X(c * c, S(0));
-  for (std::int64_t t = 0; t < c; ++t) {
-    X[t * c + t] = S(1);
-    for (std::int64_t s = 0; s < t; ++s) {
-      S acc(0);
-      for (std::int64_t r = s; r < t; ++r) acc = pol.round(Point::inv_accumulate, acc - L[t * c + r] * X[r * c + s]);
-      X[t * c + s] = pol.round(Point::inv, acc);
-    }
-  }
+  std::vector<S> X(c * c);
+  inverse_by_forward_substitution_into(pol, L.data(), c, X.data());
   return X;
 }
 
@@ -249,17 +315,19 @@ ChunkwiseOutputs<S> chunkwise_core(const PreparedInputs<S>& p, const std::option
         for (std::int64_t j = 0; j < V; ++j) state[i * V + j] = src[v_first ? j * K + i : i * V + j];
       detail::round_all(pol, Point::state, state);
     }
-    std::vector<S> qs(C * K), kk(C * K), vv(C * V), beta(C), dd(C * K), a(C * K), a_inv(C * K), q_dec(C * K),
-        k_dec(C * K), k_inv(C * K), k_rest(C * K), G(C * C), Lm(C * C), M(C * C), W(C * K), Upre(C * V), Bm(C * V),
-        U(C * V), O(C * V), ratio(K), row_op(sub * K), qrow_op(sub * K), col_op(C * K), blockG(sub * C),
-        blockM(sub * C);
-    std::vector<S> inv;
-    auto store_rows = [&](Tensor<S>& dst, const std::vector<S>& src, std::int64_t t0, std::int64_t c,
-                          std::int64_t width) {
+    // Every buffer is allocated once per item. `lhs` stacks the two operands that multiply
+    // the entering state, [K_decay; Q_decay] (FlashKDA) or [W; Q_decay] (FLA), so that one
+    // product gives [K_decay S_in; Q_decay S_in] in `lhs_state`: each row of a product is
+    // computed on its own, so stacking changes no operation.
+    std::vector<S> qs(C * K), kk(C * K), vv(C * V), beta(C), dd(C * K), a(C * K), a_inv(C * K), k_dec_fla(C * K),
+        lhs(2 * C * K), k_inv(C * K), k_rest(C * K), GM(2 * C * C), Lm(C * C), Upre(C * V), Bm(C * V), bk(C * K),
+        U(C * V), lhs_state(2 * C * V), ratio(K), row_ops(2 * sub * K), col_op(C * K), block_gm(2 * sub * C),
+        inv(C * C), inv_work(3 * C * C), diag_ratio(K * sub), diag_k(K * sub), diag_g(sub), diag_m(sub);
+    auto store_rows = [&](Tensor<S>& dst, const S* src, std::int64_t t0, std::int64_t c, std::int64_t width) {
       for (std::int64_t t = 0; t < c; ++t)
         for (std::int64_t x = 0; x < width; ++x) dst(b, t0 + t, hv, x) = src[t * width + x];
     };
-    auto store_matrix = [&](Tensor<S>& dst, const std::vector<S>& src, std::int64_t t0, std::int64_t c) {
+    auto store_matrix = [&](Tensor<S>& dst, const S* src, std::int64_t t0, std::int64_t c) {
       for (std::int64_t t = 0; t < c; ++t)
         for (std::int64_t s = 0; s < c; ++s) dst(b, t0 + t, hv, s) = src[t * c + s];
     };
@@ -267,61 +335,111 @@ ChunkwiseOutputs<S> chunkwise_core(const PreparedInputs<S>& p, const std::option
     const std::int64_t begin = d.seq_begin[n], end = d.seq_end[n];
     for (std::int64_t t0 = begin, chunk = first_chunk[n]; t0 < end; t0 += C, ++chunk) {
       const std::int64_t c = std::min(C, end - t0);
+      S* const q_dec = lhs.data() + c * K;                       // rows c..2c-1 of lhs
+      S* const k_dec = fla ? k_dec_fla.data() : lhs.data();      // FlashKDA: rows 0..c-1 of lhs
+      S* const W = lhs.data();                                   // FLA: rows 0..c-1 of lhs
+      S* const G = GM.data();                                    // c x c
+      S* const M = GM.data() + c * c;                            // c x c
       // ---- prepare stage (FlashKDA's first kernel): everything that does not read the state
+      // (Separate loops over restrict pointers, so that each is one vector loop.)
       for (std::int64_t t = 0; t < c; ++t) {
-        const S* q = p.q.data() + p.q.offset(b, t0 + t, h, 0);
-        const S* k = p.k.data() + p.k.offset(b, t0 + t, h, 0);
-        const S* v = p.v.data() + p.v.offset(b, t0 + t, hv, 0);
-        const S* g = p.decay.data() + p.decay.offset(b, t0 + t, hv, 0);
-        for (std::int64_t i = 0; i < K; ++i) {
-          qs[t * K + i] = p.scale * q[i];
-          kk[t * K + i] = k[i];
-          dd[t * K + i] = g[i];
-          a[t * K + i] = pol.round(Point::decay, t == 0 ? g[i] : a[(t - 1) * K + i] * g[i]);
+        const S* __restrict q = p.q.data() + p.q.offset(b, t0 + t, h, 0);
+        const S* __restrict k = p.k.data() + p.k.offset(b, t0 + t, h, 0);
+        const S* __restrict v = p.v.data() + p.v.offset(b, t0 + t, hv, 0);
+        const S* __restrict g = p.decay.data() + p.decay.offset(b, t0 + t, hv, 0);
+        S* __restrict qs_t = qs.data() + t * K;
+        S* __restrict kk_t = kk.data() + t * K;
+        S* __restrict dd_t = dd.data() + t * K;
+        S* __restrict a_t = a.data() + t * K;
+        S* __restrict vv_t = vv.data() + t * V;
+        const S scale = p.scale;
+        for (std::int64_t i = 0; i < K; ++i) qs_t[i] = scale * q[i];
+        std::copy(k, k + K, kk_t);
+        std::copy(g, g + K, dd_t);
+        if (t == 0) {
+          for (std::int64_t i = 0; i < K; ++i) a_t[i] = pol.round(Point::decay, g[i]);
+        } else {
+          const S* __restrict a_prev = a_t - K;
+          for (std::int64_t i = 0; i < K; ++i) a_t[i] = pol.round(Point::decay, a_prev[i] * g[i]);
         }
-        for (std::int64_t j = 0; j < V; ++j) vv[t * V + j] = v[j];
+        std::copy(v, v + V, vv_t);
         beta[t] = p.beta(b, t0 + t, hv);
       }
       const S* a_last = a.data() + (c - 1) * K;
-      for (std::int64_t t = 0; t < c; ++t)
-        for (std::int64_t i = 0; i < K; ++i) {
-          q_dec[t * K + i] = pol.round(Point::q_decay, a[t * K + i] * qs[t * K + i]);
-          k_dec[t * K + i] = pol.round(Point::k_decay, a[t * K + i] * kk[t * K + i]);
+      {
+        S* __restrict qd = q_dec;
+        S* __restrict kd = k_dec;
+        const S* __restrict aa = a.data();
+        const S* __restrict qq = qs.data();
+        const S* __restrict kq = kk.data();
+        for (std::int64_t x = 0; x < c * K; ++x) {
+          qd[x] = pol.round(Point::q_decay, aa[x] * qq[x]);
+          kd[x] = pol.round(Point::k_decay, aa[x] * kq[x]);
         }
+      }
       // G[t, s] = sum_i k_t[i] k_s[i] a_t[i] / a_s[i] (s < t), M[t, s] the same with q_t (s <= t).
       if (!fla) {
-        for (std::int64_t t = 0; t < c; ++t)
-          for (std::int64_t i = 0; i < K; ++i) {
-            a_inv[t * K + i] = pol.round(Point::decay, S(1) / a[t * K + i]);
-            k_inv[t * K + i] = pol.round(Point::k_inv, kk[t * K + i] * a_inv[t * K + i]);
+        {
+          S* __restrict ai = a_inv.data();
+          S* __restrict ki = k_inv.data();
+          const S* __restrict aa = a.data();
+          const S* __restrict kq = kk.data();
+          for (std::int64_t x = 0; x < c * K; ++x) {
+            ai[x] = pol.round(Point::decay, S(1) / aa[x]);
+            ki[x] = pol.round(Point::k_inv, kq[x] * ai[x]);
           }
-        for (std::int64_t t = 0; t < c; ++t)
-          for (std::int64_t i = 0; i < K; ++i)
-            k_rest[t * K + i] = pol.round(Point::k_restore, a_last[i] * k_inv[t * K + i]);
-        detail::gemm(pol, Point::intra_accumulate, c, c, K, k_dec.data(), false, k_inv.data(), true, G.data(), false);
-        detail::gemm(pol, Point::intra_accumulate, c, c, K, q_dec.data(), false, k_inv.data(), true, M.data(), false);
+          S* __restrict kr = k_rest.data();
+          const S* __restrict al = a_last;
+          for (std::int64_t t = 0; t < c; ++t)
+            for (std::int64_t i = 0; i < K; ++i) kr[t * K + i] = pol.round(Point::k_restore, al[i] * ki[t * K + i]);
+        }
+        // [G; M] = [K_decay; Q_decay] K_inv^T in one product (G and M are adjacent c x c blocks of GM).
+        detail::gemm(pol, Point::intra_accumulate, 2 * c, c, K, lhs.data(), false, k_inv.data(), true, GM.data(), false);
       } else {
         for (std::int64_t i = 0; i < c * c; ++i) G[i] = M[i] = S(0);
-        // Sub-chunks on the diagonal: pairwise ratios, the product of decays s+1..t.
         for (std::int64_t f = 0; f < c; f += sub) {
-          const std::int64_t e = std::min(c, f + sub);
-          for (std::int64_t s = f; s < e; ++s) {
-            for (std::int64_t i = 0; i < K; ++i) ratio[i] = S(1);
-            for (std::int64_t t = s; t < e; ++t) {
-              if (t > s)
-                for (std::int64_t i = 0; i < K; ++i) ratio[i] = pol.round(Point::decay, ratio[i] * dd[t * K + i]);
-              S gk(0), mq(0);
-              for (std::int64_t i = 0; i < K; ++i) {
-                const S kr = kk[s * K + i] * ratio[i];
-                gk = pol.round(Point::intra_accumulate, gk + kk[t * K + i] * kr);
-                mq = pol.round(Point::intra_accumulate, mq + qs[t * K + i] * kr);
+          const std::int64_t e = std::min(c, f + sub), rows = e - f;
+          // Sub-chunks on the diagonal: pairwise ratios, the product of decays s+1..t. For
+          // each row t all columns s = f..t advance together (x = s - f is the inner,
+          // vectorisable index; diag_ratio and diag_k are [i][x]); for each pair (s, t) the
+          // ratio is still multiplied by the decays in order s+1..t and the sums run over
+          // i in order, as in the pairwise definition.
+          for (std::int64_t i = 0; i < K; ++i)
+            for (std::int64_t x = 0; x < rows; ++x) {
+              diag_ratio[i * sub + x] = S(1);
+              diag_k[i * sub + x] = kk[(f + x) * K + i];
+            }
+          for (std::int64_t t = f; t < e; ++t) {
+            const std::int64_t xt = t - f;
+            for (std::int64_t i = 0; i < K; ++i) {
+              S* __restrict r = diag_ratio.data() + i * sub;
+              const S dt = dd[t * K + i];
+              for (std::int64_t x = 0; x < xt; ++x) r[x] = pol.round(Point::decay, r[x] * dt);
+            }
+            for (std::int64_t x = 0; x <= xt; ++x) diag_g[x] = diag_m[x] = S(0);
+            for (std::int64_t i = 0; i < K; ++i) {
+              const S* __restrict r = diag_ratio.data() + i * sub;
+              const S* __restrict ks = diag_k.data() + i * sub;
+              S* __restrict gk = diag_g.data();
+              S* __restrict mq = diag_m.data();
+              const S kt = kk[t * K + i], qt = qs[t * K + i];
+              for (std::int64_t x = 0; x <= xt; ++x) {
+                const S kr = ks[x] * r[x];
+                gk[x] = pol.round(Point::intra_accumulate, gk[x] + kt * kr);
+                mq[x] = pol.round(Point::intra_accumulate, mq[x] + qt * kr);
               }
-              if (t > s) G[t * c + s] = gk;
-              M[t * c + s] = mq;
+            }
+            for (std::int64_t x = 0; x <= xt; ++x) {
+              if (x < xt) G[t * c + f + x] = diag_g[x];
+              M[t * c + f + x] = diag_m[x];
             }
           }
           if (f == 0) continue;
-          // Sub-chunk [f, e) against all earlier rows [0, f): split the ratio at row f.
+          // Sub-chunk [f, e) against all earlier rows [0, f): split the ratio at row f. The
+          // k and q operands are stacked (rows 0..rows-1 and rows..2 rows-1 of row_ops) so
+          // one product gives both blocks.
+          S* row_op = row_ops.data();
+          S* qrow_op = row_ops.data() + rows * K;
           for (std::int64_t i = 0; i < K; ++i) ratio[i] = S(1);
           for (std::int64_t t = f; t < e; ++t)
             for (std::int64_t i = 0; i < K; ++i) {
@@ -335,14 +453,12 @@ ChunkwiseOutputs<S> chunkwise_core(const PreparedInputs<S>& p, const std::option
               ratio[i] = pol.round(Point::decay, ratio[i] * dd[(s + 1) * K + i]);
               col_op[s * K + i] = pol.round(Point::k_inv, kk[s * K + i] * ratio[i]);
             }
-          detail::gemm(pol, Point::intra_accumulate, e - f, f, K, row_op.data(), false, col_op.data(), true,
-                       blockG.data(), false);
-          detail::gemm(pol, Point::intra_accumulate, e - f, f, K, qrow_op.data(), false, col_op.data(), true,
-                       blockM.data(), false);
+          detail::gemm(pol, Point::intra_accumulate, 2 * rows, f, K, row_ops.data(), false, col_op.data(), true,
+                       block_gm.data(), false);
           for (std::int64_t t = f; t < e; ++t)
             for (std::int64_t s = 0; s < f; ++s) {
-              G[t * c + s] = blockG[(t - f) * f + s];
-              M[t * c + s] = blockM[(t - f) * f + s];
+              G[t * c + s] = block_gm[(t - f) * f + s];
+              M[t * c + s] = block_gm[(rows + t - f) * f + s];
             }
         }
         // K_restore by the ratio to the last row, formed backwards.
@@ -353,23 +469,22 @@ ChunkwiseOutputs<S> chunkwise_core(const PreparedInputs<S>& p, const std::option
             k_rest[s * K + i] = pol.round(Point::k_restore, kk[s * K + i] * ratio[i]);
           }
       }
-      Lm.assign(c * c, S(0));
+      for (std::int64_t i = 0; i < c * c; ++i) Lm[i] = S(0);
       for (std::int64_t t = 0; t < c; ++t)
         for (std::int64_t s = 0; s < c; ++s) {
           if (s < t) Lm[t * c + s] = pol.round(Point::L, beta[t] * G[t * c + s]);
           M[t * c + s] = s <= t ? pol.round(Point::m_qk, M[t * c + s]) : S(0);
         }
       if (!fla) {
-        inv = detail::inverse_by_neumann_doubling(pol, Lm, c, factors);
+        detail::inverse_by_neumann_doubling_into(pol, Lm.data(), c, factors, inv.data(), inv_work.data());
       } else {
-        inv = detail::inverse_by_forward_substitution(pol, Lm, c);
-        // W = INV Diag(beta) K_decay and U' = INV Diag(beta) V (Bm, W hold the scaled operands first).
+        detail::inverse_by_forward_substitution_into(pol, Lm.data(), c, inv.data());
+        // W = INV Diag(beta) K_decay and U' = INV Diag(beta) V (bk, Bm hold the scaled operands first).
         for (std::int64_t t = 0; t < c; ++t) {
-          for (std::int64_t i = 0; i < K; ++i) W[t * K + i] = pol.round(Point::k_decay, beta[t] * k_dec[t * K + i]);
+          for (std::int64_t i = 0; i < K; ++i) bk[t * K + i] = pol.round(Point::k_decay, beta[t] * k_dec[t * K + i]);
           for (std::int64_t j = 0; j < V; ++j) Bm[t * V + j] = pol.round(Point::wu_pre, beta[t] * vv[t * V + j]);
         }
-        std::vector<S> bk(W.begin(), W.begin() + c * K);
-        detail::gemm(pol, Point::chunk_accumulate, c, K, c, inv.data(), false, bk.data(), false, W.data(), false);
+        detail::gemm(pol, Point::chunk_accumulate, c, K, c, inv.data(), false, bk.data(), false, W, false);
         detail::gemm(pol, Point::chunk_accumulate, c, V, c, inv.data(), false, Bm.data(), false, Upre.data(), false);
         for (std::int64_t i = 0; i < c * K; ++i) W[i] = pol.round(Point::wu_pre, W[i]);
         for (std::int64_t i = 0; i < c * V; ++i) Upre[i] = pol.round(Point::wu_pre, Upre[i]);
@@ -381,50 +496,54 @@ ChunkwiseOutputs<S> chunkwise_core(const PreparedInputs<S>& p, const std::option
         for (std::int64_t i = 0; i < K; ++i)
           for (std::int64_t j = 0; j < V; ++j) dst[v_first ? j * K + i : i * V + j] = state[i * V + j];
       }
+      // [K_decay S_in; Q_decay S_in] (FlashKDA) or [W S_in; Q_decay S_in] (FLA) in one product.
+      detail::gemm(pol, Point::chunk_accumulate, 2 * c, V, K, lhs.data(), false, state.data(), false, lhs_state.data(),
+                   false);
+      const S* ks_in = lhs_state.data();  // K_decay S_in or W S_in
+      S* const O = lhs_state.data() + c * V;  // Q_decay S_in, then O
       if (!fla) {
         // B = Diag(beta) (V - K_decay S_in); U = INV B.
-        detail::gemm(pol, Point::chunk_accumulate, c, V, K, k_dec.data(), false, state.data(), false, Bm.data(), false);
         for (std::int64_t t = 0; t < c; ++t)
           for (std::int64_t j = 0; j < V; ++j)
-            Bm[t * V + j] = pol.round(Point::chunk_accumulate, beta[t] * (vv[t * V + j] - Bm[t * V + j]));
+            Bm[t * V + j] = pol.round(Point::chunk_accumulate, beta[t] * (vv[t * V + j] - ks_in[t * V + j]));
         detail::gemm(pol, Point::chunk_accumulate, c, V, c, inv.data(), false, Bm.data(), false, U.data(), false);
       } else {
         // U = U' - W S_in.
-        detail::gemm(pol, Point::chunk_accumulate, c, V, K, W.data(), false, state.data(), false, Bm.data(), false);
-        for (std::int64_t i = 0; i < c * V; ++i) U[i] = Upre[i] - Bm[i];
+        for (std::int64_t i = 0; i < c * V; ++i) U[i] = Upre[i] - ks_in[i];
       }
       for (std::int64_t i = 0; i < c * V; ++i) U[i] = pol.round(Point::u, U[i]);
       // O = Q_decay S_in + M_qk U.
-      detail::gemm(pol, Point::chunk_accumulate, c, V, K, q_dec.data(), false, state.data(), false, O.data(), false);
-      detail::gemm(pol, Point::chunk_accumulate, c, V, c, M.data(), false, U.data(), false, O.data(), true);
+      detail::gemm(pol, Point::chunk_accumulate, c, V, c, M, false, U.data(), false, O, true);
       for (std::int64_t t = 0; t < c; ++t) {
         S* o = out.o.data() + out.o.offset(b, t0 + t, hv, 0);
         for (std::int64_t j = 0; j < V; ++j) o[j] = pol.round(Point::output, O[t * V + j]);
       }
       // S_out = Diag(a_last) S_in + K_restore^T U.
-      for (std::int64_t i = 0; i < K; ++i)
-        for (std::int64_t j = 0; j < V; ++j)
-          state[i * V + j] = pol.round(Point::chunk_accumulate, a_last[i] * state[i * V + j]);
+      for (std::int64_t i = 0; i < K; ++i) {
+        S* __restrict row = state.data() + i * V;
+        const S ai = a_last[i];
+        for (std::int64_t j = 0; j < V; ++j) row[j] = pol.round(Point::chunk_accumulate, ai * row[j]);
+      }
       detail::gemm(pol, Point::chunk_accumulate, K, V, c, k_rest.data(), true, U.data(), false, state.data(), true);
       detail::round_all(pol, Point::state, state);
 
       if (st) {
-        store_rows(st->decay, a, t0, c, K);
+        store_rows(st->decay, a.data(), t0, c, K);
         store_rows(st->q_decay, q_dec, t0, c, K);
         store_rows(st->k_decay, k_dec, t0, c, K);
-        if (!fla) store_rows(st->k_inv, k_inv, t0, c, K);
-        store_rows(st->k_restore, k_rest, t0, c, K);
+        if (!fla) store_rows(st->k_inv, k_inv.data(), t0, c, K);
+        store_rows(st->k_restore, k_rest.data(), t0, c, K);
         for (std::int64_t t = 0; t < c; ++t)
           for (std::int64_t s = 0; s < c; ++s) {
             st->L(b, t0 + t, hv, s) = Lm[t * c + s];
             st->m_qk(b, t0 + t, hv, s) = M[t * c + s];
           }
-        store_matrix(st->inv, inv, t0, c);
+        store_matrix(st->inv, inv.data(), t0, c);
         if (fla) {
           store_rows(st->w, W, t0, c, K);
-          store_rows(st->u_pre, Upre, t0, c, V);
+          store_rows(st->u_pre, Upre.data(), t0, c, V);
         }
-        store_rows(st->u, U, t0, c, V);
+        store_rows(st->u, U.data(), t0, c, V);
       }
     }
     if (out.final_state) {

@@ -9,11 +9,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <thread>
 #include <vector>
 
 #include "k3ref/kda/options.h"
 #include "k3ref/kda/stages.h"
+#include "k3ref/num/lanes.h"
 
 namespace k3ref::kda {
 
@@ -44,35 +46,6 @@ InputShapes shapes_of(const Inputs<S>& in, const Options<S>& opt) {
   s.has_lower_bound = opt.lower_bound.has_value();
   s.state_layout = opt.state_layout;
   return s;
-}
-
-// Runs the optional stages (L2 norm, gate, beta activation, default scale).
-template <class S>
-PreparedInputs<S> prepare(const Inputs<S>& in, const Options<S>& opt, const Dims& d) {
-  PreparedInputs<S> p;
-  if (opt.qk_l2norm) {
-    if constexpr (num::scalar_traits<S>::has_transcendentals) {
-      p.q = l2_normalize(in.q);
-      p.k = l2_normalize(in.k);
-    } else {
-      throw InvalidArgument("kda: option 'qk_l2norm' needs sqrt; normalise inputs beforehand in exact arithmetic");
-    }
-  } else {
-    p.q = in.q;
-    p.k = in.k;
-  }
-  p.v = in.v;
-  switch (opt.gate) {
-    case GateForm::decay_factor: p.decay = in.g; break;
-    case GateForm::log_decay: p.decay = decay_factors(in.g, opt.gate_base); break;
-    case GateForm::softplus:
-    case GateForm::lower_bound:
-      p.decay = decay_factors(gate_log_decay(in.g, opt.gate, in.A_log, in.dt_bias, opt.lower_bound), opt.gate_base);
-      break;
-  }
-  p.beta = activate_beta(in.beta, opt.beta);
-  p.scale = opt.scale ? *opt.scale : default_scale<S>(d.K);
-  return p;
 }
 
 namespace detail {
@@ -107,82 +80,159 @@ void parallel_for(std::int64_t count, int threads, Work&& work) {
 
 }  // namespace detail
 
-// The recurrence on one K x V state held row-major (state[i * V + j]) is split into two
-// sweeps over the state per token:
+// Runs the optional stages (L2 norm, gate, beta activation, default scale).
+template <class S>
+PreparedInputs<S> prepare(const Inputs<S>& in, const Options<S>& opt, const Dims& d) {
+  PreparedInputs<S> p;
+  // Four independent stages (q, k, decays, beta), run side by side on the recurrence's
+  // threads. Each writes its own tensor, so the result does not depend on the thread count;
+  // errors are rethrown in stage order, so neither does the message.
+  std::exception_ptr failed[4];
+  detail::parallel_for(4, opt.num_threads, [&](std::int64_t stage) {
+    try {
+      switch (stage) {
+        case 0:
+        case 1: {
+          const Tensor<S>& x = stage == 0 ? in.q : in.k;
+          Tensor<S>& y = stage == 0 ? p.q : p.k;
+          if (!opt.qk_l2norm) {
+            y = x;
+          } else if constexpr (num::scalar_traits<S>::has_transcendentals) {
+            y = l2_normalize(x);
+          } else {
+            throw InvalidArgument("kda: option 'qk_l2norm' needs sqrt; normalise inputs beforehand in exact arithmetic");
+          }
+          break;
+        }
+        case 2:
+          switch (opt.gate) {
+            case GateForm::decay_factor: p.decay = in.g; break;
+            case GateForm::log_decay: p.decay = decay_factors(in.g, opt.gate_base); break;
+            case GateForm::softplus:
+            case GateForm::lower_bound:
+              p.decay =
+                  decay_factors(gate_log_decay(in.g, opt.gate, in.A_log, in.dt_bias, opt.lower_bound), opt.gate_base);
+              break;
+          }
+          break;
+        default:
+          p.v = in.v;
+          p.beta = activate_beta(in.beta, opt.beta);
+      }
+    } catch (...) {
+      failed[stage] = std::current_exception();
+    }
+  });
+  for (const auto& f : failed)
+    if (f) std::rethrow_exception(f);
+  p.scale = opt.scale ? *opt.scale : default_scale<S>(d.K);
+  return p;
+}
+
+
+// How the recurrence is evaluated. Per token it is two sweeps over the K x V state:
 //   sweep A (token t):  S <- Diag(a_t) S,  kS <- S^T k_t
 //   sweep B (token t):  S <- S + k_t u_t^T with u_t = beta_t (v_t - kS),  o_t <- S^T q_t
-// and sweep B of token t is fused with sweep A of token t+1, so the state is read once
-// per token (it is memory traffic, not arithmetic, that bounds this loop). Each element
-// sees the same operations in the same order as the unfused form, so the result is
-// bit-identical to it in every scalar type. Pointers never alias (restrict lets the
-// compiler vectorise the inner loops).
-// The state's columns are processed in blocks of `column_block`, so that a block of
-// the accumulators (S^T k, o) stays in registers while the rows stream past; within a
-// column every element still sees its operations in the original order.
-inline constexpr std::int64_t column_block = 32;
+// and sweep B of token t is fused with sweep A of token t+1, so each state element is
+// loaded and stored once per token. Every column of S evolves on its own: the decay
+// scales rows, and the delta rule and the read act on column j with the shared k_t, q_t
+// and its own v_t[j], kS[j], u_t[j], o_t[j]. So the state is cut into blocks of
+// `recurrence_lanes<S>` columns, and one block at a time is carried through a tile of
+// `recurrence_tile` tokens: its K x lanes values stay in the L1 cache, and its
+// accumulators (kS, o) and u are a few num::Lanes, i.e. registers. Each element still
+// sees the operations of the plain stepwise form in the same order (rows summed in
+// order i = 0..K-1), so the result is the same bits for every block width, tile length
+// and thread count, in every scalar type.
+namespace detail {
 
+// 8 doubles: two AVX or four SSE2 registers per Lanes. With AVX the accumulators (o, kS),
+// u and a state row take 8 of the 16 vector registers; with SSE2 they take 16 and the
+// compiler reads u from L1 instead (measured: 4 lanes, i.e. fewer registers, is slower,
+// because each broadcast of k_t[i] or q_t[i] then serves fewer columns). Any width gives
+// the same bits.
 template <class S>
-void decay_and_project(S* __restrict state, std::int64_t K, std::int64_t V, const S* __restrict decay,
-                       const S* __restrict k, S* __restrict kS) {
-  for (std::int64_t j0 = 0; j0 < V; j0 += column_block) {
-    const std::int64_t width = std::min(column_block, V - j0);
-    S acc[column_block];
-    for (std::int64_t j = 0; j < width; ++j) acc[j] = S(0);
-    for (std::int64_t i = 0; i < K; ++i) {
-      S* __restrict row = state + i * V + j0;
-      const S a = decay[i];
-      const S ki = k[i];
-      for (std::int64_t j = 0; j < width; ++j) {
-        row[j] *= a;
-        acc[j] += ki * row[j];
-      }
+inline constexpr int recurrence_lanes = 8;
+// Tokens per tile: the tile's gathered inputs (about 5 K-vectors per token, 40 KiB at
+// K = V = 128) stay in L1/L2 while every column block passes through them; the block
+// itself (K x 8 doubles, 8 KiB) stays in L1 for the whole tile.
+inline constexpr std::int64_t recurrence_tile = 8;
+
+// Sweep B of one token on one column block (block[i * N + l]), fused with sweep A of the
+// next token when kNext. Returns o_t for the block; `next` receives S^T k_{t+1}. With
+// kRecord the state after token t is handed to record(i, lanes) before the next decay.
+template <class S, int N, bool kNext, bool kRecord, class Record>
+num::Lanes<S, N> update_read_decay(S* __restrict block, std::int64_t K, const num::Lanes<S, N>& u,
+                                   const S* __restrict k, const S* __restrict q_scaled,
+                                   const S* __restrict next_decay, const S* __restrict next_k,
+                                   num::Lanes<S, N>& next, Record&& record) {
+  using L = num::Lanes<S, N>;
+  L out = L::splat(S(0));
+  if constexpr (kNext) next = L::splat(S(0));
+  for (std::int64_t i = 0; i < K; ++i) {
+    L r = L::take(block + i * N);
+    r.add_scaled(k[i], u);
+    out.add_scaled(q_scaled[i], r);
+    if constexpr (kRecord) record(i, r);
+    if constexpr (kNext) {
+      r.scale(next_decay[i]);
+      next.add_scaled(next_k[i], r);
     }
-    for (std::int64_t j = 0; j < width; ++j) kS[j0 + j] = acc[j];
+    r.put(block + i * N);
   }
+  return out;
 }
 
-// Sweep B of one token, fused with sweep A of the next when `next_decay` is not null.
+// Per-item buffers of one token tile, gathered contiguously from the inputs. Token l of
+// the tile: q_scaled[l * K], k[l * K], decay[l * K], v[l * Vp], beta[l]; o[l * Vp] out.
+// k and decay hold one token more: the token after the tile, which sweep A needs.
 template <class S>
-void update_read_then_decay_next(S* __restrict state, std::int64_t K, std::int64_t V, const S* __restrict k,
-                                 const S* __restrict u, const S* __restrict q_scaled, S* __restrict o,
-                                 const S* __restrict next_decay, const S* __restrict next_k,
-                                 S* __restrict next_kS) {
-  for (std::int64_t j0 = 0; j0 < V; j0 += column_block) {
-    const std::int64_t width = std::min(column_block, V - j0);
-    S out[column_block], next[column_block], uj[column_block];
-    for (std::int64_t j = 0; j < width; ++j) {
-      out[j] = S(0);
-      next[j] = S(0);
-      uj[j] = u[j0 + j];
-    }
+struct TokenTile {
+  std::vector<S> q_scaled, k, decay, v, o, beta;
+  TokenTile(std::int64_t K, std::int64_t Vp)
+      : q_scaled(recurrence_tile * K), k((recurrence_tile + 1) * K), decay((recurrence_tile + 1) * K),
+        v(recurrence_tile * Vp, S(0)), o(recurrence_tile * Vp), beta(recurrence_tile) {}
+};
+
+// Carries one column block (columns j0 .. j0 + N of the padded state) through the `count`
+// tokens of a tile. `first`: the tile starts the sequence, so sweep A of its first token
+// runs here; otherwise kS[j0..] holds its S^T k. `more`: a token follows the tile; then
+// kS[j0..] receives its S^T k. record(l, i, j0, lanes) sees the state after token l.
+template <class S, int N, bool kRecord, class Record>
+void carry_block(S* __restrict block, std::int64_t K, std::int64_t Vp, std::int64_t j0, TokenTile<S>& tile,
+                 std::int64_t count, bool first, bool more, S* __restrict kS, Record&& record) {
+  using L = num::Lanes<S, N>;
+  L next = L::splat(S(0));
+  if (first) {
     for (std::int64_t i = 0; i < K; ++i) {
-      S* __restrict row = state + i * V + j0;
-      const S ki = k[i];
-      const S qi = q_scaled[i];
-      for (std::int64_t j = 0; j < width; ++j) {
-        row[j] += ki * uj[j];
-        out[j] += qi * row[j];
-      }
-      if (next_decay) {
-        const S a = next_decay[i];
-        const S nki = next_k[i];
-        for (std::int64_t j = 0; j < width; ++j) {
-          row[j] *= a;
-          next[j] += nki * row[j];
-        }
-      }
+      L r = L::take(block + i * N);
+      r.scale(tile.decay[i]);
+      next.add_scaled(tile.k[i], r);
+      r.put(block + i * N);
     }
-    for (std::int64_t j = 0; j < width; ++j) {
-      o[j0 + j] = out[j];
-      if (next_decay) next_kS[j0 + j] = next[j];
-    }
+  } else {
+    next = L::load(kS + j0);
   }
+  for (std::int64_t l = 0; l < count; ++l) {
+    const L u = L::scaled_difference(tile.beta[l], L::load(tile.v.data() + l * Vp + j0), next);
+    const S* k = tile.k.data() + l * K;
+    const S* q = tile.q_scaled.data() + l * K;
+    const S* next_decay = tile.decay.data() + (l + 1) * K;
+    auto rec = [&](std::int64_t i, const L& r) { record(l, i, r); };
+    const L out = l + 1 < count || more
+                      ? update_read_decay<S, N, true, kRecord>(block, K, u, k, q, next_decay, k + K, next, rec)
+                      : update_read_decay<S, N, false, kRecord>(block, K, u, k, q, nullptr, nullptr, next, rec);
+    out.store(tile.o.data() + l * Vp + j0);
+  }
+  if (more) next.store(kS + j0);
 }
+
+}  // namespace detail
 
 // The recurrence over prepared inputs. `initial_state` in the layout of `opt`.
 template <class S>
 Outputs<S> recurrent_core(const PreparedInputs<S>& p, const std::optional<Tensor<S>>& initial_state,
                           const Options<S>& opt, const Dims& d) {
+  constexpr int N = detail::recurrence_lanes<S>;
   Outputs<S> out;
   out.o = Tensor<S>({d.B, d.T, d.HV, d.V});
   const bool v_first = opt.state_layout == StateLayout::v_first;
@@ -192,47 +242,62 @@ Outputs<S> recurrent_core(const PreparedInputs<S>& p, const std::optional<Tensor
     out.all_states = Tensor<S>(v_first ? Shape{d.B, d.T, d.HV, d.V, d.K} : Shape{d.B, d.T, d.HV, d.K, d.V});
   const std::int64_t group = d.HV / d.H;
   const std::int64_t K = d.K, V = d.V;
-
-  // Copies a K-first working state to or from a tensor slot in the user's layout.
-  auto store = [&](const std::vector<S>& st, S* dst) {
-    for (std::int64_t i = 0; i < K; ++i)
-      for (std::int64_t j = 0; j < V; ++j) dst[v_first ? j * K + i : i * V + j] = st[i * V + j];
-  };
+  // The working state: column blocks of N, each K x N row-major, padded with zero columns
+  // up to Vp (padding columns never reach an output).
+  const std::int64_t Vp = (V + N - 1) / N * N;
+  auto at = [&](std::int64_t i, std::int64_t j) { return (j / N) * K * N + i * N + j % N; };
+  auto slot = [&](std::int64_t i, std::int64_t j) { return v_first ? j * K + i : i * V + j; };
 
   detail::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
     const std::int64_t n = item / d.HV, hv = item % d.HV, h = hv / group;
     const std::int64_t b = d.seq_batch[n];
-    std::vector<S> st(static_cast<std::size_t>(K * V), S(0)), kS(V), u(V), q_scaled(K);
+    std::vector<S> st(static_cast<std::size_t>(K * Vp), S(0)), kS(Vp, S(0));
     if (initial_state) {
       const S* src = initial_state->data() + initial_state->offset(n, hv, 0, 0);
       for (std::int64_t i = 0; i < K; ++i)
-        for (std::int64_t j = 0; j < V; ++j) st[i * V + j] = src[v_first ? j * K + i : i * V + j];
+        for (std::int64_t j = 0; j < V; ++j) st[at(i, j)] = src[slot(i, j)];
     }
     const std::int64_t begin = d.seq_begin[n], end = d.seq_end[n];
-    auto decay_at = [&](std::int64_t t) { return p.decay.data() + p.decay.offset(b, t, hv, 0); };
-    auto k_at = [&](std::int64_t t) { return p.k.data() + p.k.offset(b, t, h, 0); };
-    // While the state is current for token t's sweep B, kS holds S^T k_t after decay.
-    // The state after every token is only materialised when all_states is requested,
-    // so then the sweeps are not fused (the next decay must not touch it yet).
-    const bool fuse = !out.all_states;
-    if (begin < end) decay_and_project(st.data(), K, V, decay_at(begin), k_at(begin), kS.data());
-    for (std::int64_t t = begin; t < end; ++t) {
-      const S* q = p.q.data() + p.q.offset(b, t, h, 0);
-      for (std::int64_t i = 0; i < K; ++i) q_scaled[i] = p.scale * q[i];
-      const S* v = p.v.data() + p.v.offset(b, t, hv, 0);
-      const S& beta = p.beta(b, t, hv);
-      for (std::int64_t j = 0; j < V; ++j) u[j] = beta * (v[j] - kS[j]);
-      const bool has_next = t + 1 < end;
-      update_read_then_decay_next(st.data(), K, V, k_at(t), u.data(), q_scaled.data(),
-                                  out.o.data() + out.o.offset(b, t, hv, 0),
-                                  fuse && has_next ? decay_at(t + 1) : nullptr, has_next ? k_at(t + 1) : nullptr,
-                                  kS.data());
-      if (out.all_states) {
-        store(st, out.all_states->data() + out.all_states->offset(b, t, hv, 0, 0));
-        if (has_next) decay_and_project(st.data(), K, V, decay_at(t + 1), k_at(t + 1), kS.data());
+    detail::TokenTile<S> tile(K, Vp);
+    for (std::int64_t t0 = begin; t0 < end; t0 += detail::recurrence_tile) {
+      const std::int64_t count = std::min(detail::recurrence_tile, end - t0);
+      const bool more = t0 + count < end;
+      for (std::int64_t l = 0; l < count + (more ? 1 : 0); ++l) {
+        const S* k = p.k.data() + p.k.offset(b, t0 + l, h, 0);
+        const S* a = p.decay.data() + p.decay.offset(b, t0 + l, hv, 0);
+        std::copy(k, k + K, tile.k.begin() + l * K);
+        std::copy(a, a + K, tile.decay.begin() + l * K);
+      }
+      for (std::int64_t l = 0; l < count; ++l) {
+        const S* q = p.q.data() + p.q.offset(b, t0 + l, h, 0);
+        for (std::int64_t i = 0; i < K; ++i) tile.q_scaled[l * K + i] = p.scale * q[i];
+        const S* v = p.v.data() + p.v.offset(b, t0 + l, hv, 0);
+        std::copy(v, v + V, tile.v.begin() + l * Vp);
+        tile.beta[l] = p.beta(b, t0 + l, hv);
+      }
+      for (std::int64_t j0 = 0; j0 < Vp; j0 += N) {
+        S* block = st.data() + j0 * K;
+        if (out.all_states) {
+          auto record = [&](std::int64_t l, std::int64_t i, const num::Lanes<S, N>& r) {
+            S* dst = out.all_states->data() + out.all_states->offset(b, t0 + l, hv, 0, 0);
+            for (std::int64_t c = 0; c < N && j0 + c < V; ++c) dst[slot(i, j0 + c)] = r.get(static_cast<int>(c));
+          };
+          detail::carry_block<S, N, true>(block, K, Vp, j0, tile, count, t0 == begin, more, kS.data(), record);
+        } else {
+          auto none = [](std::int64_t, std::int64_t, const num::Lanes<S, N>&) {};
+          detail::carry_block<S, N, false>(block, K, Vp, j0, tile, count, t0 == begin, more, kS.data(), none);
+        }
+      }
+      for (std::int64_t l = 0; l < count; ++l) {
+        const auto first = tile.o.begin() + l * Vp;
+        std::copy(first, first + V, out.o.data() + out.o.offset(b, t0 + l, hv, 0));
       }
     }
-    if (out.final_state) store(st, out.final_state->data() + out.final_state->offset(n, hv, 0, 0));
+    if (out.final_state) {
+      S* dst = out.final_state->data() + out.final_state->offset(n, hv, 0, 0);
+      for (std::int64_t i = 0; i < K; ++i)
+        for (std::int64_t j = 0; j < V; ++j) dst[slot(i, j)] = st[at(i, j)];
+    }
   });
   return out;
 }
