@@ -61,7 +61,7 @@ std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
   fopt.output_final_state = false;
   fopt.output_all_states = false;
   const ChunkStages<S> st = *chunkwise_core(p, initial_state, fopt, d, copt).stages;
-  const std::int64_t C = st.chunk_size, K = d.K, V = d.V, h_per = d.HV / d.H;
+  const std::int64_t C = st.chunk_size, K = d.K, V = d.V;
   const bool v_first = opt.state_layout == StateLayout::v_first;
   const std::int64_t chunks = st.chunk_starts.dim(0);
 
@@ -102,7 +102,7 @@ std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
   };
 
   detail::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
-    const std::int64_t n = item / d.HV, hv = item % d.HV, h = hv / h_per;
+    const std::int64_t n = item / d.HV, hv = item % d.HV;
     std::vector<S> dS_out = final_gradient(n, hv);
     for (std::int64_t c = first_chunk[n + 1]; c-- > first_chunk[n];) {
       const std::int64_t b = st.chunk_starts(c, 0), t0 = st.chunk_starts(c, 1), len = st.chunk_starts(c, 2);
