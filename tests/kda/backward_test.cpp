@@ -11,12 +11,15 @@
 
 #include <cmath>
 
+#include "kda_test_util.h"
 #include "k3ref/kda/backward.h"
 #include "k3ref/num/dual.h"
 #include "k3ref/num/random.h"
 
 namespace k3ref::kda {
 namespace {
+
+using namespace test_util;
 
 using Q = num::rational;
 using HP = num::high_precision<200>;
@@ -25,25 +28,6 @@ using HP256 = num::high_precision<256>;
 struct Sizes {
   std::int64_t B, T, H, HV, K, V;
 };
-
-Q small_rational(int lo, int hi) {
-  return Q(*rc::gen::inRange(lo, hi + 1)) / Q(*rc::gen::element(1, 2, 3, 4, 8));
-}
-
-Tensor<Q> random_tensor(const Shape& shape, int lo, int hi) {
-  Tensor<Q> t(shape);
-  for (Q& x : t.values()) x = small_rational(lo, hi);
-  return t;
-}
-
-Tensor<Q> random_decays(const Shape& shape) {
-  Tensor<Q> t(shape);
-  for (Q& x : t.values()) {
-    const int q = *rc::gen::inRange(1, 7);
-    x = Q(*rc::gen::inRange(1, q + 1)) / Q(q);
-  }
-  return t;
-}
 
 // Shapes with GVA, batches or varlen (empty sequences included), tiny heads.
 struct Case {

@@ -6,32 +6,15 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include "kda_test_util.h"
 #include "k3ref/kda/chunkwise_backward.h"
 
 namespace k3ref::kda {
 namespace {
 
+using namespace test_util;
+
 using Q = num::rational;
-
-Q small_rational(int lo, int hi) {
-  return Q(*rc::gen::inRange(lo, hi + 1)) / Q(*rc::gen::element(1, 2, 3, 4, 8));
-}
-
-Tensor<Q> random_tensor(const Shape& shape, int lo, int hi) {
-  Tensor<Q> t(shape);
-  for (Q& x : t.values()) x = small_rational(lo, hi);
-  return t;
-}
-
-// Decays in (0, 1]: the inverse-decay form divides by them.
-Tensor<Q> random_decays(const Shape& shape) {
-  Tensor<Q> t(shape);
-  for (Q& x : t.values()) {
-    const int q = *rc::gen::inRange(1, 7);
-    x = Q(*rc::gen::inRange(1, q + 1)) / Q(q);
-  }
-  return t;
-}
 
 struct Case {
   Inputs<Q> in;

@@ -7,12 +7,15 @@
 #include <cmath>
 #include <limits>
 
+#include "kda_test_util.h"
 #include "k3ref/kda/recurrent.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
 
 namespace k3ref::kda {
 namespace {
+
+using namespace test_util;
 
 using Q = num::rational;
 using HP = num::high_precision<256>;
@@ -22,29 +25,6 @@ using HP = num::high_precision<256>;
 struct Sizes {
   std::int64_t B, T, H, HV, K, V;
 };
-
-Q small_rational(int lo, int hi) {
-  const int num = *rc::gen::inRange(lo, hi + 1);
-  const int den = *rc::gen::element(1, 2, 3, 4, 8);
-  return Q(num) / Q(den);
-}
-
-Tensor<Q> random_tensor(const Shape& shape, int lo, int hi) {
-  Tensor<Q> t(shape);
-  for (Q& x : t.values()) x = small_rational(lo, hi);
-  return t;
-}
-
-// Decays as rationals in (0, 1]: p / q with 1 <= p <= q <= 6.
-Tensor<Q> random_decays(const Shape& shape) {
-  Tensor<Q> t(shape);
-  for (Q& x : t.values()) {
-    const int q = *rc::gen::inRange(1, 7);
-    const int p = *rc::gen::inRange(1, q + 1);
-    x = Q(p) / Q(q);
-  }
-  return t;
-}
 
 Sizes random_sizes(std::int64_t max_t = 8) {
   const std::int64_t H = *rc::gen::inRange(1, 3);
