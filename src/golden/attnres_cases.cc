@@ -108,13 +108,7 @@ io::SafetensorsFile generate_attnres(const Case& c) {
     file.tensors.emplace_back("phase1_max", io::from_f64(lower(*out.phase1_max), DType::F64));
     file.tensors.emplace_back("phase1_sum", io::from_f64(lower(*out.phase1_sum), DType::F64));
   }
-  file.metadata = {{"k3ref.case", c.name},
-                   {"k3ref.op", c.op},
-                   {"k3ref.seed", std::to_string(c.seed)},
-                   {"k3ref.params", c.params.dump()},
-                   {"k3ref.generator_version", generator_version},
-                   {"k3ref.reference_precision", std::to_string(num::golden_bits) + "-bit binary float"},
-                   {"k3ref.outputs", outputs}};
+  file.metadata = metadata_of(c, golden_float_precision(), outputs);
   return file;
 }
 

@@ -16,18 +16,31 @@ Tensor<double> draw_uniform_rounded(num::Random& rng, const Shape& shape, double
   return t;
 }
 
+std::map<std::string, std::string> metadata_of(const Case& c, const std::string& reference_precision,
+                                               const std::string& outputs) {
+  return {{"k3ref.case", c.name},
+          {"k3ref.op", c.op},
+          {"k3ref.seed", std::to_string(c.seed)},
+          {"k3ref.params", c.params.dump()},
+          {"k3ref.generator_version", generator_version},
+          {"k3ref.reference_precision", reference_precision},
+          {"k3ref.outputs", outputs}};
+}
+
+std::string golden_float_precision() { return std::to_string(num::golden_bits) + "-bit binary float"; }
+
 const std::vector<Generator>& generators() {
   static const std::vector<Generator> all = {
-      {"kda.recurrent", generate_kda_recurrent, std::to_string(num::golden_bits) + "-bit binary float"},
-      {"kda.chunkwise_flashkda", generate_kda_chunkwise, std::to_string(num::golden_bits) + "-bit binary float"},
-      {"kda.chunkwise_fla", generate_kda_chunkwise, std::to_string(num::golden_bits) + "-bit binary float"},
+      {"kda.recurrent", generate_kda_recurrent, golden_float_precision()},
+      {"kda.chunkwise_flashkda", generate_kda_chunkwise, golden_float_precision()},
+      {"kda.chunkwise_fla", generate_kda_chunkwise, golden_float_precision()},
       {"qb.solver", generate_qb_solver, "exact (rational, or double proven exact)"},
       {"qb.online", generate_qb_online, "exact rational"},
-      {"attnres.full", generate_attnres, std::to_string(num::golden_bits) + "-bit binary float"},
-      {"attnres.block", generate_attnres, std::to_string(num::golden_bits) + "-bit binary float"},
-      {"attnres.phase1", generate_attnres, std::to_string(num::golden_bits) + "-bit binary float"},
-      {"kcp.context_parallel", generate_kcp_context_parallel, std::to_string(num::golden_bits) + "-bit binary float"},
-      {"kda.backward", generate_kda_backward, std::to_string(num::golden_bits) + "-bit binary float"},
+      {"attnres.full", generate_attnres, golden_float_precision()},
+      {"attnres.block", generate_attnres, golden_float_precision()},
+      {"attnres.phase1", generate_attnres, golden_float_precision()},
+      {"kcp.context_parallel", generate_kcp_context_parallel, golden_float_precision()},
+      {"kda.backward", generate_kda_backward, golden_float_precision()},
       // Each operator family registers its generator here (one line per op).
   };
   return all;

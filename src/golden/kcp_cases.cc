@@ -138,13 +138,8 @@ io::SafetensorsFile generate_kcp_context_parallel(const Case& c) {
                             io::from_f64(stack([&](std::size_t r) { return cp.entering_states[r]; }), DType::F64));
   file.tensors.emplace_back("o", io::from_f64(to_double(cp.out.o), DType::F64));
   file.tensors.emplace_back("final_state", io::from_f64(to_double(*cp.out.final_state), DType::F64));
-  file.metadata = {{"k3ref.case", c.name},
-                   {"k3ref.op", c.op},
-                   {"k3ref.seed", std::to_string(c.seed)},
-                   {"k3ref.params", c.params.dump()},
-                   {"k3ref.generator_version", generator_version},
-                   {"k3ref.reference_precision", std::to_string(num::golden_bits) + "-bit binary float"},
-                   {"k3ref.outputs", "o,final_state,fragment_transition,fragment_state,entering_state"}};
+  file.metadata =
+      metadata_of(c, golden_float_precision(), "o,final_state,fragment_transition,fragment_state,entering_state");
   return file;
 }
 

@@ -119,13 +119,7 @@ io::SafetensorsFile generate_kda_backward(const Case& c) {
     output("cp_entering_states", stack_ranks(cp.entering_states));
     output("cp_entering_state_gradients", stack_ranks(cp.state.entering_gradients));
   }
-  file.metadata = {{"k3ref.case", c.name},
-                   {"k3ref.op", c.op},
-                   {"k3ref.seed", std::to_string(c.seed)},
-                   {"k3ref.params", c.params.dump()},
-                   {"k3ref.generator_version", generator_version},
-                   {"k3ref.reference_precision", std::to_string(num::golden_bits) + "-bit binary float"},
-                   {"k3ref.outputs", names}};
+  file.metadata = metadata_of(c, golden_float_precision(), names);
   return file;
 }
 

@@ -153,13 +153,8 @@ io::SafetensorsFile generate_kda_recurrent(const Case& c) {
         "cu_seqlens", io::from_i64(Tensor<std::int64_t>({static_cast<std::int64_t>(in.cu_seqlens->size())},
                                                         *in.cu_seqlens), DType::I64));
   kda::add_outputs(file, out);
-  file.metadata = {{"k3ref.case", c.name},
-                   {"k3ref.op", c.op},
-                   {"k3ref.seed", std::to_string(c.seed)},
-                   {"k3ref.params", c.params.dump()},
-                   {"k3ref.generator_version", generator_version},
-                   {"k3ref.reference_precision", std::to_string(num::golden_bits) + "-bit binary float"},
-                   {"k3ref.outputs", exact.all_states ? "o,final_state,all_states" : "o,final_state"}};
+  file.metadata =
+      metadata_of(c, golden_float_precision(), exact.all_states ? "o,final_state,all_states" : "o,final_state");
   return file;
 }
 

@@ -59,13 +59,7 @@ io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
   stage("u", st.u);
   stage("chunk_states", st.chunk_states);
   file.tensors.emplace_back("chunk_starts", io::from_i64(st.chunk_starts, DType::I64));
-  file.metadata = {{"k3ref.case", c.name},
-                   {"k3ref.op", c.op},
-                   {"k3ref.seed", std::to_string(c.seed)},
-                   {"k3ref.params", c.params.dump()},
-                   {"k3ref.generator_version", generator_version},
-                   {"k3ref.reference_precision", std::to_string(num::golden_bits) + "-bit binary float"},
-                   {"k3ref.outputs", names}};
+  file.metadata = metadata_of(c, golden_float_precision(), names);
   return file;
 }
 

@@ -110,16 +110,6 @@ Tensor<std::int64_t> stack_i64(const std::vector<std::vector<std::int64_t>>& row
   return out;
 }
 
-std::map<std::string, std::string> metadata_of(const Case& c, const std::string& precision, const std::string& outputs) {
-  return {{"k3ref.case", c.name},
-          {"k3ref.op", c.op},
-          {"k3ref.seed", std::to_string(c.seed)},
-          {"k3ref.params", c.params.dump()},
-          {"k3ref.generator_version", generator_version},
-          {"k3ref.reference_precision", precision},
-          {"k3ref.outputs", outputs}};
-}
-
 // The solver trace in S, written as F64 / I32 tensors.
 template <class S>
 void add_solver_outputs(io::SafetensorsFile& file, const Tensor<S>& scores, const json& p,

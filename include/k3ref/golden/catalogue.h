@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,14 @@ struct Generator {
 // `format`, so the stored value is exactly what the reference consumes. Integer
 // arithmetic and IEEE operations in a fixed order: the same bytes everywhere.
 Tensor<double> draw_uniform_rounded(num::Random& rng, const Shape& shape, double lo, double hi, num::Format format);
+
+// The `__metadata__` every golden file carries (docs/golden-format.md): the case, its
+// operator, seed, parameters, the generator version, the reference precision and the
+// names of the output tensors.
+std::map<std::string, std::string> metadata_of(const Case& c, const std::string& reference_precision,
+                                               const std::string& outputs);
+// "256-bit binary float": the reference precision of the goldens computed at golden_bits.
+std::string golden_float_precision();
 
 // All registered generators (one per operator family).
 const std::vector<Generator>& generators();
