@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "../kda/kda_test_util.h"
 #include "k3ref/kda/recurrent.h"
 #include "k3ref/num/scalar.h"
 
@@ -14,27 +15,10 @@ namespace k3ref::kcp::testing {
 using Q = num::rational;
 using HP = num::high_precision<256>;
 
-inline Q small_rational(int lo, int hi) {
-  const int num = *rc::gen::inRange(lo, hi + 1);
-  const int den = *rc::gen::element(1, 2, 3, 4, 8);
-  return Q(num) / Q(den);
-}
-
-inline Tensor<Q> random_tensor(const Shape& shape, int lo, int hi) {
-  Tensor<Q> t(shape);
-  for (Q& x : t.values()) x = small_rational(lo, hi);
-  return t;
-}
-
-// Decays p / q in (0, 1], 1 <= p <= q <= 6 (exactly 1 sometimes: no decay).
-inline Tensor<Q> random_decays(const Shape& shape) {
-  Tensor<Q> t(shape);
-  for (Q& x : t.values()) {
-    const int q = *rc::gen::inRange(1, 7);
-    x = Q(*rc::gen::inRange(1, q + 1)) / Q(q);
-  }
-  return t;
-}
+// The exact-input generators of the KDA tests (same draws).
+using kda::test_util::random_decays;
+using kda::test_util::random_tensor;
+using kda::test_util::small_rational;
 
 // cu_seqlens of 1..5 documents of 0..max_len tokens (empty documents included).
 inline std::vector<std::int64_t> random_documents(int max_docs = 5, int max_len = 8) {

@@ -82,9 +82,7 @@ RC_GTEST_PROP(KdaChunkwiseBackwardExact, ChunkStatesAndStateGradientsAreTheRecur
   const auto d = validate(shapes_of(c.in, c.opt));
   const auto bs = chunkwise_backward(c.in, c.opt, c.cot, c.chunk_size).stages;
   const auto p = prepare(c.in, c.opt, d);
-  PreparedGradients<Q> scratch{Tensor<Q>({d.B, d.T, d.HV, d.K}), Tensor<Q>({d.B, d.T, d.HV, d.K}),
-                               Tensor<Q>({d.B, d.T, d.HV, d.V}), Tensor<Q>({d.B, d.T, d.HV, d.K}),
-                               Tensor<Q>({d.B, d.T, d.HV}),       Tensor<Q>({d.N, d.HV, d.K, d.V})};
+  PreparedGradients<Q> scratch = zero_prepared_gradients<Q>(d);
   for (std::int64_t ci = 0; ci < bs.chunk_starts.dim(0); ++ci) {
     const std::int64_t b = bs.chunk_starts(ci, 0), t0 = bs.chunk_starts(ci, 1);
     std::int64_t n = 0;

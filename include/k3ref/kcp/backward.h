@@ -213,9 +213,7 @@ ContextParallelBackwardResult<S> context_parallel_backward(const kda::Inputs<S>&
   if (cot.d_final_state)
     dF = opt.state_layout == kda::StateLayout::v_first ? detail::swap_last_two(*cot.d_final_state) : *cot.d_final_state;
 
-  kda::PreparedGradients<S> pg{Tensor<S>({1, d.T, d.HV, d.K}), Tensor<S>({1, d.T, d.HV, d.K}),
-                               Tensor<S>({1, d.T, d.HV, d.V}), Tensor<S>({1, d.T, d.HV, d.K}),
-                               Tensor<S>({1, d.T, d.HV}),       Tensor<S>({d.N, d.HV, d.K, d.V})};
+  kda::PreparedGradients<S> pg = kda::zero_prepared_gradients<S>(d);  // B = 1 here
   const std::int64_t P = plan.num_ranks();
   // Ranks write disjoint token ranges.
   kda::detail::parallel_for(P, opt.num_threads, [&](std::int64_t r) {

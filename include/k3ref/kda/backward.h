@@ -59,6 +59,14 @@ struct PreparedGradients {
   Tensor<S> d_initial_state;  // [N, HV, K, V], K-first
 };
 
+// Zero prepared gradients of the shapes of validated inputs, for a pass to accumulate into.
+template <class S>
+PreparedGradients<S> zero_prepared_gradients(const Dims& d) {
+  return PreparedGradients<S>{Tensor<S>({d.B, d.T, d.HV, d.K}), Tensor<S>({d.B, d.T, d.HV, d.K}),
+                              Tensor<S>({d.B, d.T, d.HV, d.V}), Tensor<S>({d.B, d.T, d.HV, d.K}),
+                              Tensor<S>({d.B, d.T, d.HV}),       Tensor<S>({d.N, d.HV, d.K, d.V})};
+}
+
 // Tokens between the states the reverse pass stores: within a span it recomputes the
 // states forward from the span's first one, so memory is O((T / span + span) K V).
 inline constexpr std::int64_t backward_checkpoint_span = 16;
@@ -178,13 +186,7 @@ PreparedGradients<S> recurrent_adjoint(const PreparedInputs<S>& p, const std::op
                                        const Cotangents<S>& cot, const Options<S>& opt, const Dims& d) {
   const bool v_first = opt.state_layout == StateLayout::v_first;
   const std::int64_t K = d.K, V = d.V;
-  PreparedGradients<S> g;
-  g.dq = Tensor<S>({d.B, d.T, d.HV, K});
-  g.dk = Tensor<S>({d.B, d.T, d.HV, K});
-  g.dv = Tensor<S>({d.B, d.T, d.HV, V});
-  g.ddecay = Tensor<S>({d.B, d.T, d.HV, K});
-  g.dbeta = Tensor<S>({d.B, d.T, d.HV});
-  g.d_initial_state = Tensor<S>({d.N, d.HV, K, V});
+  PreparedGradients<S> g = zero_prepared_gradients<S>(d);
   auto load = [&](const Tensor<S>& slots, std::int64_t n, std::int64_t hv) {
     std::vector<S> st(static_cast<std::size_t>(K * V), S(0));
     const S* src = slots.data() + slots.offset(n, hv, 0, 0);

@@ -78,13 +78,7 @@ std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
   bs.du = Tensor<S>({d.B, d.T, d.HV, V});
   bs.dg_cumulative = Tensor<S>({d.B, d.T, d.HV, K});
 
-  PreparedGradients<S> g;
-  g.dq = Tensor<S>({d.B, d.T, d.HV, K});
-  g.dk = Tensor<S>({d.B, d.T, d.HV, K});
-  g.dv = Tensor<S>({d.B, d.T, d.HV, V});
-  g.ddecay = Tensor<S>({d.B, d.T, d.HV, K});
-  g.dbeta = Tensor<S>({d.B, d.T, d.HV});
-  g.d_initial_state = Tensor<S>({d.N, d.HV, K, V});
+  PreparedGradients<S> g = zero_prepared_gradients<S>(d);
 
   // Chunks of each sequence (as chunkwise_core numbers them).
   std::vector<std::int64_t> first_chunk(d.N + 1, 0);
