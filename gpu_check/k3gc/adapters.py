@@ -22,14 +22,9 @@ def _shapes(inputs):
     return dict(B=B, T=T, H=H, K=K, HV=v.shape[2], V=v.shape[3])
 
 
-class KdaAdapter:
-    name = "?"
-    policy = "recurrent"
-    policy_reason = ""
-    kind = "kernel"  # kernel | reference | mutant
-    output_dtype = torch.bfloat16
-    accepts_out = False  # run() writes into a given output buffer
-    device_sync = False  # synchronise after each run (set for CUDA devices)
+class LoadableAdapter:
+    """What every adapter shares: `load()` imports its kernel (raising to mark it
+    unavailable), and `available()` tries that once and keeps the reason."""
 
     def __init__(self):
         self._loaded = None
@@ -51,6 +46,16 @@ class KdaAdapter:
 
     def load(self):
         pass
+
+
+class KdaAdapter(LoadableAdapter):
+    name = "?"
+    policy = "recurrent"
+    policy_reason = ""
+    kind = "kernel"  # kernel | reference | mutant
+    output_dtype = torch.bfloat16
+    accepts_out = False  # run() writes into a given output buffer
+    device_sync = False  # synchronise after each run (set for CUDA devices)
 
     def unsupported(self, params, shapes):
         return None

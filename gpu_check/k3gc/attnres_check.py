@@ -28,6 +28,7 @@ import time
 import torch
 
 from . import metrics as M
+from .adapters import LoadableAdapter
 from .checks import CheckResult
 
 MULTIPLE = 2.0
@@ -80,7 +81,7 @@ def slots(case):
     yield L + 1, torch.stack(sums), False
 
 
-class LigerAttnResAdapter:
+class LigerAttnResAdapter(LoadableAdapter):
     name = "liger.attn_res"
     kind = "kernel"
     policy = f"contract:{MULTIPLE:g}"
@@ -92,8 +93,7 @@ class LigerAttnResAdapter:
         self.forward = forward  # attn_res_forward-compatible callable; None: import Liger's
         if name:
             self.name = name
-        self._loaded = None
-        self._reason = ""
+        super().__init__()
 
     def load(self):
         if self.forward is not None:
@@ -104,19 +104,6 @@ class LigerAttnResAdapter:
             if p not in sys.path:
                 sys.path.insert(0, p)
         self.forward = importlib.import_module("liger_kernel.ops.attn_res").attn_res_forward
-
-    def available(self):
-        if self._loaded is None:
-            try:
-                self.load()
-                self._loaded = True
-            except Exception as e:
-                self._loaded, self._reason = False, f"{type(e).__name__}: {e}"
-        return self._loaded
-
-    @property
-    def unavailable_reason(self):
-        return self._reason
 
     def supports(self, case):
         return case.op in ("attnres.full", "attnres.block", "attnres.phase1")

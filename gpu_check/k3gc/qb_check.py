@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .adapters import LoadableAdapter
 from .checks import CheckResult
 
 F32_ULP = 2.0**-23
@@ -38,7 +39,7 @@ def _load_module_from(path):
     return mod
 
 
-class TorchtitanQbAdapter:
+class TorchtitanQbAdapter(LoadableAdapter):
     """torchtitan's exact quantile bias (`histogram=False`) or its histogram estimate."""
 
     kind = "kernel"
@@ -52,8 +53,7 @@ class TorchtitanQbAdapter:
         self.policy = "qb-histogram" if histogram else "qb-exact"
         self.policy_reason = ("2 histogram bin widths on the centred bias (the crossing bin holds the exact quantile)"
                               if histogram else "64 fp32 ulps on biases and cutoffs; selections equal outside ties")
-        self._loaded = None
-        self._reason = ""
+        super().__init__()
 
     def load(self):
         # The module file alone: importing the torchtitan package pulls in its whole model
@@ -71,19 +71,6 @@ class TorchtitanQbAdapter:
                 return
         raise ImportError("torchtitan's kimi_k3/quantile_balance.py not found (install torchtitan or pass "
                           "--torchtitan-path to a checkout); looked in: " + (", ".join(map(str, candidates)) or "none"))
-
-    def available(self):
-        if self._loaded is None:
-            try:
-                self.load()
-                self._loaded = True
-            except Exception as e:
-                self._loaded, self._reason = False, f"{type(e).__name__}: {e}"
-        return self._loaded
-
-    @property
-    def unavailable_reason(self):
-        return self._reason
 
     def supports(self, case):
         return case.op in ("qb.solver", "qb.online")
