@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # gpu_check on a GPU machine: builds libk3gc (sm_90) and the k3ref Python module, runs the
-# comparator / fp64-reference benchmark (k3gc.bench), the property run against libk3gc's
+# comparator / fp64-reference benchmark (k3ref.gpu_check.bench), the property run against libk3gc's
 # fp32 kernel, and the CI harness. Third-party kernels are found through the paths given
 # (nothing is fetched or vendored here).
 #
@@ -10,7 +10,7 @@
 #        PROP_KERNELS (real kernels for `prop`; default "fla.fused_recurrent_kda fla.chunk_kda flashkda.fwd",
 #        empty to skip), SKIP_RUN=1 (no CI harness run),
 #        BENCH_ELEMENTS (default 2^31), BENCH_TOKENS (default 10^6), PROP_EXAMPLES (default 200),
-#        RUN_ARGS (extra arguments for `k3gc run`, e.g. "--budget 240 --only k3gc.fp32,fla.chunk_kda")
+#        RUN_ARGS (extra arguments for `k3ref.gpu_check run`, e.g. "--budget 240 --only k3gc.fp32,fla.chunk_kda")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -48,7 +48,7 @@ if command -v meson >/dev/null && command -v ninja >/dev/null; then
 else
   echo "meson/ninja missing: no k3ref module; prop uses libk3gc's and PyTorch's fp64 references"
 fi
-export PYTHONPATH=$ROOT/gpu_check:${PYTHONPATH:-}
+export PYTHONPATH=$ROOT/python:${PYTHONPATH:-}
 
 if [ "${BUILD_FLASHKDA:-0}" = 1 ] && [ -f "$FLASHKDA_PATH/setup.py" ]; then
   step "build FlashKDA's extension in place (BUILD_FLASHKDA=1; several minutes)"
@@ -57,22 +57,22 @@ if [ "${BUILD_FLASHKDA:-0}" = 1 ] && [ -f "$FLASHKDA_PATH/setup.py" ]; then
 fi
 
 step "benchmark: comparator vs device copy, fp64 reference over 10^6 tokens"
-$PY -m k3gc.bench --elements "${BENCH_ELEMENTS:-2147483648}" --tokens "${BENCH_TOKENS:-1000000}" \
+$PY -m k3ref.gpu_check.bench --elements "${BENCH_ELEMENTS:-2147483648}" --tokens "${BENCH_TOKENS:-1000000}" \
   2>&1 | tee "$OUT/bench.json" || status=1
 
 step "property run: libk3gc's fp32 kernel (must pass) and one mutant (must be caught and shrunk)"
-$PY -m k3gc prop --kernel k3gc.fp32 --examples "${PROP_EXAMPLES:-200}" --max-T 300 --seed 1 --out "$OUT/prop" \
+$PY -m k3ref.gpu_check prop --kernel k3gc.fp32 --examples "${PROP_EXAMPLES:-200}" --max-T 300 --seed 1 --out "$OUT/prop" \
   2>&1 | tail -20 | tee "$OUT/prop_fp32.txt" || status=1
-$PY -m k3gc prop --kernel mutant.read_ahead --examples 100 --seed 1 --out "$OUT/prop" 2>&1 | tail -8 \
+$PY -m k3ref.gpu_check prop --kernel mutant.read_ahead --examples 100 --seed 1 --out "$OUT/prop" 2>&1 | tail -8 \
   | tee "$OUT/prop_mutant.txt"
 for k in ${PROP_KERNELS-fla.fused_recurrent_kda fla.chunk_kda flashkda.fwd}; do
-  $PY -m k3gc prop --kernel "$k" --examples "${PROP_EXAMPLES:-200}" --max-T 300 --seed 1 --out "$OUT/prop" \
+  $PY -m k3ref.gpu_check prop --kernel "$k" --examples "${PROP_EXAMPLES:-200}" --max-T 300 --seed 1 --out "$OUT/prop" \
     --fla-path "$FLA_PATH" --flashkda-path "$FLASHKDA_PATH" 2>&1 | tail -12 | tee "$OUT/prop_$k.txt"
 done
 
 if [ "${SKIP_RUN:-0}" != 1 ]; then
 step "CI harness (JUnit, JSON, HTML in $OUT/report)"
-$PY -m k3gc run --out "$OUT/report" --fla-path "$FLA_PATH" --flashkda-path "$FLASHKDA_PATH" \
+$PY -m k3ref.gpu_check run --out "$OUT/report" --fla-path "$FLA_PATH" --flashkda-path "$FLASHKDA_PATH" \
   --liger-path "$LIGER_PATH" --torchtitan-path "$TORCHTITAN_PATH" ${RUN_ARGS:-} 2>&1 | tail -60 | tee "$OUT/run.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

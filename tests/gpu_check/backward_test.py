@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Host-side test of gpu_check's backward check (k3gc/backward.py) on a CPU PyTorch.
+"""Host-side test of gpu_check's backward check (k3ref/gpu_check/backward.py) on a CPU PyTorch.
 
-PyTorch's autograd through gpu_check's fp64 reference forward (k3gc/reference.py, which
+PyTorch's autograd through gpu_check's fp64 reference forward (k3ref/gpu_check/reference.py, which
 knows nothing about gradients) gives a third derivation of every gradient golden, after
 k3ref's adjoint recurrence and the complex-step cross-check: each must agree to 1e-12
 relative RMS. It also exercises the scoring that the GPU run reports (FLA's err_ratio,
@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 
 root = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
-sys.path.insert(0, str(root / "gpu_check"))
+sys.path.insert(0, str(root / "python"))
 try:
     import torch
 except ImportError:
     print("skipped: PyTorch is not importable")
     sys.exit(77)
 
-from k3gc import backward, golden, reference  # noqa: E402
+from k3ref.gpu_check import backward, golden, reference  # noqa: E402
 
 
 class ReferenceAdapter:

@@ -17,8 +17,8 @@ try:
 except ImportError:
     print("torch is not importable: skipped")
     sys.exit(77)
-sys.path.insert(0, str(ROOT / "gpu_check"))
-from k3gc import adapters, checks, golden, metrics, reference, report  # noqa: E402
+sys.path.insert(0, str(ROOT / "python"))
+from k3ref.gpu_check import adapters, checks, golden, metrics, reference, report  # noqa: E402
 
 CASES = golden.load_suite(ROOT / "goldens")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host-side tests of the AttnRes and QB adapters (gpu_check/k3gc/attnres_check.py, qb_check.py).
+"""Host-side tests of the AttnRes and QB adapters (python/k3ref/gpu_check/attnres_check.py, qb_check.py).
 
 - Liger's AttnRes kernel is Triton (GPU only): the adapter is exercised on the CPU with a
   stand-in of Liger's signature and arithmetic; two plausible bugs (no norm weight, no RMS
@@ -20,9 +20,9 @@ try:
 except ImportError:
     print("torch is not importable: skipped")
     sys.exit(77)
-sys.path.insert(0, str(ROOT / "gpu_check"))
-from k3gc import attnres_check as AC  # noqa: E402
-from k3gc import checks, golden, qb_check  # noqa: E402
+sys.path.insert(0, str(ROOT / "python"))
+from k3ref.gpu_check import attnres_check as AC  # noqa: E402
+from k3ref.gpu_check import checks, golden, qb_check  # noqa: E402
 
 ATTNRES = golden.load_suite(ROOT / "goldens", ops=("attnres.full", "attnres.block", "attnres.phase1"))
 QB = golden.load_suite(ROOT / "goldens", ops=("qb.solver", "qb.online"))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host-side tests of `python3 -m k3gc prop` (gpu_check/k3gc/prop.py) on a CPU PyTorch.
+"""Host-side tests of `python3 -m k3ref.gpu_check prop` (python/k3ref/gpu_check/prop.py) on a CPU PyTorch.
 
 Deliberately wrong pure-PyTorch KDA kernels must be caught and shrunk to a tiny case, the
 case must be written as a golden file that an independent reader and recurrence (the NumPy
@@ -22,19 +22,20 @@ try:
 except ImportError as e:
     print(f"{e}: skipped")
     sys.exit(77)
-if MODULE_DIR:
-    sys.path.insert(0, MODULE_DIR)
-sys.path.insert(0, str(ROOT / "gpu_check"))
+sys.path.insert(0, str(ROOT / "python"))
+# The extension k3ref._core lives in BUILD/python/k3ref/ (found through the package's path).
+if MODULE_DIR and (Path(MODULE_DIR) / "k3ref").is_dir():
+    sys.path.append(MODULE_DIR)
 sys.path.insert(0, str(ROOT / "tests"))
 
 from golden_crosscheck import kda_reference, load, rel_rms  # noqa: E402
-from k3gc import adapters, prop  # noqa: E402
+from k3ref.gpu_check import adapters, prop  # noqa: E402
 
 SEED = 20261130
 
 
 def replay(cmd):
-    """Runs a printed replay command (PYTHONPATH=... python3 -m k3gc ...) with this interpreter."""
+    """Runs a printed replay command (PYTHONPATH=... python3 -m k3ref.gpu_check ...) with this interpreter."""
     words = shlex.split(cmd)
     env = dict(os.environ)
     while "=" in words[0]:

@@ -1,7 +1,7 @@
 """Throughput of the comparator against the device copy bandwidth, and the fp64 reference's
 time for the K3 shape (96 heads, K = V = 128) over 10^6 tokens.
 
-python3 -m k3gc.bench [--elements N] [--tokens T] [--chunk C]"""
+python3 -m k3ref.gpu_check.bench [--elements N] [--tokens T] [--chunk C]"""
 import argparse
 import json
 import time

@@ -1,7 +1,7 @@
 """Property-based testing of a KDA kernel against the reference (issue 9 item 4).
 
-    python3 -m k3gc prop --kernel NAME [--examples N] [--seed S] [--max-T T] [--out DIR]
-    python3 -m k3gc prop --kernel NAME --replay FILE
+    python3 -m k3ref.gpu_check prop --kernel NAME [--examples N] [--seed S] [--max-T T] [--out DIR]
+    python3 -m k3ref.gpu_check prop --kernel NAME --replay FILE
 
 Hypothesis draws a case (shapes, options, values; the edges of the golden catalogue: odd T,
 odd head sizes such as 100, extreme gates at -5 and beyond, beta near 0 and near 2, empty
@@ -37,10 +37,11 @@ LONG_CASE_ELEMENTS = 1 << 22  # T * HV * K * V above which the GPU fp64 referenc
 
 
 def _module():
+    """The k3ref extension (k3ref._core), or None when it is not built or not importable."""
     try:
-        import k3ref  # the pybind11 module (python/), on PYTHONPATH or installed
+        from k3ref import _core
 
-        return k3ref
+        return _core
     except ImportError:
         return None
 
@@ -272,17 +273,20 @@ def write_failure(case, adapter, reason, out_dir, device):
 
 
 def python_path():
-    """PYTHONPATH for the printed commands: gpu_check/, and the k3ref module's directory when
-    it is in use (so a replayed run computes its reference the same way)."""
-    parts = [str(Path(__file__).resolve().parents[1])]
-    k3ref = _module()
-    if k3ref is not None and getattr(k3ref, "__file__", None):
-        parts.append(str(Path(k3ref.__file__).resolve().parent))
+    """PYTHONPATH for the printed commands: the directory holding the k3ref package, and the
+    one holding the extension when it is elsewhere (a build directory), so that a replayed run
+    computes its reference the same way."""
+    parts = [str(Path(__file__).resolve().parents[2])]
+    core = _module()
+    if core is not None and getattr(core, "__file__", None):
+        where = str(Path(core.__file__).resolve().parents[1])
+        if where not in parts:
+            parts.append(where)
     return ":".join(parts)
 
 
 def replay_command(path, adapter_name, extra=""):
-    return f"PYTHONPATH={python_path()} python3 -m k3gc prop --kernel '{adapter_name}' --replay {path}{extra}"
+    return f"PYTHONPATH={python_path()} python3 -m k3ref.gpu_check prop --kernel '{adapter_name}' --replay {path}{extra}"
 
 
 # --------------------------------------------------------------------------- runs
@@ -378,7 +382,7 @@ def main(args):
     flags = (f" --fla-path {args.fla_path}" if args.fla_path else "") + (
         f" --flashkda-path {args.flashkda_path}" if args.flashkda_path else "")
     print(f"prop: kernel {adapter.name}, {args.examples} examples, T <= {args.max_T}, seed {seed}", flush=True)
-    print(f"replay the whole run: PYTHONPATH={python_path()} python3 -m k3gc prop "
+    print(f"replay the whole run: PYTHONPATH={python_path()} python3 -m k3ref.gpu_check prop "
           f"--kernel '{adapter.name}' --examples {args.examples} --max-T {args.max_T} --seed {seed}{flags}", flush=True)
     res = property_run(adapter, args.examples, seed, args.max_T, args.out, args.device)
     if res["passed"] is None:

@@ -10,8 +10,8 @@ rounding floor (the error of merely storing the exact gradient in bf16). The pas
 thresholds are the ones FLA's tests assert for its backward: 0.008 for dq, dk, dv and the
 state gradient, 0.02 for dg, dbeta, dA_log and ddt_bias (FACTS.md).
 
-    PYTHONPATH=gpu_check python3 -m k3gc.backward --goldens goldens --fla-path DIR --out report/
-    PYTHONPATH=gpu_check torchrun --nproc_per_node 2 -m k3gc.backward --cp --goldens goldens ...
+    PYTHONPATH=python python3 -m k3ref.gpu_check.backward --goldens goldens --fla-path DIR --out report/
+    PYTHONPATH=python torchrun --nproc_per_node 2 -m k3ref.gpu_check.backward --cp --goldens goldens ...
 """
 import argparse
 import json

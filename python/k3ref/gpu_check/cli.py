@@ -1,4 +1,4 @@
-"""The CI command: python3 -m k3gc run --goldens goldens --out report/
+"""The CI command: python3 -m k3ref.gpu_check run --goldens goldens --out report/
 
 Runs every available adapter on every golden case it supports and the metamorphic checks,
 runs the mutant zoo (each mutant must be caught by at least one check), writes
@@ -17,10 +17,10 @@ from . import checks, golden, lib, report
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="k3gc")
+    ap = argparse.ArgumentParser(prog="python3 -m k3ref.gpu_check")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the checks and write the reports")
-    r.add_argument("--goldens", default=str(Path(__file__).resolve().parents[2] / "goldens"))
+    r.add_argument("--goldens", default=str(Path(__file__).resolve().parents[3] / "goldens"))
     r.add_argument("--out", default="gpu_check_report")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     r.add_argument("--lib", help="path of libk3gc.so (default: $K3GC_LIB or build*/gpu_check/)")

@@ -52,7 +52,7 @@ def _candidates():
     env = os.environ.get("K3GC_LIB")
     if env:
         yield env
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     for p in sorted(glob.glob(str(root / "build*" / "gpu_check" / "libk3gc.so"))):
         yield p
     yield str(Path(__file__).resolve().parent / "libk3gc.so")
