@@ -1,0 +1,173 @@
+"""The project's one safetensors reader: pure Python and NumPy, no torch.
+
+k3ref.goldens uses the `safetensors` package when it is installed and this reader otherwise
+(Debian 12 packages no `safetensors`); the NumPy cross-checks in tests/ use it directly, so
+the files are read by one piece of code everywhere. The format (docs/golden-format.md):
+8 bytes little-endian header length n, n bytes of JSON header
+{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}},
+then the data, little-endian, row-major. Every structural rule is checked, and a violation
+raises SafetensorsError (a ValueError) naming the file and the tensor, in one line.
+
+API
+---
+read(path) -> SafetensorsFile      .tensors {name: RawTensor(dtype, shape, data)}, in the
+                                   file's data order; .metadata {str: str}
+load(path) -> (arrays, metadata)   {name: numpy array}: F64 F32 F16 I64 I32 I16 I8 U8 BOOL as
+                                   stored (native byte order); BF16, F8_E4M3, F8_E5M2 widened
+                                   exactly to float64
+to_numpy(raw, widen=True)          one RawTensor; widen=False gives BF16 as float32 (exact) and
+                                   F8 as float32 (exact)
+bf16_bits(raw) -> uint16 array     the raw BF16 bit patterns (for a lossless torch.bfloat16 view)
+"""
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# dtype name -> (NumPy storage dtype, bytes per element)
+DTYPES = {
+    "F64": ("<f8", 8), "F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2),
+    "F8_E4M3": ("u1", 1), "F8_E5M2": ("u1", 1),
+    "I64": ("<i8", 8), "I32": ("<i4", 4), "I16": ("<i2", 2), "I8": ("i1", 1), "U8": ("u1", 1),
+    "BOOL": ("?", 1),
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
+
+
+class SafetensorsError(ValueError):
+    """A file that is not a valid safetensors file; the message names the file and the tensor."""
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    dtype: str          # one of DTYPES
+    shape: tuple
+    data: memoryview    # the tensor's bytes, little-endian
+
+
+@dataclass
+class SafetensorsFile:
+    path: str
+    tensors: dict       # name -> RawTensor, in data order
+    metadata: dict      # str -> str
+
+
+def _fail(path, what):
+    raise SafetensorsError(f"{path}: {what}")
+
+
+def read(path):
+    """Reads and validates a whole file (see the module docstring)."""
+    path = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise SafetensorsError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(raw) < 8:
+        _fail(path, f"{len(raw)} bytes: too short for the 8-byte header length")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > len(raw):
+        _fail(path, f"header length {n} exceeds the file ({len(raw)} bytes) or the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        header = json.loads(raw[8:8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        _fail(path, f"header is not JSON ({str(e).splitlines()[0]})")
+    if not isinstance(header, dict):
+        _fail(path, "header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        _fail(path, "__metadata__ must map strings to strings")
+    data = memoryview(raw)[8 + n:]
+    entries = []
+    for name, e in header.items():
+        where = f"tensor '{name}'"
+        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+            _fail(path, f"{where}: entry must have exactly dtype, shape and data_offsets")
+        dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+        if dtype not in DTYPES:
+            _fail(path, f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            _fail(path, f"{where}: shape must be a list of non-negative integers, not {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= len(data)):
+            _fail(path, f"{where}: data_offsets {offsets!r} outside the {len(data)} data bytes")
+        count = 1
+        for d in shape:
+            count *= d
+        if offsets[1] - offsets[0] != count * DTYPES[dtype][1]:
+            _fail(path, f"{where}: {offsets[1] - offsets[0]} bytes for shape {shape} of {dtype} "
+                        f"(needs {count * DTYPES[dtype][1]})")
+        entries.append((offsets[0], offsets[1], name, dtype, tuple(shape)))
+    entries.sort()
+    end = 0
+    for begin, stop, name, _, _ in entries:
+        if begin != end:
+            _fail(path, f"tensor '{name}': data starts at byte {begin}, expected {end} (gap or overlap)")
+        end = stop
+    if end != len(data):
+        _fail(path, f"{len(data) - end} trailing data bytes after the last tensor")
+    tensors = {name: RawTensor(dtype, shape, data[begin:stop]) for begin, stop, name, dtype, shape in entries}
+    return SafetensorsFile(path, tensors, metadata)
+
+
+def _f8_table(exponent_bits, mantissa_bits, bias, e4m3):
+    """float32 value of each of the 256 codes of an 8-bit float (OCP FP8: E4M3 has no
+    infinities and one NaN per sign, S.1111.111; E5M2 is IEEE-like)."""
+    out = np.empty(256, dtype=np.float32)
+    for code in range(256):
+        sign = -1.0 if code & 0x80 else 1.0
+        e = (code >> mantissa_bits) & ((1 << exponent_bits) - 1)
+        m = code & ((1 << mantissa_bits) - 1)
+        top = (1 << exponent_bits) - 1
+        if e4m3 and e == top and m == (1 << mantissa_bits) - 1:
+            v = float("nan")
+        elif not e4m3 and e == top:
+            v = float("inf") if m == 0 else float("nan")
+        elif e == 0:
+            v = m / (1 << mantissa_bits) * 2.0 ** (1 - bias)
+        else:
+            v = (1 + m / (1 << mantissa_bits)) * 2.0 ** (e - bias)
+        out[code] = sign * v
+    return out
+
+
+_F8 = {}
+
+
+def _f8(dtype):
+    if dtype not in _F8:
+        _F8[dtype] = _f8_table(4, 3, 7, True) if dtype == "F8_E4M3" else _f8_table(5, 2, 15, False)
+    return _F8[dtype]
+
+
+def bf16_bits(raw):
+    """The BF16 tensor's bit patterns as a uint16 array of its shape."""
+    if raw.dtype != "BF16":
+        raise TypeError(f"bf16_bits: tensor is {raw.dtype}, not BF16")
+    return np.frombuffer(raw.data, dtype="<u2").astype(np.uint16).reshape(raw.shape)
+
+
+def to_numpy(raw, widen=True):
+    """A NumPy array (a copy, native byte order) of one RawTensor; see the module docstring."""
+    storage = np.dtype(DTYPES[raw.dtype][0])
+    a = np.frombuffer(raw.data, dtype=storage)
+    if raw.dtype == "BF16":
+        a = (a.astype(np.uint32) << 16).view(np.float32)  # bf16 is the top half of a float32: exact
+    elif raw.dtype in ("F8_E4M3", "F8_E5M2"):
+        a = _f8(raw.dtype)[a]
+    else:
+        a = a.astype(storage.newbyteorder("="))
+    if widen and raw.dtype in ("BF16", "F8_E4M3", "F8_E5M2"):
+        a = a.astype(np.float64)
+    return a.reshape(raw.shape)
+
+
+def load(path):
+    """(arrays, metadata) of a whole file; see the module docstring."""
+    f = read(path)
+    return {name: to_numpy(t) for name, t in f.tensors.items()}, dict(f.metadata)
