@@ -94,8 +94,8 @@ RC_GTEST_PROP(KdaChunkwiseBackwardExact, ChunkStatesAndStateGradientsAreTheRecur
         for (std::int64_t i = 0; i < d.K * d.V; ++i) state[i] = c.in.initial_state->data()[c.in.initial_state->offset(n, hv, 0, 0) + i];
       const std::vector<Q> start = state;
       for (std::int64_t t = d.seq_begin[n]; t < t0; ++t)
-        detail::forward_token(state, d.K, d.V, &p.decay(b, t, hv, 0), &p.k(b, t, hv / (d.HV / d.H), 0),
-                              &p.v(b, t, hv, 0), p.beta(b, t, hv));
+        definition::update(state.data(), d.K, d.V, &p.decay(b, t, hv, 0), &p.k(b, t, hv / (d.HV / d.H), 0),
+                           &p.v(b, t, hv, 0), p.beta(b, t, hv));
       std::vector<Q> G(static_cast<std::size_t>(d.K * d.V), Q(0));
       if (c.cot.d_final_state)
         for (std::int64_t i = 0; i < d.K * d.V; ++i) G[i] = c.cot.d_final_state->data()[c.cot.d_final_state->offset(n, hv, 0, 0) + i];

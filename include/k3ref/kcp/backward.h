@@ -133,7 +133,7 @@ StateBackwardResult<S> context_parallel_state_backward(const kda::Inputs<S>& in,
   StateBackwardResult<S> res;
   res.plan = plan;
   res.adjoint_fragments.assign(static_cast<std::size_t>(P), identity_fragment<S>(d.HV, d.K, d.V));
-  kda::detail::parallel_for(P, opt.num_threads, [&](std::int64_t r) {
+  exec::parallel_for(P, opt.num_threads, [&](std::int64_t r) {
     const RankSlice& s = plan.ranks[static_cast<std::size_t>(r)];
     if (s.empty()) return;
     auto& parts = local[static_cast<std::size_t>(r)];
@@ -216,7 +216,7 @@ ContextParallelBackwardResult<S> context_parallel_backward(const kda::Inputs<S>&
   kda::PreparedGradients<S> pg = kda::zero_prepared_gradients<S>(d);  // B = 1 here
   const std::int64_t P = plan.num_ranks();
   // Ranks write disjoint token ranges.
-  kda::detail::parallel_for(P, opt.num_threads, [&](std::int64_t r) {
+  exec::parallel_for(P, opt.num_threads, [&](std::int64_t r) {
     const RankSlice& s = plan.ranks[static_cast<std::size_t>(r)];
     if (s.empty()) return;
     for (std::size_t j = 0; j + 1 < s.local_cu_seqlens.size(); ++j) {

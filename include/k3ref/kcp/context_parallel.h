@@ -51,12 +51,9 @@ template <class S>
 SplitSetup<S> setup_split(const kda::Inputs<S>& in, const kda::Options<S>& opt, const std::vector<std::int64_t>& splits,
                           const char* who) {
   SplitSetup<S> s;
-  s.d = kda::validate(kda::shapes_of(in, opt));
+  s.d = kda::validated_dims(in, opt, who);
   if (s.d.B != 1)
     throw InvalidArgument(std::string(who) + ": argument 'q': context parallelism splits one packed sequence, B must be 1 (pack with cu_seqlens)");
-  if (opt.lower_bound && !(*opt.lower_bound < S(0)))
-    throw InvalidArgument(std::string(who) + ": argument 'lower_bound': must be negative");
-  if (opt.num_threads < 1) throw InvalidArgument(std::string(who) + ": argument 'num_threads': must be at least 1");
   s.p = kda::prepare(in, opt, s.d);
   if (in.initial_state)
     s.h0 = opt.state_layout == kda::StateLayout::v_first ? swap_last_two(*in.initial_state) : *in.initial_state;
@@ -116,7 +113,7 @@ ContextParallelResult<S> context_parallel_forward(const kda::Inputs<S>& in, cons
 
   // 1. Each rank's fragment, from its own tokens only.
   res.fragments.assign(static_cast<std::size_t>(P), identity_fragment<S>(d.HV, d.K, d.V));
-  kda::detail::parallel_for(P, opt.num_threads, [&](std::int64_t r) {
+  exec::parallel_for(P, opt.num_threads, [&](std::int64_t r) {
     res.fragments[static_cast<std::size_t>(r)] = slice_fragment(setup.p, d, plan.ranks[static_cast<std::size_t>(r)], setup.h0);
   });
   // 2. All-gather and merge.
@@ -128,7 +125,7 @@ ContextParallelResult<S> context_parallel_forward(const kda::Inputs<S>& in, cons
   for (std::int64_t n = 0; n < d.N; ++n) detail::set_block(final_state, n, detail::initial_of(setup.h0, n, d));  // empty documents
   std::optional<Tensor<S>> all_states;
   if (opt.output_all_states) all_states = Tensor<S>({1, d.T, d.HV, d.K, d.V});
-  kda::detail::parallel_for(P, opt.num_threads, [&](std::int64_t r) {
+  exec::parallel_for(P, opt.num_threads, [&](std::int64_t r) {
     const RankSlice& s = plan.ranks[static_cast<std::size_t>(r)];
     if (s.empty()) return;
     const std::int64_t local_docs = static_cast<std::int64_t>(s.local_cu_seqlens.size()) - 1;

@@ -21,6 +21,7 @@
 // exactly in rationals and to 1e-25 at 200 bits, and against central finite differences.
 #pragma once
 
+#include "k3ref/kda/definition.h"
 #include "k3ref/kda/recurrent.h"
 
 namespace k3ref::kda {
@@ -71,26 +72,6 @@ PreparedGradients<S> zero_prepared_gradients(const Dims& d) {
 // states forward from the span's first one, so memory is O((T / span + span) K V).
 inline constexpr std::int64_t backward_checkpoint_span = 16;
 
-namespace detail {
-
-// One token of the forward on a K-first state (state[i * V + j]), unblocked: the adjoint
-// pass recomputes states with it. Returns nothing; `state` becomes S_t.
-template <class S>
-void forward_token(std::vector<S>& state, std::int64_t K, std::int64_t V, const S* decay, const S* k, const S* v,
-                   const S& beta) {
-  std::vector<S> kS(static_cast<std::size_t>(V), S(0));
-  for (std::int64_t i = 0; i < K; ++i)
-    for (std::int64_t j = 0; j < V; ++j) {
-      state[i * V + j] *= decay[i];
-      kS[j] += k[i] * state[i * V + j];
-    }
-  for (std::int64_t j = 0; j < V; ++j) kS[j] = beta * (v[j] - kS[j]);
-  for (std::int64_t i = 0; i < K; ++i)
-    for (std::int64_t j = 0; j < V; ++j) state[i * V + j] += k[i] * kS[j];
-}
-
-}  // namespace detail
-
 // The reverse pass for tokens [t0, t1) of one (batch row b, value head hv): starts from
 // `state` = S_{t0-1} (K-first) and `G` = dL/dS_{t1-1} through later tokens only (K-first);
 // on return G = dL/dS_{t0-1}. Writes the prepared gradients of those tokens. This is the
@@ -103,30 +84,34 @@ void adjoint_span(const PreparedInputs<S>& p, const Dims& d, std::int64_t b, std
   const std::int64_t K = d.K, V = d.V, h = hv / (d.HV / d.H);
   const std::int64_t span = backward_checkpoint_span;
   // Checkpoints: the state before each span of `span` tokens.
+  // The forward recompute is the definition's own token update (kda/definition.h).
+  auto forward_token = [&](std::vector<S>& state, std::int64_t t, S* residual) {
+    definition::update(state.data(), K, V, &p.decay(b, t, hv, 0), &p.k(b, t, h, 0), &p.v(b, t, hv, 0),
+                       p.beta(b, t, hv), residual);
+  };
   std::vector<std::vector<S>> checkpoints;
   {
     std::vector<S> st = state_before;
     for (std::int64_t t = t0; t < t1; ++t) {
       if ((t - t0) % span == 0) checkpoints.push_back(st);
-      detail::forward_token(st, K, V, &p.decay(b, t, hv, 0), &p.k(b, t, h, 0), &p.v(b, t, hv, 0), p.beta(b, t, hv));
+      forward_token(st, t, nullptr);
     }
   }
-  std::vector<S> du(static_cast<std::size_t>(V)), kS(static_cast<std::size_t>(V)), u(static_cast<std::size_t>(V));
+  std::vector<S> du(static_cast<std::size_t>(V)), u(static_cast<std::size_t>(V));
   for (std::int64_t c = static_cast<std::int64_t>(checkpoints.size()); c-- > 0;) {
     const std::int64_t s0 = t0 + c * span, s1 = std::min(t1, s0 + span);
-    // states[t - s0] = S_{t-1}; states[s1 - s0] = S_{s1-1}.
+    // states[t - s0] = S_{t-1}; states[s1 - s0] = S_{s1-1}; residuals[t - s0] = v_t - S'_t^T k_t.
     std::vector<std::vector<S>> states{checkpoints[static_cast<std::size_t>(c)]};
+    std::vector<S> residuals(static_cast<std::size_t>((s1 - s0) * V));
     for (std::int64_t t = s0; t < s1; ++t) {
       states.push_back(states.back());
-      detail::forward_token(states.back(), K, V, &p.decay(b, t, hv, 0), &p.k(b, t, h, 0), &p.v(b, t, hv, 0),
-                            p.beta(b, t, hv));
+      forward_token(states.back(), t, residuals.data() + (t - s0) * V);
     }
     for (std::int64_t t = s1; t-- > s0;) {
       const std::vector<S>& prev = states[static_cast<std::size_t>(t - s0)];
       const std::vector<S>& cur = states[static_cast<std::size_t>(t - s0 + 1)];
       const S* q = &p.q(b, t, h, 0);
       const S* k = &p.k(b, t, h, 0);
-      const S* v = &p.v(b, t, hv, 0);
       const S* a = &p.decay(b, t, hv, 0);
       const S* dO = &d_o(b, t, hv, 0);
       const S& beta = p.beta(b, t, hv);
@@ -140,11 +125,9 @@ void adjoint_span(const PreparedInputs<S>& p, const Dims& d, std::int64_t b, std
         }
         out.dq(b, t, hv, i) = p.scale * acc;
       }
-      // kS = S'^T k with S' = Diag(a) S_{t-1}; u = beta (v - kS).
-      for (std::int64_t j = 0; j < V; ++j) kS[j] = S(0);
-      for (std::int64_t i = 0; i < K; ++i)
-        for (std::int64_t j = 0; j < V; ++j) kS[j] += k[i] * (a[i] * prev[i * V + j]);
-      for (std::int64_t j = 0; j < V; ++j) u[j] = beta * (v[j] - kS[j]);
+      // u = beta (v - kS), kS = S'^T k with S' = Diag(a) S_{t-1}, from the recompute's residual.
+      const S* residual = residuals.data() + (t - s0) * V;
+      for (std::int64_t j = 0; j < V; ++j) u[j] = beta * residual[j];
       // du = G^T k; dk = G u.
       for (std::int64_t j = 0; j < V; ++j) du[j] = S(0);
       for (std::int64_t i = 0; i < K; ++i) {
@@ -157,7 +140,7 @@ void adjoint_span(const PreparedInputs<S>& p, const Dims& d, std::int64_t b, std
       }
       S dbeta(0);
       for (std::int64_t j = 0; j < V; ++j) {
-        dbeta += du[j] * (v[j] - kS[j]);
+        dbeta += du[j] * residual[j];
         out.dv(b, t, hv, j) = beta * du[j];
         du[j] = -beta * du[j];  // now dkS
       }
@@ -195,7 +178,7 @@ PreparedGradients<S> recurrent_adjoint(const PreparedInputs<S>& p, const std::op
     return st;
   };
   // Items (sequence, value head) write disjoint slices, so threads never change a result.
-  detail::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
+  exec::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
     const std::int64_t n = item / d.HV, hv = item % d.HV;
     std::vector<S> state = initial_state ? load(*initial_state, n, hv) : std::vector<S>(K * V, S(0));
     std::vector<S> G = cot.d_final_state ? load(*cot.d_final_state, n, hv) : std::vector<S>(K * V, S(0));
@@ -330,10 +313,7 @@ void validate_cotangents(const Dims& d, const Shape& d_o, const std::optional<Sh
 // reverse pass, the stages' gradients.
 template <class S>
 Gradients<S> recurrent_backward(const Inputs<S>& in, const Options<S>& opt, const Cotangents<S>& cot) {
-  const Dims d = validate(shapes_of(in, opt));
-  if (opt.lower_bound && !(*opt.lower_bound < S(0)))
-    throw InvalidArgument("kda: argument 'lower_bound': must be negative");
-  if (opt.num_threads < 1) throw InvalidArgument("kda: argument 'num_threads': must be at least 1");
+  const Dims d = validated_dims(in, opt);
   validate_cotangents(d, cot.d_o.shape(),
                       cot.d_final_state ? std::optional<Shape>(cot.d_final_state->shape()) : std::nullopt,
                       opt.state_layout);

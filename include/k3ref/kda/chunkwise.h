@@ -304,7 +304,7 @@ ChunkwiseOutputs<S> chunkwise_core(const PreparedInputs<S>& p, const std::option
       }
   }
 
-  detail::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
+  exec::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
     const std::int64_t n = item / d.HV, hv = item % d.HV, h = hv / group;
     const std::int64_t b = d.seq_batch[n];
     // Working state, K-first row-major.
@@ -563,10 +563,7 @@ void validate_chunkwise(const ChunkwiseOptions& copt, bool output_all_states);
 template <class S, class Policy = contract::Exact>
 ChunkwiseOutputs<S> chunkwise_forward(const Inputs<S>& in, const Options<S>& opt = {},
                                       const ChunkwiseOptions& copt = {}, const Policy& pol = {}) {
-  const Dims d = validate(shapes_of(in, opt));
-  if (opt.lower_bound && !(*opt.lower_bound < S(0)))
-    throw InvalidArgument("kda: argument 'lower_bound': must be negative");
-  if (opt.num_threads < 1) throw InvalidArgument("kda: argument 'num_threads': must be at least 1");
+  const Dims d = validated_dims(in, opt);
   validate_chunkwise(copt, opt.output_all_states);
   return chunkwise_core(prepare(in, opt, d), in.initial_state, opt, d, copt, pol);
 }

@@ -95,7 +95,7 @@ std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
     return G;
   };
 
-  detail::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
+  exec::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
     const std::int64_t n = item / d.HV, hv = item % d.HV;
     std::vector<S> dS_out = final_gradient(n, hv);
     for (std::int64_t c = first_chunk[n + 1]; c-- > first_chunk[n];) {
@@ -212,10 +212,7 @@ std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
 template <class S>
 ChunkwiseBackwardResult<S> chunkwise_backward(const Inputs<S>& in, const Options<S>& opt, const Cotangents<S>& cot,
                                               std::int64_t chunk_size = 0) {
-  const Dims d = validate(shapes_of(in, opt));
-  if (opt.lower_bound && !(*opt.lower_bound < S(0)))
-    throw InvalidArgument("kda: argument 'lower_bound': must be negative");
-  if (opt.num_threads < 1) throw InvalidArgument("kda: argument 'num_threads': must be at least 1");
+  const Dims d = validated_dims(in, opt);
   if (chunk_size < 0) throw InvalidArgument("kda::chunkwise_backward: argument 'chunk_size': must be >= 0");
   validate_cotangents(d, cot.d_o.shape(),
                       cot.d_final_state ? std::optional<Shape>(cot.d_final_state->shape()) : std::nullopt,

@@ -1,134 +1,18 @@
-// The KDA recurrence: the definition every other form of KDA is checked against.
-//
-// Per value head, with decays a_t = exp(g_t) (one per key channel):
-//   S_t = Diag(a_t) S_{t-1}                         decay first
-//   S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T      delta rule on the decayed state
-//   o_t = S_t^T (scale q_t)                         read after the update
-// S is K x V. Value head hv reads q/k head hv / (HV / H).
+// The KDA recurrence, tuned: the reference every other form of KDA is checked against in
+// double and at 256 bits. It computes kda/definition.h (the plain stepwise loop of
+// docs/conventions.md) with the same operations in the same order, blocked for the cache
+// and registers, so it equals the definition bitwise in double and == in rationals
+// (tests/kda/definition_test.cpp). S is K x V. Value head hv reads q/k head hv / (HV / H).
 #pragma once
 
 #include <algorithm>
-#include <atomic>
-#include <exception>
-#include <thread>
 #include <vector>
 
-#include "k3ref/kda/options.h"
-#include "k3ref/kda/stages.h"
+#include "k3ref/exec/parallel.h"
+#include "k3ref/kda/prepare.h"
 #include "k3ref/num/lanes.h"
 
 namespace k3ref::kda {
-
-// Inputs after the optional stages: what the recurrence itself consumes.
-template <class S>
-struct PreparedInputs {
-  Tensor<S> q;      // [B, T, H, K], normalised if requested, not yet scaled
-  Tensor<S> k;      // [B, T, H, K]
-  Tensor<S> v;      // [B, T, HV, V]
-  Tensor<S> decay;  // [B, T, HV, K] multiplicative decays exp(g)
-  Tensor<S> beta;   // [B, T, HV] activated
-  S scale;
-};
-
-template <class S>
-InputShapes shapes_of(const Inputs<S>& in, const Options<S>& opt) {
-  InputShapes s;
-  s.q = in.q.shape();
-  s.k = in.k.shape();
-  s.v = in.v.shape();
-  s.g = in.g.shape();
-  s.beta = in.beta.shape();
-  if (in.initial_state) s.initial_state = in.initial_state->shape();
-  if (in.A_log) s.A_log = in.A_log->shape();
-  if (in.dt_bias) s.dt_bias = in.dt_bias->shape();
-  s.cu_seqlens = in.cu_seqlens ? &*in.cu_seqlens : nullptr;
-  s.gate = opt.gate;
-  s.has_lower_bound = opt.lower_bound.has_value();
-  s.state_layout = opt.state_layout;
-  return s;
-}
-
-namespace detail {
-
-// Runs `work(i)` for i in [0, count) on up to `threads` threads. Items are independent,
-// so the result does not depend on the thread count.
-template <class Work>
-void parallel_for(std::int64_t count, int threads, Work&& work) {
-  const int n = std::max(1, std::min<int>(threads, static_cast<int>(std::min<std::int64_t>(count, 1 << 20))));
-  if (n == 1) {
-    for (std::int64_t i = 0; i < count; ++i) work(i);
-    return;
-  }
-  std::atomic<std::int64_t> next{0};
-  std::vector<std::thread> pool;
-  std::exception_ptr failure;
-  std::atomic<bool> failed{false};
-  for (int t = 0; t < n; ++t)
-    pool.emplace_back([&] {
-      for (std::int64_t i; (i = next.fetch_add(1)) < count;) {
-        try {
-          work(i);
-        } catch (...) {
-          if (!failed.exchange(true)) failure = std::current_exception();
-        }
-      }
-      num::release_thread_caches();
-    });
-  for (auto& th : pool) th.join();
-  if (failure) std::rethrow_exception(failure);
-}
-
-}  // namespace detail
-
-// Runs the optional stages (L2 norm, gate, beta activation, default scale).
-template <class S>
-PreparedInputs<S> prepare(const Inputs<S>& in, const Options<S>& opt, const Dims& d) {
-  PreparedInputs<S> p;
-  // Four independent stages (q, k, decays, beta), run side by side on the recurrence's
-  // threads. Each writes its own tensor, so the result does not depend on the thread count;
-  // errors are rethrown in stage order, so neither does the message.
-  std::exception_ptr failed[4];
-  detail::parallel_for(4, opt.num_threads, [&](std::int64_t stage) {
-    try {
-      switch (stage) {
-        case 0:
-        case 1: {
-          const Tensor<S>& x = stage == 0 ? in.q : in.k;
-          Tensor<S>& y = stage == 0 ? p.q : p.k;
-          if (!opt.qk_l2norm) {
-            y = x;
-          } else if constexpr (num::scalar_traits<S>::has_transcendentals) {
-            y = l2_normalize(x);
-          } else {
-            throw InvalidArgument("kda: option 'qk_l2norm' needs sqrt; normalise inputs beforehand in exact arithmetic");
-          }
-          break;
-        }
-        case 2:
-          switch (opt.gate) {
-            case GateForm::decay_factor: p.decay = in.g; break;
-            case GateForm::log_decay: p.decay = decay_factors(in.g, opt.gate_base); break;
-            case GateForm::softplus:
-            case GateForm::lower_bound:
-              p.decay =
-                  decay_factors(gate_log_decay(in.g, opt.gate, in.A_log, in.dt_bias, opt.lower_bound), opt.gate_base);
-              break;
-          }
-          break;
-        default:
-          p.v = in.v;
-          p.beta = activate_beta(in.beta, opt.beta);
-      }
-    } catch (...) {
-      failed[stage] = std::current_exception();
-    }
-  });
-  for (const auto& f : failed)
-    if (f) std::rethrow_exception(f);
-  p.scale = opt.scale ? *opt.scale : default_scale<S>(d.K);
-  return p;
-}
-
 
 // How the recurrence is evaluated. Per token it is two sweeps over the K x V state:
 //   sweep A (token t):  S <- Diag(a_t) S,  kS <- S^T k_t
@@ -140,7 +24,7 @@ PreparedInputs<S> prepare(const Inputs<S>& in, const Options<S>& opt, const Dims
 // `recurrence_lanes<S>` columns, and one block at a time is carried through a tile of
 // `recurrence_tile` tokens: its K x lanes values stay in the L1 cache, and its
 // accumulators (kS, o) and u are a few num::Lanes, i.e. registers. Each element still
-// sees the operations of the plain stepwise form in the same order (rows summed in
+// sees the operations of the plain stepwise form (kda/definition.h) in the same order (rows summed in
 // order i = 0..K-1), so the result is the same bits for every block width, tile length
 // and thread count, in every scalar type.
 namespace detail {
@@ -248,7 +132,7 @@ Outputs<S> recurrent_core(const PreparedInputs<S>& p, const std::optional<Tensor
   auto at = [&](std::int64_t i, std::int64_t j) { return (j / N) * K * N + i * N + j % N; };
   auto slot = [&](std::int64_t i, std::int64_t j) { return v_first ? j * K + i : i * V + j; };
 
-  detail::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
+  exec::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
     const std::int64_t n = item / d.HV, hv = item % d.HV, h = hv / group;
     const std::int64_t b = d.seq_batch[n];
     std::vector<S> st(static_cast<std::size_t>(K * Vp), S(0)), kS(Vp, S(0));
@@ -305,10 +189,7 @@ Outputs<S> recurrent_core(const PreparedInputs<S>& p, const std::optional<Tensor
 // The full KDA forward by the recurrence: validation, optional stages, recurrence.
 template <class S>
 Outputs<S> recurrent_forward(const Inputs<S>& in, const Options<S>& opt = {}) {
-  const Dims d = validate(shapes_of(in, opt));
-  if (opt.lower_bound && !(*opt.lower_bound < S(0)))
-    throw InvalidArgument("kda: argument 'lower_bound': must be negative");
-  if (opt.num_threads < 1) throw InvalidArgument("kda: argument 'num_threads': must be at least 1");
+  const Dims d = validated_dims(in, opt);
   return recurrent_core(prepare(in, opt, d), in.initial_state, opt, d);
 }
 
