@@ -1,0 +1,78 @@
+// k3ref._core: context-parallel KDA (kcp/), the simulated run of P ranks: per-rank fragments
+// (transition M, state S~), the merged entering states, the gathered outputs; and its backward.
+// Per-rank tensors are stacked into [P, ...] as in the kcp.context_parallel goldens.
+#include "k3ref/kcp/backward.h"
+#include "k3ref/kcp/context_parallel.h"
+#include "core.h"
+
+namespace k3ref::python {
+namespace {
+
+// The merge names are this module's: the C++ enum has no string form of its own.
+kcp::Merge merge_of(const std::string& name) {
+  if (name == "origin_rank") return kcp::Merge::origin_rank;
+  if (name == "sequential_scan") return kcp::Merge::sequential_scan;
+  if (name == "tree_scan") return kcp::Merge::tree_scan;
+  throw InvalidArgument("argument 'merge': must be 'origin_rank', 'sequential_scan' or 'tree_scan', not '" + name +
+                        "'");
+}
+
+py::dict kcp_forward(const py::dict& inputs, const py::dict& options, const std::vector<std::int64_t>& splits,
+                     const std::string& merge, const std::string& precision) {
+  const kda::Inputs<double> in = kda_inputs(inputs);
+  const kcp::Merge how = merge_of(merge);
+  return in_tier(precision, [&]<class S>() {
+    const kda::Options<S> opt = kda_options<S>(options);
+    std::optional<kcp::ContextParallelResult<S>> cp;
+    {
+      py::gil_scoped_release release;
+      cp = kcp::context_parallel_forward(kda::lift<S>(in), opt, splits, how);
+    }
+    py::dict r;
+    put_outputs(r, cp->out);
+    std::vector<Tensor<S>> transitions, states;
+    std::vector<std::int64_t> origin;
+    for (const auto& f : cp->fragments) {
+      transitions.push_back(f.transition);
+      states.push_back(f.state);
+    }
+    for (const auto& s : cp->plan.ranks) origin.push_back(s.origin_rank);
+    r["fragment_transition"] = to_numpy(stack(transitions));
+    r["fragment_state"] = to_numpy(stack(states));
+    r["entering_state"] = to_numpy(stack(cp->entering_states));
+    r["origin_rank"] = to_numpy(Tensor<std::int64_t>({static_cast<std::int64_t>(origin.size())}, origin));
+    return r;
+  });
+}
+
+py::dict kcp_backward(const py::dict& inputs, const py::dict& cotangents, const py::dict& options,
+                      const std::vector<std::int64_t>& splits, const std::string& merge,
+                      const std::string& precision) {
+  const kda::Inputs<double> in = kda_inputs(inputs);
+  const kcp::Merge how = merge_of(merge);
+  return in_tier(precision, [&]<class S>() {
+    const kda::Options<S> opt = kda_options<S>(options);
+    const kda::Cotangents<S> cot = kda_cotangents<S>(cotangents);
+    std::optional<kcp::ContextParallelBackwardResult<S>> res;
+    {
+      py::gil_scoped_release release;
+      res = kcp::context_parallel_backward(kda::lift<S>(in), opt, splits, cot, how);
+    }
+    py::dict r;
+    put_gradients(r, res->gradients);
+    r["cp_entering_states"] = to_numpy(stack(res->entering_states));
+    r["cp_entering_state_gradients"] = to_numpy(stack(res->state.entering_gradients));
+    return r;
+  });
+}
+
+}  // namespace
+
+void register_kcp(py::module_& m) {
+  m.def("kcp_forward", &kcp_forward, py::arg("inputs"), py::arg("options"), py::arg("splits"), py::arg("merge"),
+        py::arg("precision"));
+  m.def("kcp_backward", &kcp_backward, py::arg("inputs"), py::arg("cotangents"), py::arg("options"),
+        py::arg("splits"), py::arg("merge"), py::arg("precision"));
+}
+
+}  // namespace k3ref::python

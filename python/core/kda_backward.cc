@@ -1,0 +1,50 @@
+// k3ref._core: KDA gradients, by the adjoint recurrence (kda/backward.h) and by the chunkwise
+// backward with its stage tensors (kda/chunkwise_backward.h; the names of the kda.backward goldens).
+#include "k3ref/kda/backward.h"
+#include "k3ref/kda/chunkwise_backward.h"
+#include "core.h"
+
+namespace k3ref::python {
+namespace {
+
+py::dict kda_backward(const py::dict& inputs, const py::dict& cotangents, const py::dict& options,
+                      const std::string& method, std::int64_t chunk_size, const std::string& precision) {
+  const kda::Inputs<double> in = kda_inputs(inputs);
+  if (method != "adjoint" && method != "chunkwise")
+    throw InvalidArgument("argument 'method': must be 'adjoint' or 'chunkwise', not '" + method + "'");
+  return in_tier(precision, [&]<class S>() {
+    const kda::Options<S> opt = kda_options<S>(options);
+    const kda::Cotangents<S> cot = kda_cotangents<S>(cotangents);
+    py::dict r;
+    if (method == "adjoint") {
+      kda::Gradients<S> g;
+      {
+        py::gil_scoped_release release;
+        g = kda::recurrent_backward(kda::lift<S>(in), opt, cot);
+      }
+      put_gradients(r, g);
+    } else {
+      kda::ChunkwiseBackwardResult<S> res;
+      {
+        py::gil_scoped_release release;
+        res = kda::chunkwise_backward(kda::lift<S>(in), opt, cot, chunk_size);
+      }
+      put_gradients(r, res.gradients);
+      r["chunk_states"] = to_numpy(res.stages.chunk_states);
+      r["chunk_state_gradients"] = to_numpy(res.stages.chunk_state_gradients);
+      r["du"] = to_numpy(res.stages.du);
+      r["dg_cumulative"] = to_numpy(res.stages.dg_cumulative);
+      r["chunk_starts"] = to_numpy(res.stages.chunk_starts);
+    }
+    return r;
+  });
+}
+
+}  // namespace
+
+void register_kda_backward(py::module_& m) {
+  m.def("kda_backward", &kda_backward, py::arg("inputs"), py::arg("cotangents"), py::arg("options"),
+        py::arg("method"), py::arg("chunk_size"), py::arg("precision"));
+}
+
+}  // namespace k3ref::python

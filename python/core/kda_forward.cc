@@ -1,0 +1,75 @@
+// k3ref._core: the KDA forward, by the recurrence and by the chunkwise forms with their
+// per-stage tensors (the names of the kda.chunkwise_* goldens).
+#include "k3ref/kda/chunkwise.h"
+#include "k3ref/kda/recurrent.h"
+#include "core.h"
+
+namespace k3ref::python {
+namespace {
+
+py::dict kda_recurrent(const py::dict& inputs, const py::dict& options, const std::string& precision) {
+  const kda::Inputs<double> in = kda_inputs(inputs);
+  return in_tier(precision, [&]<class S>() {
+    const kda::Options<S> opt = kda_options<S>(options);
+    kda::Outputs<S> out;
+    {
+      py::gil_scoped_release release;
+      out = kda::recurrent_forward(kda::lift<S>(in), opt);
+    }
+    py::dict r;
+    put_outputs(r, out);
+    return r;
+  });
+}
+
+py::dict kda_chunkwise(const py::dict& inputs, const py::dict& options, const std::string& chunk_form,
+                       std::int64_t chunk_size, std::int64_t sub_chunk, bool stages, const std::string& precision) {
+  const kda::Inputs<double> in = kda_inputs(inputs);
+  kda::ChunkwiseOptions copt;
+  const auto form = kda::chunk_form_from_string(chunk_form);
+  if (!form) throw InvalidArgument("option 'chunk_form': unknown value '" + chunk_form + "'");
+  copt.form = *form;
+  copt.chunk_size = chunk_size;
+  copt.sub_chunk = sub_chunk;
+  copt.record_stages = stages;
+  return in_tier(precision, [&]<class S>() {
+    const kda::Options<S> opt = kda_options<S>(options);
+    kda::ChunkwiseOutputs<S> out;
+    {
+      py::gil_scoped_release release;
+      out = kda::chunkwise_forward(kda::lift<S>(in), opt, copt);
+    }
+    py::dict r;
+    put_outputs(r, out.out);
+    if (out.stages) {
+      const auto& st = *out.stages;
+      auto stage = [&](const char* name, const Tensor<S>& t) {
+        if (t.rank() != 0) r[name] = to_numpy(t);  // rank 0: a tensor this form does not have
+      };
+      stage("decay", st.decay);
+      stage("q_decay", st.q_decay);
+      stage("k_decay", st.k_decay);
+      stage("k_inv", st.k_inv);
+      stage("k_restore", st.k_restore);
+      stage("L", st.L);
+      stage("INV", st.inv);
+      stage("M_qk", st.m_qk);
+      stage("w", st.w);
+      stage("u_pre", st.u_pre);
+      stage("u", st.u);
+      stage("chunk_states", st.chunk_states);
+      r["chunk_starts"] = to_numpy(st.chunk_starts);
+    }
+    return r;
+  });
+}
+
+}  // namespace
+
+void register_kda_forward(py::module_& m) {
+  m.def("kda_recurrent", &kda_recurrent, py::arg("inputs"), py::arg("options"), py::arg("precision"));
+  m.def("kda_chunkwise", &kda_chunkwise, py::arg("inputs"), py::arg("options"), py::arg("chunk_form"),
+        py::arg("chunk_size"), py::arg("sub_chunk"), py::arg("stages"), py::arg("precision"));
+}
+
+}  // namespace k3ref::python

@@ -1,0 +1,83 @@
+// k3ref._core: the module definition, AttnRes and Quantile Balancing. Private: the public
+// API is python/k3ref/__init__.py, which validates arguments and converts torch tensors.
+#include "k3ref/attnres/attnres.h"
+#include "k3ref/qb/solver.h"
+#include "core.h"
+
+namespace k3ref::python {
+namespace {
+
+py::dict attnres(const Array& values, const Array& queries, const Array& norm_weights, double eps,
+                 std::optional<std::int64_t> block_size, bool two_phase, const std::string& precision) {
+  const Tensor<double> v = to_tensor(values), q = to_tensor(queries), w = to_tensor(norm_weights);
+  return in_tier(precision, [&]<class S>() {
+    const attnres::Weights<S> weights{lift<S>(q), lift<S>(w), S(eps)};
+    const Tensor<S> vals = lift<S>(v);
+    std::optional<attnres::Outputs<S>> out;
+    {
+      py::gil_scoped_release release;
+      out = block_size ? attnres::block_forward(weights, vals, *block_size,
+                                                two_phase ? attnres::BlockForm::two_phase : attnres::BlockForm::direct)
+                       : attnres::full_forward(weights, vals);
+    }
+    py::dict r;
+    r["h"] = to_numpy(out->h);
+    r["alpha"] = to_numpy(out->alpha);
+    if (out->block_sums) r["block_sums"] = to_numpy(*out->block_sums);
+    if (out->phase1_output) r["phase1_output"] = to_numpy(*out->phase1_output);
+    if (out->phase1_max) r["phase1_max"] = to_numpy(*out->phase1_max);
+    if (out->phase1_sum) r["phase1_sum"] = to_numpy(*out->phase1_sum);
+    return r;
+  });
+}
+
+py::dict qb_solver(const Array& scores, std::int64_t k, int iterations, const std::optional<Array>& beta0) {
+  const Tensor<double> s = to_tensor(scores);
+  std::vector<double> b0;
+  if (beta0) b0.assign(beta0->data(), beta0->data() + beta0->size());
+  std::vector<qb::Iterate<double>> trace;
+  {
+    py::gil_scoped_release release;
+    trace = qb::alternating_solver(s, k, iterations, b0);
+  }
+  const std::int64_t m = s.dim(0), n = s.dim(1), T = static_cast<std::int64_t>(trace.size());
+  py::array_t<double> alpha({T, m}), beta({T, n});
+  py::array_t<std::int32_t> selection({T, m, k});
+  py::array_t<std::int64_t> loads({T, n});
+  for (std::int64_t t = 0; t < T; ++t) {
+    const auto& it = trace[static_cast<std::size_t>(t)];
+    std::copy(it.alpha.begin(), it.alpha.end(), alpha.mutable_data() + t * m);
+    std::copy(it.beta.begin(), it.beta.end(), beta.mutable_data() + t * n);
+    std::copy(it.selection.values().begin(), it.selection.values().end(), selection.mutable_data() + t * m * k);
+    std::copy(it.loads.begin(), it.loads.end(), loads.mutable_data() + t * n);
+  }
+  py::dict r;
+  r["alpha"] = alpha;
+  r["beta"] = beta;
+  r["selection"] = selection;
+  r["loads"] = loads;
+  return r;
+}
+
+}  // namespace
+
+void register_attnres_qb(py::module_& m) {
+  m.def("attnres", &attnres, py::arg("values"), py::arg("queries"), py::arg("norm_weights"), py::arg("eps"),
+        py::arg("block_size"), py::arg("two_phase"), py::arg("precision"));
+  m.def("qb_solver", &qb_solver, py::arg("scores"), py::arg("k"), py::arg("iterations"), py::arg("beta0"));
+}
+
+}  // namespace k3ref::python
+
+PYBIND11_MODULE(_core, m) {
+  namespace kp = k3ref::python;
+  m.doc() = "k3ref's compiled references (private; use the k3ref package)";
+  m.attr("high_precision_backend") = k3ref::num::high_precision_backend;
+  m.attr("high_precision_bits") = k3ref::num::golden_bits;
+  // InvalidArgument and FileError are ValueErrors with the library's one-line message.
+  pybind11::register_exception<k3ref::InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+  kp::register_kda_forward(m);
+  kp::register_kda_backward(m);
+  kp::register_kcp(m);
+  kp::register_attnres_qb(m);
+}

@@ -1,0 +1,347 @@
+"""k3ref: reference implementations of the Kimi K3 operators for torch tensors.
+
+Every reference takes its tensors as one mapping named like the tensors of a golden file
+(and of the `k3ref kda --in` file), options named like the `k3ref kda` command's options
+(`--lower-bound` is `lower_bound=`, `--l2norm` is `l2norm=True`), and returns a dict of
+torch.float64 tensors on the CPU. Input tensors may have any floating-point dtype (bfloat16,
+float16, float32, float64) and live on any device: they are converted exactly to float64
+first. `precision` picks the arithmetic: "double", or "mp256" (256-bit floats, the goldens'
+precision, rounded once to double on the way out).
+
+    import k3ref
+    out = k3ref.kda(dict(q=q, k=k, v=v, g=g, beta=beta), gate="lower_bound", lower_bound=-5.0,
+                    beta="sigmoid", l2norm=True, precision="mp256")
+    out["o"], out["final_state"]
+
+References: kda (the recurrence), kda_chunkwise (FlashKDA / FLA chunk forms, with their
+stage tensors), kda_backward (gradients: adjoint recurrence or chunkwise with stages),
+kcp_forward / kcp_backward (context parallelism: per-rank fragments and entering states),
+attnres (Attention Residuals), qb_solver (Quantile Balancing). Submodules: k3ref.goldens
+(golden cases as torch tensors), k3ref.testing (assert_kda_close), k3ref.policy (the
+tolerance table), k3ref.gpu_check (the GPU harness). docs/python.md is the guide.
+
+Bad arguments raise TypeError or ValueError with a one-line message naming the argument.
+This module imports neither torch nor the compiled part until a reference is called, so
+k3ref._safetensors (NumPy only) serves scripts without torch.
+"""
+import importlib
+import os
+
+__version__ = "0.1.0"
+
+# The tiers of `k3ref kda --precision`.
+PRECISIONS = ("double", "mp256")
+
+# The options of `k3ref kda` (src/cli/command_line.cc) other than --in/--out: name -> the
+# allowed strings, or the Python type of the value. tests/python checks this table against
+# the command's --help.
+KDA_OPTIONS = {
+    "gate": ("log_decay", "decay_factor", "softplus", "lower_bound"),
+    "gate_base": ("e", "2"),
+    "lower_bound": float,
+    "beta": ("as_given", "sigmoid", "two_sigmoid"),
+    "l2norm": bool,
+    "scale": float,
+    "state_layout": ("k_first", "v_first"),
+    "all_states": bool,
+    "no_final_state": bool,
+    "precision": PRECISIONS,
+    "threads": int,
+}
+KDA_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+KDA_COTANGENTS = ("d_o", "d_final_state")
+CHUNK_FORMS = ("flashkda", "fla")
+BACKWARD_METHODS = ("adjoint", "chunkwise")
+KCP_MERGES = ("origin_rank", "sequential_scan", "tree_scan")
+
+_INDEX_INPUTS = ("cu_seqlens", "splits")
+_core_module = None
+
+
+def _compiled():
+    """The compiled half (k3ref._core), imported on first use. A source checkout's tests point
+    K3REF_CORE_PATH at the build directory that holds it."""
+    global _core_module
+    if _core_module is None:
+        extra = os.environ.get("K3REF_CORE_PATH")
+        if extra and extra not in __path__:
+            __path__.append(extra)
+        try:
+            _core_module = importlib.import_module("._core", __name__)
+        except ImportError as e:
+            raise ImportError(f"k3ref's compiled references (k3ref._core) are not available ({e}); install the "
+                              "package (docs/python.md) or set K3REF_CORE_PATH to the build's python/ directory"
+                              ) from None
+    return _core_module
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _fail(fn, exc, message):
+    raise exc(f"k3ref.{fn}: {message}")
+
+
+def _as_float64(fn, name, x):
+    """A C-contiguous float64 NumPy copy of one floating-point tensor (exact: every float dtype
+    widens exactly to float64)."""
+    torch = _torch()
+    import numpy as np
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    if not isinstance(x, torch.Tensor):
+        _fail(fn, TypeError, f"tensor '{name}' must be a torch.Tensor, not {type(x).__name__}")
+    if x.is_complex() or not x.is_floating_point():
+        _fail(fn, TypeError, f"tensor '{name}' must have a floating-point dtype, not {x.dtype}")
+    return np.ascontiguousarray(x.detach().to(device="cpu", dtype=torch.float64).numpy())
+
+
+def _as_index(fn, name, x):
+    """A list of ints from an integer tensor, an integer array or a sequence of ints."""
+    torch = _torch()
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            _fail(fn, TypeError, f"'{name}' must hold integers, not {x.dtype}")
+        if x.dim() != 1:
+            _fail(fn, ValueError, f"'{name}' must be one-dimensional, not of shape {list(x.shape)}")
+        return [int(v) for v in x.tolist()]
+    try:
+        values = list(x)
+    except TypeError:
+        _fail(fn, TypeError, f"'{name}' must be a 1-D integer tensor or a sequence of ints, not {type(x).__name__}")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            _fail(fn, TypeError, f"'{name}' must hold integers, not {type(v).__name__} ({v!r})")
+        out.append(int(v.__index__()))
+    return out
+
+
+def _tensors(fn, inputs, allowed, required):
+    """Checks the mapping of input tensors and converts it for k3ref._core."""
+    import numpy as np
+    if not hasattr(inputs, "keys") or not hasattr(inputs, "__getitem__"):
+        _fail(fn, TypeError, f"inputs must be a mapping of tensor names to tensors ({', '.join(allowed)}), "
+                             f"not {type(inputs).__name__}")
+    for name in inputs:
+        if name not in allowed:
+            _fail(fn, ValueError, f"unknown input tensor '{name}' (expected: {', '.join(allowed)})")
+    for name in required:
+        if name not in inputs or inputs[name] is None:
+            _fail(fn, ValueError, f"missing input tensor '{name}'")
+    out = {}
+    for name in allowed:
+        if name not in inputs or inputs[name] is None:
+            continue
+        if name in _INDEX_INPUTS:
+            out[name] = np.asarray(_as_index(fn, name, inputs[name]), dtype=np.int64)
+        else:
+            out[name] = _as_float64(fn, name, inputs[name])
+    return out
+
+
+def _choice(fn, name, value, choices):
+    if not isinstance(value, str) or value not in choices:
+        _fail(fn, ValueError, f"option '{name}' must be one of {', '.join(choices)}, not {value!r}")
+    return value
+
+
+def _number(fn, name, value, optional=True):
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            import numpy as np
+            if isinstance(value, np.floating) or isinstance(value, np.integer):
+                return float(value)
+        except ImportError:
+            pass
+        _fail(fn, TypeError, f"option '{name}' must be a number, not {type(value).__name__} ({value!r})")
+    return float(value)
+
+
+def _flag(fn, name, value):
+    if not isinstance(value, bool):
+        _fail(fn, TypeError, f"option '{name}' must be True or False, not {value!r}")
+    return value
+
+
+def _count(fn, name, value, minimum):
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        _fail(fn, TypeError, f"option '{name}' must be an integer, not {type(value).__name__} ({value!r})")
+    value = int(value.__index__())
+    if value < minimum:
+        _fail(fn, ValueError, f"option '{name}' must be at least {minimum}, not {value}")
+    return value
+
+
+def _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, all_states, no_final_state,
+                 threads):
+    """The `k3ref kda` options, checked once, as k3ref._core reads them."""
+    return {
+        "gate": _choice(fn, "gate", gate, KDA_OPTIONS["gate"]),
+        "gate_base": _choice(fn, "gate_base", str(gate_base) if gate_base == 2 else gate_base,
+                             KDA_OPTIONS["gate_base"]),
+        "lower_bound": _number(fn, "lower_bound", lower_bound),
+        "beta": _choice(fn, "beta", beta, KDA_OPTIONS["beta"]),
+        "l2norm": _flag(fn, "l2norm", l2norm),
+        "scale": _number(fn, "scale", scale),
+        "state_layout": _choice(fn, "state_layout", state_layout, KDA_OPTIONS["state_layout"]),
+        "all_states": _flag(fn, "all_states", all_states),
+        "no_final_state": _flag(fn, "no_final_state", no_final_state),
+        "threads": _count(fn, "threads", (os.cpu_count() or 1) if threads is None else threads, 1),
+    }
+
+
+def _call(fn, core_fn, *args):
+    """Calls k3ref._core; its errors (the library's InvalidArgument) become one-line ValueErrors."""
+    torch = _torch()
+    try:
+        out = core_fn(*args)
+    except ValueError as e:
+        raise ValueError(f"k3ref.{fn}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return {name: torch.from_numpy(a) for name, a in out.items()}
+
+
+def kda(inputs, *, gate="log_decay", gate_base="e", lower_bound=None, beta="as_given", l2norm=False, scale=None,
+        state_layout="k_first", all_states=False, no_final_state=False, precision="double", threads=None):
+    """The KDA recurrence (what `k3ref kda` computes). inputs: q, k [B, T, H, K], v [B, T, HV, V],
+    g [B, T, HV, K], beta [B, T, HV], optional initial_state [N, HV, K, V] (V-first with
+    state_layout="v_first"), A_log [HV], dt_bias [HV, K], cu_seqlens [N + 1] (B = 1).
+    Returns o [B, T, HV, V], final_state (unless no_final_state) and all_states [B, T, HV, K, V]
+    (with all_states=True). threads: parallel over (sequence, head); never changes a result
+    (default: every CPU)."""
+    fn = "kda"
+    t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
+    opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, all_states,
+                       no_final_state, threads)
+    return _call(fn, _compiled().kda_recurrent, t, opt, _choice(fn, "precision", precision, PRECISIONS))
+
+
+def kda_chunkwise(inputs, *, chunk_form="flashkda", chunk_size=0, sub_chunk=16, stages=False, gate="log_decay",
+                  gate_base="e", lower_bound=None, beta="as_given", l2norm=False, scale=None, state_layout="k_first",
+                  no_final_state=False, precision="double", threads=None):
+    """The KDA forward by a chunkwise (UT transform) form: chunk_form "flashkda" (inverse-decay
+    form, chunk 16 by default) or "fla" (FLA's sub-chunked form, chunk 64; sub_chunk rows per
+    sub-chunk). chunk_size 0 takes the form's own. Returns o and final_state; with stages=True
+    also the stage tensors of the kda.chunkwise_* goldens (decay, q_decay, k_decay, k_inv,
+    k_restore, L, INV, M_qk, w, u_pre, u, chunk_states, chunk_starts; docs/chunkwise.md).
+    The arithmetic is exact to the tier (no rounding contract)."""
+    fn = "kda_chunkwise"
+    t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
+    opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, no_final_state,
+                       threads)
+    return _call(fn, _compiled().kda_chunkwise, t, opt, _choice(fn, "chunk_form", chunk_form, CHUNK_FORMS),
+                 _count(fn, "chunk_size", chunk_size, 0), _count(fn, "sub_chunk", sub_chunk, 1),
+                 _flag(fn, "stages", stages), _choice(fn, "precision", precision, PRECISIONS))
+
+
+def kda_backward(inputs, cotangents=None, *, method="adjoint", chunk_size=0, gate="log_decay", gate_base="e",
+                 lower_bound=None, beta="as_given", l2norm=False, scale=None, state_layout="k_first",
+                 precision="double", threads=None):
+    """Gradients of the KDA forward for the loss sum(o * d_o) + sum(final_state * d_final_state).
+    cotangents: d_o [B, T, HV, V] and optional d_final_state; they may also sit in `inputs`
+    (as in the kda.backward goldens). method "adjoint" (the adjoint recurrence) or "chunkwise"
+    (the chunkwise backward, chunk_size 0 = 16, which also returns its stage tensors
+    chunk_states, chunk_state_gradients, du, dg_cumulative, chunk_starts). Returns dq, dk, dv,
+    dg (w.r.t. g as passed, under `gate`), dbeta (before its activation), d_initial_state, and
+    dA_log / ddt_bias when those were given."""
+    fn = "kda_backward"
+    inputs, cotangents = _split_cotangents(fn, inputs, cotangents)
+    t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
+    c = _tensors(fn, cotangents, KDA_COTANGENTS, KDA_COTANGENTS[:1])
+    opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, False, threads)
+    return _call(fn, _compiled().kda_backward, t, c, opt, _choice(fn, "method", method, BACKWARD_METHODS),
+                 _count(fn, "chunk_size", chunk_size, 0), _choice(fn, "precision", precision, PRECISIONS))
+
+
+def _split_cotangents(fn, inputs, cotangents):
+    if not hasattr(inputs, "keys"):
+        _fail(fn, TypeError, f"inputs must be a mapping of tensor names to tensors, not {type(inputs).__name__}")
+    inputs = dict(inputs)
+    found = {n: inputs.pop(n) for n in KDA_COTANGENTS if n in inputs}
+    if cotangents is None:
+        return inputs, found
+    if found:
+        _fail(fn, ValueError, f"cotangent '{next(iter(found))}' given both in inputs and in cotangents")
+    return inputs, cotangents
+
+
+def _splits(fn, inputs, splits):
+    inputs = dict(inputs) if hasattr(inputs, "keys") else inputs
+    if hasattr(inputs, "keys") and "splits" in inputs:
+        if splits is not None:
+            _fail(fn, ValueError, "'splits' given both in inputs and as an argument")
+        splits = inputs.pop("splits")
+    if splits is None:
+        _fail(fn, ValueError, "missing 'splits' (token boundaries of the ranks, [P + 1], from 0 to T)")
+    return inputs, _as_index(fn, "splits", splits)
+
+
+def kcp_forward(inputs, splits=None, *, merge="origin_rank", gate="log_decay", gate_base="e", lower_bound=None,
+                beta="as_given", l2norm=False, scale=None, state_layout="k_first", all_states=False,
+                no_final_state=False, precision="double", threads=None):
+    """Context-parallel KDA over P simulated ranks (docs/kcp.md): splits [P + 1] are the ranks'
+    token boundaries (0 .. T; also accepted as inputs["splits"]), inputs as for kda with B = 1
+    and cu_seqlens. merge: how gathered fragments become entering states ("origin_rank" is
+    FLA's). Returns o, final_state (and all_states), and per rank, stacked: fragment_transition
+    [P, HV, K, K], fragment_state [P, HV, K, V], entering_state [P, HV, K, V], origin_rank [P]."""
+    fn = "kcp_forward"
+    inputs, s = _splits(fn, inputs, splits)
+    t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
+    opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, all_states,
+                       no_final_state, threads)
+    return _call(fn, _compiled().kcp_forward, t, opt, s, _choice(fn, "merge", merge, KCP_MERGES),
+                 _choice(fn, "precision", precision, PRECISIONS))
+
+
+def kcp_backward(inputs, cotangents=None, splits=None, *, merge="origin_rank", gate="log_decay", gate_base="e",
+                 lower_bound=None, beta="as_given", l2norm=False, scale=None, state_layout="k_first",
+                 precision="double", threads=None):
+    """The context-parallel backward: each rank's adjoint over its slice from the state it
+    entered with and the state gradient arriving from the next rank. Returns the gathered
+    gradients (as kda_backward) and, stacked per rank, cp_entering_states and
+    cp_entering_state_gradients [P, HV, K, V] (the kda.backward goldens' names)."""
+    fn = "kcp_backward"
+    inputs, s = _splits(fn, inputs, splits)
+    inputs, cotangents = _split_cotangents(fn, inputs, cotangents)
+    t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
+    c = _tensors(fn, cotangents, KDA_COTANGENTS, KDA_COTANGENTS[:1])
+    opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, False, threads)
+    return _call(fn, _compiled().kcp_backward, t, c, opt, s, _choice(fn, "merge", merge, KCP_MERGES),
+                 _choice(fn, "precision", precision, PRECISIONS))
+
+
+def attnres(inputs, *, eps=1e-6, block_size=None, two_phase=False, precision="double"):
+    """Attention Residuals with teacher forcing (docs/attnres.md). inputs: values [L+1, T, d],
+    queries and norm_weights [L+1, d]. block_size None: full AttnRes; otherwise block AttnRes
+    (two_phase: the two-phase inference form). Returns h [L+1, T, d], alpha, and for blocks
+    block_sums (and phase1_output, phase1_max, phase1_sum with two_phase)."""
+    fn = "attnres"
+    names = ("values", "queries", "norm_weights")
+    t = _tensors(fn, inputs, names, names)
+    if block_size is not None:
+        block_size = _count(fn, "block_size", block_size, 1)
+    return _call(fn, _compiled().attnres, t["values"], t["queries"], t["norm_weights"], _number(fn, "eps", eps, False),
+                 block_size, _flag(fn, "two_phase", two_phase), _choice(fn, "precision", precision, PRECISIONS))
+
+
+def qb_solver(inputs, *, k, iterations, beta0=None):
+    """The Quantile Balancing alternating solver (docs/qb.md), in double: exact on dyadic
+    scores. inputs: scores [m, n]. Returns per iteration alpha [T, m], beta [T, n], selection
+    [T, m, k] (int32, best first, k3ref's tie rule) and loads [T, n] (int64)."""
+    fn = "qb_solver"
+    t = _tensors(fn, inputs, ("scores",), ("scores",))
+    b0 = None if beta0 is None else _as_float64(fn, "beta0", beta0)
+    return _call(fn, _compiled().qb_solver, t["scores"], _count(fn, "k", k, 1), _count(fn, "iterations", iterations, 0),
+                 b0)
+
+
+def __getattr__(name):
+    # Submodules on first use (`k3ref.goldens`, `k3ref.testing`, ...), so `import k3ref`
+    # stays light.
+    if name in ("goldens", "testing", "policy", "gpu_check"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'k3ref' has no attribute '{name}'")
