@@ -1,14 +1,37 @@
-"""One adapter per kernel. An adapter maps k3ref's KDA conventions (DESIGN.md section 3,
-golden params) onto a kernel's API, says which cases it supports (and why not), and is
-reported as skipped, with the reason, when its kernel cannot be imported.
+"""The adapter protocol, and the built-in adapters (one per kernel).
 
-Adding an adapter: subclass KdaAdapter, set `name` and `policy` (the tolerance policy with
-its justification), implement `load()` (import the kernel; raise to mark it unavailable),
-`unsupported(params, shapes)` (None or the reason) and `run(inputs, params, out=None)`
-returning (o, final_state) with final_state in the layout params['state_layout'] names.
-Then list it in `all_adapters`.
+Every operator family (KDA, AttnRes, QB, the serving paths) is checked through one protocol,
+the class `Adapter`. An adapter states:
+
+- what it is: `name` (unique, as reports print it), `family` ("kda", "attnres", "qb",
+  "serving", ...), `kind` ("kernel", "reference" or "mutant": a mutant is a kernel with a
+  deliberate mistake that some check must catch);
+- what it supports: `checks` (the check names it is run with), `golden_ops` (the golden
+  operators whose cases it takes) and, per case, `case_unsupported(case)`: None, or the
+  reason the case is outside the kernel's scope (reported as a skip with that reason);
+- how it runs: `load()` imports the kernel and raises when it is unavailable (the reason is
+  kept and reported); `run_check(check, case, device)` runs one check on one case and
+  returns a `checks.CheckResult`. KDA adapters implement only `run(inputs, params, out=None)`
+  (returning (o, final_state) in k3ref's conventions) and `unsupported(params, shapes)`;
+  `KdaAdapter.run_check` supplies the golden and metamorphic checks;
+- its precision contract and policy: `contract` (one line: what the kernel computes in which
+  precision, and what it rounds to), `output_dtype` (the format of its outputs, whose
+  rounding floor the floor policies use), `policy` (a tolerance policy: a name of the policy
+  table or `floor:<m>` / `rel-rms:<r>`) and `policy_reason` (why that bound).
+
+Registration needs no source edit: an entry point of group `k3ref.adapters`, `--adapter
+mypkg.mod:MyKernel` on the command line (`python3 -m k3ref.gpu_check run`, `pytest
+--k3ref-adapter`), or `k3ref_adapters = [...]` in a project's conftest.py (registry.py). The
+built-in adapters below are registered the same way (`builtin_adapters`, the package's own
+entry point). Third-party kernels are found through environment variables (set by the
+command-line options of the same name): K3REF_FLA_PATH, K3REF_FLASHKDA_PATH, K3REF_LIGER_PATH,
+K3REF_TORCHTITAN_PATH, and K3GC_LIB for libk3gc.so.
+
+Adapters are pickled into the child process that runs their checks (isolation.py): keep
+their state picklable before load() (module-level classes and functions, no lambdas).
 """
 import importlib
+import os
 import sys
 
 import torch
@@ -22,13 +45,37 @@ def _shapes(inputs):
     return dict(B=B, T=T, H=H, K=K, HV=v.shape[2], V=v.shape[3])
 
 
-class LoadableAdapter:
-    """What every adapter shares: `load()` imports its kernel (raising to mark it
-    unavailable), and `available()` tries that once and keeps the reason."""
+KDA_METAMORPHIC = ("causality", "suffix", "varlen", "split", "determinism", "poisoned_memory", "inputs_unchanged")
+
+
+class Adapter:
+    """The protocol every adapter follows (see the module's docstring)."""
+
+    name = "?"
+    family = "kda"
+    kind = "kernel"  # kernel | reference | mutant
+    checks = ("golden",)
+    golden_ops = ()
+    policy = "recurrent"
+    policy_reason = ""
+    contract = ""
+    output_dtype = torch.bfloat16
+    requires_cuda = False  # True: reported unavailable without a CUDA device, without starting a child
 
     def __init__(self):
         self._loaded = None
         self._reason = ""
+
+    def __getstate__(self):
+        # A loaded kernel (modules, function handles) stays in the process that loaded it.
+        state = dict(self.__dict__)
+        state["_loaded"], state["_reason"] = None, ""
+        for key in getattr(self, "_unpicklable", ()):
+            state.pop(key, None)
+        return state
+
+    def load(self):
+        """Imports the kernel; raises (any exception) when it is not available."""
 
     def available(self):
         if self._loaded is None:
@@ -37,19 +84,66 @@ class LoadableAdapter:
                 self._loaded = True
             except Exception as e:  # any import failure means "not available", with the reason
                 self._loaded = False
-                self._reason = f"{type(e).__name__}: {e}"
+                self._reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
         return self._loaded
 
     @property
     def unavailable_reason(self):
         return self._reason
 
+    def version(self):
+        """A one-line version of the kernel (package version, commit), or ''."""
+        return ""
+
+    def case_unsupported(self, case):
+        """None, or why this golden case is outside the kernel's scope."""
+        return None if case.op in self.golden_ops else f"takes {', '.join(self.golden_ops) or 'no golden operator'}"
+
+    def cases(self, check, suite):
+        """(case id, case or None, None or the reason it is not supported) for each case of
+        this check. The golden check runs on every case of `golden_ops` in the suite; other
+        checks build their own inputs and run once, on the case id '-'."""
+        if check == "golden":
+            for case in suite:
+                if case.op in self.golden_ops:
+                    yield case.name, case, self.case_unsupported(case)
+        else:
+            yield "-", None, None
+
+    def run_check(self, check, case, device):
+        raise NotImplementedError(f"{type(self).__name__} does not implement run_check")
+
+
+# The name the adapters of earlier versions derived from.
+LoadableAdapter = Adapter
+
+
+class BrokenAdapter(Adapter):
+    """Stands for an installed entry point that cannot be resolved: one check, 'load', that
+    is never available (a skip with the reason, a failure when that kernel was asked for)."""
+
+    checks = ("load",)
+
+    def __init__(self, name, reason):
+        super().__init__()
+        self.name = name
+        self.reason = reason
+
     def load(self):
-        pass
+        raise RuntimeError(self.reason)
 
 
-class KdaAdapter(LoadableAdapter):
+class KdaAdapter(Adapter):
+    """A KDA forward kernel. Implement `run(inputs, params, out=None)` returning
+    (o [B,T,HV,V], final_state in the layout params['state_layout'] names) and
+    `unsupported(params, shapes)` (None or the reason). Inputs arrive as golden tensors: bf16
+    q/k/v/g/beta, fp32 A_log [HV], dt_bias [HV, K] and initial state, int64 cu_seqlens; params
+    are the golden params (docs/golden-format.md)."""
+
     name = "?"
+    family = "kda"
+    checks = ("golden",) + KDA_METAMORPHIC
+    golden_ops = ("kda.recurrent",)
     policy = "recurrent"
     policy_reason = ""
     kind = "kernel"  # kernel | reference | mutant
@@ -60,6 +154,28 @@ class KdaAdapter(LoadableAdapter):
     def unsupported(self, params, shapes):
         return None
 
+    def case_unsupported(self, case):
+        if case.op not in self.golden_ops:
+            return f"takes {', '.join(self.golden_ops)}"
+        return self.unsupported(case.params, _shapes(case.inputs))
+
+    def cases(self, check, suite):
+        if check == "golden":
+            yield from super().cases(check, suite)
+            return
+        from . import checks
+
+        c = checks.pick_config(self)
+        yield (c["name"], None, None) if c else ("-", None, "no supported configuration")
+
+    def run_check(self, check, case, device):
+        from . import checks
+
+        self.device_sync = str(device).startswith("cuda")
+        if check == "golden":
+            return checks.golden_check(self, case, device)
+        return checks.METAMORPHIC_BY_NAME[check](self, device)
+
     def run(self, inputs, params, out=None):
         raise NotImplementedError
 
@@ -69,10 +185,30 @@ def _add_path(path):
         sys.path.insert(0, path)
 
 
+def _env_path(variable, override=None):
+    """A third-party checkout's directory: the adapter's own setting, else the environment."""
+    return override or os.environ.get(variable) or None
+
+
+def _need_cuda():
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device")
+
+
+def _module_version(name):
+    mod = sys.modules.get(name)
+    version = getattr(mod, "__version__", "") if mod else ""
+    where = getattr(mod, "__file__", "") if mod else ""
+    return f"{name} {version or '(no __version__)'} from {where}" if mod else ""
+
+
 class FlaAdapter(KdaAdapter):
     """FLA's chunk_kda / fused_recurrent_kda (fla-org/flash-linear-attention)."""
 
-    fla_path = None
+    requires_cuda = True
+
+    fla_path = None  # else $K3REF_FLA_PATH, else the installed fla
+    _unpicklable = ("fn",)
 
     def __init__(self, variant, safe_gate=False):
         super().__init__()
@@ -82,15 +218,20 @@ class FlaAdapter(KdaAdapter):
         if variant == "fused_recurrent_kda":
             self.policy = "recurrent"
             self.policy_reason = "fp32 recurrence on bf16 inputs: 1.0x the bf16 output floor measured on an H200"
+            self.contract = "Triton; fp32 state and arithmetic on bf16 inputs, output rounded to bf16"
         else:
             self.policy = "chunk"
             self.policy_reason = "chunked UT transform with bf16 tensor-core products: 2.0x-2.7x measured"
+            self.contract = ("Triton; chunks of 64 in UT form, bf16 tensor-core products with fp32 accumulation, "
+                             "fp32 state, output rounded to bf16")
 
     def load(self):
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device")
-        _add_path(FlaAdapter.fla_path)
+        _need_cuda()
+        _add_path(_env_path("K3REF_FLA_PATH", FlaAdapter.fla_path))
         self.fn = getattr(importlib.import_module("fla.ops.kda"), self.variant)
+
+    def version(self):
+        return _module_version("fla")
 
     def unsupported(self, params, s):
         if s["K"] > 256:
@@ -135,17 +276,23 @@ class FlashKdaAdapter(KdaAdapter):
     """FlashKDA's flash_kda.fwd (MoonshotAI/FlashKDA): forward only, K = V = 128, no GVA,
     lower-bound gate in kernel, beta = sigmoid(logits), q/k L2 norm always on, state [N,H,V,K]."""
 
+    requires_cuda = True
+
     name = "flashkda.fwd"
     policy = "flashkda"
     policy_reason = "chunk 16, fp16 Neumann inverse, bf16 state between chunks: 3.4x-3.5x measured"
+    contract = "CUTLASS (sm_90); chunks of 16, fp16 Neumann-series inverse, bf16 state between chunks, bf16 output"
     accepts_out = True
-    flashkda_path = None
+    flashkda_path = None  # else $K3REF_FLASHKDA_PATH, else the installed flash_kda
+    _unpicklable = ("mod",)
 
     def load(self):
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device")
-        _add_path(FlashKdaAdapter.flashkda_path)
+        _need_cuda()
+        _add_path(_env_path("K3REF_FLASHKDA_PATH", FlashKdaAdapter.flashkda_path))
         self.mod = importlib.import_module("flash_kda")
+
+    def version(self):
+        return _module_version("flash_kda")
 
     def unsupported(self, params, s):
         if s["K"] != 128 or s["V"] != 128:
@@ -187,6 +334,8 @@ class FlashKdaAdapter(KdaAdapter):
 class LibKernelAdapter(KdaAdapter):
     """libk3gc's fp32 KDA kernel (bf16 output), correct or with one deliberate mistake."""
 
+    requires_cuda = True
+
     accepts_out = True
 
     def __init__(self, mutation=0):
@@ -197,10 +346,11 @@ class LibKernelAdapter(KdaAdapter):
         self.kind = "kernel" if mutation == 0 else "mutant"
         self.policy = "recurrent"
         self.policy_reason = "fp32 recurrence on bf16 inputs, bf16 output"
+        self.contract = "CUDA; fp32 recurrence on bf16 inputs, output rounded to bf16" + (
+            "" if mutation == 0 else f", with the mistake '{self.mutation_name}'")
 
     def load(self):
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device")
+        _need_cuda()
         if not lib.available():
             raise RuntimeError(lib.load_error())
 
@@ -217,16 +367,19 @@ class LibKernelAdapter(KdaAdapter):
 class LibReferenceAdapter(KdaAdapter):
     """libk3gc's fp64 recurrence, checked against the CPU goldens (computed at 256 bits)."""
 
+    requires_cuda = True
+
     name = "k3gc.fp64_reference"
     kind = "reference"
     policy = "rel-rms:1e-12"
     policy_reason = "fp64 arithmetic against 256-bit goldens: error of order 1e-15"
+    contract = "CUDA; fp64 recurrence, fp64 output"
+    checks = ("golden",)
     output_dtype = torch.float64
     accepts_out = True
 
     def load(self):
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device")
+        _need_cuda()
         if not lib.available():
             raise RuntimeError(lib.load_error())
 
@@ -245,6 +398,9 @@ class TorchKernelAdapter(KdaAdapter):
     causality bug), `ignore_initial_state` starts every sequence from zero."""
 
     accepts_out = False
+    policy = "recurrent"
+    policy_reason = "the exact recurrence rounded once to bf16: 1.0x the floor by construction"
+    contract = "PyTorch; fp64 recurrence, output rounded to bf16, final state to fp32"
     MUTATIONS = (None, "future_leak", "ignore_initial_state")
 
     def __init__(self, future_leak=False, device="cpu", mutation=None):
@@ -267,7 +423,18 @@ class TorchKernelAdapter(KdaAdapter):
         return o.to(torch.bfloat16), final.to(torch.float32)
 
 
-def all_adapters(include_mutants=True):
+def builtin_adapters():
+    """The adapters of the kernels k3ref knows (the package's own `k3ref.adapters` entry
+    point): libk3gc's fp64 reference and fp32 kernel and its mutants, FLA, FlashKDA, Liger's
+    AttnRes, torchtitan's Quantile Balancing."""
+    from . import attnres_check, qb_check
+
+    return kda_adapters(include_mutants=True) + [
+        attnres_check.LigerAttnResAdapter(), qb_check.TorchtitanQbAdapter(),
+        qb_check.TorchtitanQbAdapter(histogram=True)]
+
+
+def kda_adapters(include_mutants=True):
     adapters = [
         LibReferenceAdapter(),
         FlaAdapter("fused_recurrent_kda"),
@@ -281,10 +448,22 @@ def all_adapters(include_mutants=True):
     return adapters
 
 
-def kernel_by_name(name):
-    """The KDA adapter called `name` (as reports print it), including the CPU test kernels."""
-    known = all_adapters(include_mutants=True) + [TorchKernelAdapter(mutation=m) for m in TorchKernelAdapter.MUTATIONS]
+def torch_test_kernels():
+    """The CPU test kernels (not run unless named): the correct one and its mutants. Register
+    them with `--adapter k3ref.gpu_check.adapters:torch_test_kernels`."""
+    return [TorchKernelAdapter(mutation=m) for m in TorchKernelAdapter.MUTATIONS]
+
+
+def all_adapters(include_mutants=True):
+    """The built-in KDA adapters (kept for scripts of earlier versions)."""
+    return kda_adapters(include_mutants)
+
+
+def kernel_by_name(name, extra=()):
+    """The adapter called `name` (as reports print it): built-in, a CPU test kernel, or one of
+    `extra`. Unknown names raise ValueError with the known ones."""
+    known = list(extra) + builtin_adapters() + torch_test_kernels()
     for a in known:
         if a.name == name:
             return a
-    raise ValueError(f"no KDA kernel named '{name}'; known: {', '.join(a.name for a in known)}")
+    raise ValueError(f"no kernel named '{name}'; known: {', '.join(a.name for a in known)}")

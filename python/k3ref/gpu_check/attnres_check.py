@@ -22,13 +22,14 @@ key rounded to bf16 and h rounded to bf16, `contract_forward`), and the policy i
 rel RMS(h) <= 2 x max(contract floor, bf16 output floor).
 """
 import importlib
+import os
 import sys
 import time
 
 import torch
 
 from . import metrics as M
-from .adapters import LoadableAdapter
+from .adapters import Adapter
 from .checks import CheckResult
 
 MULTIPLE = 2.0
@@ -81,32 +82,48 @@ def slots(case):
     yield L + 1, torch.stack(sums), False
 
 
-class LigerAttnResAdapter(LoadableAdapter):
+class LigerAttnResAdapter(Adapter):
     name = "liger.attn_res"
+    family = "attnres"
     kind = "kernel"
+    golden_ops = ("attnres.full", "attnres.block", "attnres.phase1")
     policy = f"contract:{MULTIPLE:g}"
     policy_reason = (f"rel RMS of h <= {MULTIPLE:g} x max(bf16 floor, emulated contract: key rounded to bf16, "
                      "fp32 softmax and sum)")
-    liger_path = None  # a checkout's root (holding src/liger_kernel) or a directory holding liger_kernel
+    contract = "Triton; fp32 RMS norm and softmax, the normalised key rounded to bf16 before the weight, bf16 h"
+    liger_path = None  # else $K3REF_LIGER_PATH: a checkout's root (holding src/liger_kernel) or a directory holding liger_kernel
+    _unpicklable = ("_imported",)
 
     def __init__(self, forward=None, name=None):
-        self.forward = forward  # attn_res_forward-compatible callable; None: import Liger's
+        self.given = forward  # attn_res_forward-compatible (picklable) callable; None: import Liger's
         if name:
             self.name = name
         super().__init__()
 
+    @property
+    def requires_cuda(self):
+        return self.given is None  # Liger's kernel is Triton; a stand-in runs anywhere
+
+    @property
+    def forward(self):
+        return self.given if self.given is not None else self._imported
+
     def load(self):
-        if self.forward is not None:
+        if self.given is not None:
             return
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device (Liger's AttnRes is a Triton kernel)")
-        for p in ([f"{self.liger_path}/src", self.liger_path] if self.liger_path else []):
+        path = self.liger_path or os.environ.get("K3REF_LIGER_PATH")
+        for p in ([f"{path}/src", path] if path else []):
             if p not in sys.path:
                 sys.path.insert(0, p)
-        self.forward = importlib.import_module("liger_kernel.ops.attn_res").attn_res_forward
+        self._imported = importlib.import_module("liger_kernel.ops.attn_res").attn_res_forward
 
     def supports(self, case):
-        return case.op in ("attnres.full", "attnres.block", "attnres.phase1")
+        return case.op in self.golden_ops
+
+    def run_check(self, check, case, device):
+        return self.check(case, device)
 
     def check(self, case, device="cpu"):
         t0 = time.time()
@@ -161,12 +178,17 @@ class LigerAttnResAdapter(LoadableAdapter):
                            f"{n_slots} slots ({what}); worst {worst[1]}", ratio=worst[0])
 
 
-def liger_compatible_emulation(wrong=None):
+class LigerCompatibleEmulation:
     """A CPU stand-in with Liger's signature and arithmetic (fp32, key rounded to w_norm's
     dtype), for the host-side tests of this adapter. `wrong`: 'no_norm_weight' drops w_norm,
-    'no_rms' skips the normalisation (each a plausible kernel bug)."""
+    'no_rms' skips the normalisation (each a plausible kernel bug). A class, so that it can
+    be pickled into the harness's child process."""
 
-    def forward(V, w_query, w_norm, eps=1e-6):
+    def __init__(self, wrong=None):
+        self.wrong = wrong
+
+    def __call__(self, V, w_query, w_norm, eps=1e-6):
+        wrong = self.wrong
         N, D = V.shape[0], V.shape[-1]
         v = V.reshape(N, -1, D).float()
         rstd = torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
@@ -177,4 +199,6 @@ def liger_compatible_emulation(wrong=None):
         h = (alpha.unsqueeze(-1) * v).sum(0).to(V.dtype)
         return h.view(V.shape[1:]), v, alpha.T.contiguous(), rstd.squeeze(-1).T.contiguous()
 
-    return forward
+
+def liger_compatible_emulation(wrong=None):
+    return LigerCompatibleEmulation(wrong)

@@ -151,6 +151,21 @@ def _guard(adapter, check, case, fn):
 
 # --------------------------------------------------------------------------- golden checks
 
+def worst_element(candidate, reference, flat_index, axes):
+    """The element of largest absolute error by its index along `axes`, with both values."""
+    if flat_index is None or flat_index < 0:
+        return None
+    index, rest = [], int(flat_index)
+    for extent in reversed(candidate.shape):
+        index.append(rest % extent)
+        rest //= extent
+    index = index[::-1]
+    c = float(candidate.reshape(-1)[flat_index])
+    r = float(reference.reshape(-1)[flat_index])
+    return {"index": dict(zip(axes, index)) if len(axes) == len(index) else index, "candidate": c, "reference": r,
+            "abs_error": abs(c - r)}
+
+
 def golden_check(adapter, case, device, window_tokens=8):
     s = _shapes(case.inputs)
     why = adapter.unsupported(case.params, s)
@@ -171,12 +186,16 @@ def golden_check(adapter, case, device, window_tokens=8):
         res = CheckResult(adapter.name, "golden", case.name, "pass" if ok else "fail", "o: " + reason,
                           ratio=m.floor_ratio if policy.kind == "floor" else m.rel_rms, metrics=m.to_dict(),
                           windows=m.window_rel_rms, window_tokens=window_tokens)
+        res.extra["worst_element"] = worst_element(o, ref, m.max_abs_index, ("batch", "token", "head", "channel"))
+        res.extra["policy"] = adapter.policy
         if "final_state" in case.expected and final is not None:
             # The state is compared at the floor of the output format too: kernels keep it in
             # bf16 in places (FlashKDA between chunks), and it feeds the outputs at that precision.
             mf = M.compare(final.to(torch.float64), case.expected["final_state"].to(device), fmt)
             okf, rf = M.judge(mf, policy)
             res.extra["final_state"] = mf.to_dict()
+            res.extra["final_state_worst_element"] = worst_element(
+                final, case.expected["final_state"], mf.max_abs_index, ("sequence", "head", "row", "column"))
             res.reason += "; final_state: " + rf
             if not okf:
                 res.status = "fail"
@@ -377,6 +396,9 @@ def check_inputs_unchanged(adapter, device, seed=7):
 
 METAMORPHIC = [check_causality, check_suffix, check_varlen, check_split, check_determinism, check_poison,
                check_inputs_unchanged]
+METAMORPHIC_BY_NAME = {"causality": check_causality, "suffix": check_suffix, "varlen": check_varlen,
+                       "split": check_split, "determinism": check_determinism, "poisoned_memory": check_poison,
+                       "inputs_unchanged": check_inputs_unchanged}
 
 
 def run_all(adapters, cases, device, budget_s=0.0, progress=None):

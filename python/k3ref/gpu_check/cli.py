@@ -1,39 +1,71 @@
-"""The CI command: python3 -m k3ref.gpu_check run --goldens goldens --out report/
+"""The CI command: python3 -m k3ref.gpu_check run [--adapter MOD:NAME ...] --out report/
 
-Runs every available adapter on every golden case it supports and the metamorphic checks,
-runs the mutant zoo (each mutant must be caught by at least one check), writes
-report.xml (JUnit), report.json and report.html, prints the kernels x checks table, and
-exits 1 on any failure of a real kernel or any mutant not caught."""
+Collects every adapter (built-in, entry points, --adapter) x golden case x check (the same
+collection as the pytest plugin, collection.py), runs each adapter's checks in its own child
+process (isolation.py), runs the mutant zoo (each mutant must be caught by a check), writes
+report.html (verdict first), report.json, report.xml (JUnit) and plots, prints the kernels x
+checks table, and exits 1 when it cannot vouch for the kernels: a failed check, a known
+limitation that now passes, a mutant not caught or not run, a kernel asked for that is not
+available, or no check executed at all. Usage errors (an unknown name in any selector, an
+adapter spec that does not load) exit 2 with one line.
+"""
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from . import adapters as A
-from . import checks, golden, lib, report
+from . import collection, golden, report
+from .registry import AdapterSpecError, discover
+
+DEFAULT_GOLDENS = Path(__file__).resolve().parents[3] / "goldens"
+PATH_OPTIONS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla package"),
+                ("flashkda_path", "K3REF_FLASHKDA_PATH", "directory holding the flash_kda package and its extension"),
+                ("liger_path", "K3REF_LIGER_PATH", "Liger-Kernel checkout (holding src/liger_kernel) for its AttnRes kernel"),
+                ("torchtitan_path", "K3REF_TORCHTITAN_PATH", "torchtitan checkout (holding torchtitan/) for its Quantile Balancing"))
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python3 -m k3ref.gpu_check")
+class UsageError(Exception):
+    pass
+
+
+def _csv(text):
+    return [s for s in text.split(",") if s] if text else None
+
+
+def _kernel_options(p):
+    p.add_argument("--lib", help="path of libk3gc.so (default: $K3GC_LIB or build*/gpu_check/)")
+    for dest, env, text in PATH_OPTIONS:
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, help=f"{text} (sets ${env})")
+    p.add_argument("--adapter", action="append", default=[], metavar="MODULE:NAME",
+                   help="an adapter of your own (a class, instance, or function returning adapters; repeatable); "
+                        "MODULE may be a file.py")
+
+
+def parser():
+    ap = argparse.ArgumentParser(prog="python3 -m k3ref.gpu_check", description="Real kernels against the k3ref references.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the checks and write the reports")
-    r.add_argument("--goldens", default=str(Path(__file__).resolve().parents[3] / "goldens"))
+    r.add_argument("--goldens", default=str(DEFAULT_GOLDENS), help="golden directory (default: the checkout's goldens/)")
     r.add_argument("--out", default="gpu_check_report")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    r.add_argument("--lib", help="path of libk3gc.so (default: $K3GC_LIB or build*/gpu_check/)")
-    r.add_argument("--fla-path", help="directory holding the fla package")
-    r.add_argument("--flashkda-path", help="directory holding the flash_kda package and its extension")
-    r.add_argument("--liger-path", help="Liger-Kernel checkout (holding src/liger_kernel) for its AttnRes kernel")
-    r.add_argument("--torchtitan-path", help="torchtitan checkout (holding torchtitan/) for its Quantile Balancing")
-    r.add_argument("--only", help="comma-separated adapter names to run")
-    r.add_argument("--no-mutants", action="store_true")
-    r.add_argument("--checks", help="comma-separated checks to run (golden, causality, suffix, varlen, split, "
-                   "determinism, poisoned_memory, inputs_unchanged; default all)")
-    r.add_argument("--cases", help="comma-separated golden case names (default all)")
+    _kernel_options(r)
+    r.add_argument("--no-builtin", action="store_true", help="leave out the built-in adapters and installed entry points")
+    r.add_argument("--only", help="comma-separated adapter names to run (each must exist; each counts as asked for)")
+    r.add_argument("--no-mutants", action="store_true", help="leave out mutants not named in --only or --adapter")
+    r.add_argument("--checks", help="comma-separated check names (golden, causality, suffix, varlen, split, "
+                   "determinism, poisoned_memory, inputs_unchanged, ...; default all)")
+    r.add_argument("--cases", help="comma-separated golden case names (default all; checks that build their own "
+                   "inputs are not filtered)")
+    r.add_argument("--known-limitations", help="known-limitations file (default: the package's known_limitations.json)")
     r.add_argument("--budget", type=float, default=0, help="seconds per kernel; later checks are skipped (0: none)")
+    r.add_argument("--check-timeout", type=float, default=900.0,
+                   help="seconds one check (or loading a kernel) may take before its child is killed (default 900)")
+    r.add_argument("--no-isolation", action="store_true", help="run every check in this process (a crash ends the run)")
+    r.add_argument("--list", action="store_true", help="print the collected test ids and exit")
     p = sub.add_parser("prop", help="property-based testing of one KDA kernel against the reference (Hypothesis)")
     p.add_argument("--kernel", required=True, help="adapter name, e.g. fla.chunk_kda, flashkda.fwd, k3gc.fp32")
     p.add_argument("--examples", type=int, default=100)
@@ -42,81 +74,122 @@ def main(argv=None):
     p.add_argument("--out", default="prop_failures", help="directory for the shrunk failing case")
     p.add_argument("--replay", help="run the kernel on one golden file (a written failure) and judge it")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--lib", help="path of libk3gc.so")
-    p.add_argument("--fla-path", help="directory holding the fla package")
-    p.add_argument("--flashkda-path", help="directory holding the flash_kda package and its extension")
-    args = ap.parse_args(argv)
+    _kernel_options(p)
+    return ap
 
-    if args.cmd == "prop":
-        from . import prop
 
-        return prop.main(args)
-    if args.lib:
-        lib.load(args.lib)
-    A.FlaAdapter.fla_path = args.fla_path
-    A.FlashKdaAdapter.flashkda_path = args.flashkda_path
-    adapters = A.all_adapters(include_mutants=not args.no_mutants)
-    # AttnRes and QB implementations: golden checks on their own operators' cases.
-    from . import attnres_check, qb_check
+def apply_kernel_options(args):
+    """--lib and the checkout paths, as environment variables the adapters (and children) read."""
+    if getattr(args, "lib", None):
+        os.environ["K3GC_LIB"] = str(Path(args.lib).resolve())
+    for dest, env, _ in PATH_OPTIONS:
+        value = getattr(args, dest, None)
+        if value:
+            os.environ[env] = str(Path(value).resolve())
 
-    attnres_check.LigerAttnResAdapter.liger_path = args.liger_path
-    qb_check.TorchtitanQbAdapter.torchtitan_path = args.torchtitan_path
-    op_adapters = [attnres_check.LigerAttnResAdapter(), qb_check.TorchtitanQbAdapter(),
-                   qb_check.TorchtitanQbAdapter(histogram=True)]
-    if args.only:
-        names = set(args.only.split(","))
-        adapters = [a for a in adapters if a.name in names]
-        op_adapters = [a for a in op_adapters if a.name in names]
-    cases = golden.load_suite(args.goldens)
-    if args.cases:
-        wanted = set(args.cases.split(","))
-        cases = [c for c in cases if c.name in wanted]
-    if args.checks:
-        wanted = set(args.checks.split(","))
-        checks.METAMORPHIC[:] = [c for c in checks.METAMORPHIC if c.__name__.replace("check_", "").replace(
-            "poison", "poisoned_memory") in wanted]
-        if "golden" not in wanted:
-            cases = []
+
+def select(args):
+    """(adapters, requested names) after --only / --no-mutants / --no-builtin; raises UsageError."""
+    try:
+        adapters, requested = discover(specs=args.adapter, entry_points=not args.no_builtin)
+    except AdapterSpecError as e:
+        raise UsageError(str(e)) from e
+    only = _csv(args.only)
+    if only:
+        collection.validate(adapters, [], only=only)
+        adapters = [a for a in adapters if a.name in only]
+        requested |= set(only)
+    if args.no_mutants:
+        adapters = [a for a in adapters if a.kind != "mutant" or a.name in requested]
+    return adapters, requested
+
+
+def load_suite(goldens, adapters):
+    ops = sorted({op for a in adapters for op in a.golden_ops})
+    if not Path(goldens).is_dir():
+        raise UsageError(f"--goldens {goldens}: not a directory")
+    return golden.load_suite(goldens, ops=tuple(ops)) if ops else []
+
+
+def execute(tests, runner, requested):
+    """Runs the tests; returns (rows, results): rows are (test, verdict, reason, results)."""
+    rows, results = [], []
+    for t in tests:
+        if isinstance(t, collection.MutantTest):
+            rs = [runner.run(x) for x in t.tests]
+            verdict, reason = collection.mutant_outcome(t, rs, requested)
+            results += rs
+        else:
+            rs = [runner.run(t)]
+            verdict, reason = collection.outcome(t, rs[0], requested)
+            results += rs
+        for r in rs:
+            r.extra["test_id"] = t.id
+        rows.append((t, verdict, reason, rs))
+    return rows, results
+
+
+def verdict_of(rows, results):
+    """(passed, failure lines) of a whole run."""
+    failures = [f"FAIL {t.id}: {reason}" for t, v, reason, _ in rows if v == "fail"]
+    executed = sum(r.status != "skip" for r in results)
+    if executed == 0:
+        failures.append("FAIL: no check was executed (every test was skipped or nothing was collected)")
+    return not failures, failures
+
+
+def run_command(args):
+    apply_kernel_options(args)
+    adapters, requested = select(args)
+    suite = load_suite(args.goldens, adapters)
+    checks, cases = _csv(args.checks), _csv(args.cases)
+    collection.validate(adapters, suite, checks=checks, cases=cases)
+    try:
+        limitations = collection.load_limitations(args.known_limitations)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    tests = collection.collect(adapters, suite, checks=checks, cases=cases, limitations=limitations)
+    if args.list:
+        for t in tests:
+            print(t.id)
+        return 0
+    from .isolation import Runner
+
     t0 = time.time()
-    results = checks.run_all(adapters, cases, args.device, budget_s=args.budget,
-                             progress=lambda line: print(line, flush=True))
-    if not args.checks or "golden" in args.checks.split(","):
-        op_cases = golden.load_suite(args.goldens, ops=("attnres.full", "attnres.block", "attnres.phase1",
-                                                        "qb.solver", "qb.online"))
-        if args.cases:
-            op_cases = [c for c in op_cases if c.name in set(args.cases.split(","))]
-        results += checks.run_op_adapters(op_adapters, op_cases, args.device,
-                                          progress=lambda line: print(line, flush=True))
-    kills = checks.mutant_kills(results)
-    real_failures = [r for r in results if not r.adapter.startswith("mutant.") and r.status in ("fail", "error")]
-    survivors = [m for m, caught in kills.items() if not caught]
-    summary = {
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "torch": torch.__version__,
-        "goldens": len(cases),
-        "seconds": round(time.time() - t0, 2),
-        "results": len(results),
-        "passed": sum(r.status == "pass" for r in results if not r.adapter.startswith("mutant.")),
-        "failed": len(real_failures),
-        "skipped": sum(r.status == "skip" for r in results),
-        "unavailable": {r.adapter: r.reason for r in results if r.check == "all"},
-        "mutants": len(kills),
-        "mutants_caught": len(kills) - len(survivors),
-        "mutant_kill_rate": (len(kills) - len(survivors)) / len(kills) if kills else None,
-        "mutant_kills": kills,
-    }
+    with Runner(args.device, check_timeout=args.check_timeout, isolate=not args.no_isolation, budget_s=args.budget,
+                progress=lambda line: print(line, flush=True)) as runner:
+        rows, results = execute(tests, runner, requested)
+    passed, failures = verdict_of(rows, results)
+    summary = report.summary(rows, results, runner, adapters, requested, args.device, time.time() - t0, passed,
+                             failures, len(suite))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report.write_junit(out / "report.xml", results)
-    report.write_json(out / "report.json", results, summary)
-    report.write_html(out / "report.html", results, summary)
+    report.write_all(out, rows, results, summary)
     print(report.markdown_table(results))
-    for m, caught in kills.items():
-        print(f"{m}: {'caught by ' + ', '.join(caught) if caught else 'NOT CAUGHT'}")
-    for r in real_failures:
-        print(f"FAIL {r.adapter} {r.check}[{r.case}]: {r.reason}")
-    print(json.dumps({k: v for k, v in summary.items() if k != "mutant_kills"}))
-    return 1 if real_failures or survivors else 0
+    for t, v, reason, _ in rows:
+        if isinstance(t, collection.MutantTest):
+            print(f"{t.adapter.name}: {v}: {reason}")
+    for line in failures:
+        print(line)
+    print(json.dumps({k: summary[k] for k in ("verdict", "tests", "executed", "passed", "failed", "skipped", "xfailed",
+                                              "seconds")}))
+    print(f"reports: {out / 'report.html'}, {out / 'report.json'}, {out / 'report.xml'}")
+    return 0 if passed else 1
+
+
+def main(argv=None):
+    ap = parser()
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "prop":
+            from . import prop
+
+            apply_kernel_options(args)
+            return prop.main(args)
+        return run_command(args)
+    except (UsageError, collection.SelectorError, AdapterSpecError) as e:
+        print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ class GoldenCase:
     tensors: dict
     outputs: list
     metadata: dict = field(default_factory=dict)
+    path: str = None
 
     @property
     def inputs(self):
@@ -68,6 +69,7 @@ def load_case(path):
         tensors=tensors,
         outputs=[s for s in meta.get("k3ref.outputs", "").split(",") if s],
         metadata=meta,
+        path=str(path),
     )
 
 

@@ -326,11 +326,11 @@ def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failu
               suppress_health_check=list(HealthCheck))
     @given(case_strategy(st, fixed_for(adapter), max_T))
     def prop(case):
-        state["examples"] += 1
         shapes = dict(B=case["B"], T=case["T"], H=case["H"], HV=case["HV"], K=case["K"], V=case["V"])
         from hypothesis import assume
 
         assume(adapter.unsupported(params_of(case), shapes) is None)
+        state["examples"] += 1
         ok, reason, src = run_case(adapter, case, device)
         state["sources"].add(src)
         if not ok:
@@ -367,27 +367,41 @@ def replay(adapter, path, device):
 
 
 def main(args):
-    if args.lib:
-        lib.load(args.lib)
-    A.FlaAdapter.fla_path = args.fla_path
-    A.FlashKdaAdapter.flashkda_path = args.flashkda_path
-    adapter = A.kernel_by_name(args.kernel)
+    """`prop`: fails closed. An unknown kernel is a usage error (exit 2); a kernel that is not
+    available, or a replayed file it does not support, exits 1 with the reason."""
+    from .cli import UsageError
+    from .registry import AdapterSpecError, discover
+
+    try:
+        extra, _ = discover(specs=args.adapter, entry_points=True)
+        adapter = A.kernel_by_name(args.kernel, extra=extra)
+    except (AdapterSpecError, ValueError) as e:
+        raise UsageError(str(e).splitlines()[0]) from e
+    if not hasattr(adapter, "run") or adapter.family != "kda":
+        raise UsageError(f"--kernel {args.kernel}: prop draws KDA cases; {adapter.name} is a {adapter.family} adapter")
     adapter.device_sync = args.device.startswith("cuda")
+    if not adapter.available():
+        print(f"FAIL {adapter.name}: not available, nothing was tested: {adapter.unavailable_reason}")
+        return 1
     if args.replay:
         ok, reason = replay(adapter, args.replay, args.device)
-        status = {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
+        status = {True: "PASS", False: "FAIL", None: "FAIL"}[ok]
         print(f"{status} {adapter.name} on {args.replay}: {reason}")
-        return 1 if ok is False else 0
+        return 0 if ok else 1
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     flags = (f" --fla-path {args.fla_path}" if args.fla_path else "") + (
-        f" --flashkda-path {args.flashkda_path}" if args.flashkda_path else "")
+        f" --flashkda-path {args.flashkda_path}" if args.flashkda_path else "") + "".join(
+        f" --adapter {spec}" for spec in args.adapter)
     print(f"prop: kernel {adapter.name}, {args.examples} examples, T <= {args.max_T}, seed {seed}", flush=True)
     print(f"replay the whole run: PYTHONPATH={python_path()} python3 -m k3ref.gpu_check prop "
           f"--kernel '{adapter.name}' --examples {args.examples} --max-T {args.max_T} --seed {seed}{flags}", flush=True)
     res = property_run(adapter, args.examples, seed, args.max_T, args.out, args.device)
     if res["passed"] is None:
-        print(f"SKIP {adapter.name}: not available: {res['skipped']}")
-        return 0
+        print(f"FAIL {adapter.name}: not available, nothing was tested: {res['skipped']}")
+        return 1
+    if res["passed"] and res["examples"] == 0:
+        print(f"FAIL {adapter.name}: no drawn case was supported by the kernel, nothing was tested")
+        return 1
     if res["passed"]:
         print(f"PASS {adapter.name}: {res['examples']} examples in {res['seconds']:.1f} s "
               f"(reference: {', '.join(res['reference'])})")

@@ -21,12 +21,13 @@ way, k3ref by its documented rule); loads equal when no token is such a tie.
 """
 import importlib
 import importlib.util
+import os
 import time
 from pathlib import Path
 
 import torch
 
-from .adapters import LoadableAdapter
+from .adapters import Adapter
 from .checks import CheckResult
 
 F32_ULP = 2.0**-23
@@ -39,11 +40,15 @@ def _load_module_from(path):
     return mod
 
 
-class TorchtitanQbAdapter(LoadableAdapter):
+class TorchtitanQbAdapter(Adapter):
     """torchtitan's exact quantile bias (`histogram=False`) or its histogram estimate."""
 
+    family = "qb"
     kind = "kernel"
-    torchtitan_path = None  # directory holding the torchtitan package (a checkout's root)
+    golden_ops = ("qb.solver", "qb.online")
+    contract = "PyTorch; fp32 margins and means, torch.topk and torch.quantile ('lower')"
+    torchtitan_path = None  # else $K3REF_TORCHTITAN_PATH: directory holding the torchtitan package (a checkout's root)
+    _unpicklable = ("mod",)
     RELATIVE = Path("torchtitan") / "models" / "kimi_k3" / "quantile_balance.py"
 
     def __init__(self, histogram=False, num_bins=512):
@@ -59,8 +64,9 @@ class TorchtitanQbAdapter(LoadableAdapter):
         # The module file alone: importing the torchtitan package pulls in its whole model
         # zoo (and a recent torch); quantile_balance.py needs only torch.
         candidates = []
-        if self.torchtitan_path:
-            candidates.append(Path(self.torchtitan_path) / self.RELATIVE)
+        root = self.torchtitan_path or os.environ.get("K3REF_TORCHTITAN_PATH")
+        if root:
+            candidates.append(Path(root) / self.RELATIVE)
         spec = importlib.util.find_spec("torchtitan")
         if spec and spec.submodule_search_locations:
             candidates += [Path(p).parent / self.RELATIVE for p in spec.submodule_search_locations]
@@ -73,7 +79,10 @@ class TorchtitanQbAdapter(LoadableAdapter):
                           "--torchtitan-path to a checkout); looked in: " + (", ".join(map(str, candidates)) or "none"))
 
     def supports(self, case):
-        return case.op in ("qb.solver", "qb.online")
+        return case.op in self.golden_ops
+
+    def run_check(self, check, case, device):
+        return self.check(case, device)
 
     # ------------------------------------------------------------------ the runs
 
