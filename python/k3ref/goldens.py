@@ -1,0 +1,232 @@
+"""Golden cases as torch tensors: parameters, inputs, expected outputs, recommended
+tolerances, and the k3ref reference that reproduces them.
+
+    from k3ref import goldens
+    case = goldens.load_case("kda_varlen")          # a name in the golden directory, or a path
+    case.inputs        # {name: tensor} as stored (bf16 inputs stay bf16)
+    case.expected      # {name: tensor} the outputs (float64), in the file's output order
+    case.params        # the generator's parameters (dict)
+    case.options       # keyword arguments of the matching k3ref reference (CLI option names)
+    case.tolerances("recurrent")   # {output: Rule} from the policy table (k3ref.policy)
+    goldens.reference(case, precision="mp256")      # k3ref's outputs for the case's inputs
+
+Files are read with the `safetensors` package when it is installed, else with
+k3ref._safetensors (the project's own reader); both give the same tensors. The golden
+directory: the `directory` argument, else $K3REF_GOLDENS, else the checkout's goldens/ when
+k3ref runs from a source tree.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import _safetensors
+
+# Input tensor names per operator family: what the matching reference accepts. Every other
+# tensor of a file is an expected output (k3ref.outputs) or layout information (chunk_starts,
+# origin_rank), kept in GoldenCase.tensors.
+_KDA_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+INPUT_NAMES = {
+    "kda.recurrent": _KDA_INPUTS,
+    "kda.chunkwise_fla": _KDA_INPUTS,
+    "kda.chunkwise_flashkda": _KDA_INPUTS,
+    "kda.backward": _KDA_INPUTS + ("d_o", "d_final_state", "splits"),
+    "kcp.context_parallel": _KDA_INPUTS + ("splits",),
+    "attnres.full": ("values", "queries", "norm_weights"),
+    "attnres.block": ("values", "queries", "norm_weights"),
+    "attnres.phase1": ("values", "queries", "norm_weights"),
+    "qb.solver": ("scores",),
+    "qb.online": ("affinities",),
+}
+# The chunk size of the chunkwise backward whose stage tensors (chunk_states,
+# chunk_state_gradients) the kda.backward goldens hold (docs/backward.md: C = 64).
+BACKWARD_GOLDEN_CHUNK_SIZE = 64
+
+
+def directory(path=None):
+    """The golden directory: `path`, else $K3REF_GOLDENS, else <checkout>/goldens."""
+    if path is not None:
+        return Path(path)
+    if os.environ.get("K3REF_GOLDENS"):
+        return Path(os.environ["K3REF_GOLDENS"])
+    checkout = Path(__file__).resolve().parents[2] / "goldens"  # python/k3ref/goldens.py
+    if (checkout / "MANIFEST.json").is_file():
+        return checkout
+    raise FileNotFoundError("k3ref.goldens: no golden directory: pass one or set K3REF_GOLDENS to a checkout's goldens/")
+
+
+def _has_safetensors():
+    try:
+        import safetensors.torch  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _torch_of(raw):
+    """A torch tensor (a copy) with the stored dtype where torch has it."""
+    if raw.dtype == "BF16":
+        return torch.from_numpy(_safetensors.bf16_bits(raw).view(np.int16).copy()).view(torch.bfloat16)
+    if raw.dtype in ("F8_E4M3", "F8_E5M2"):
+        name = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}[raw.dtype]
+        if hasattr(torch, name):
+            codes = np.frombuffer(raw.data, dtype=np.uint8).reshape(raw.shape).copy()
+            return torch.from_numpy(codes).view(getattr(torch, name))
+        return torch.from_numpy(_safetensors.to_numpy(raw, widen=False))  # float32, exact
+    return torch.from_numpy(_safetensors.to_numpy(raw))
+
+
+def read_tensors(path, reader="auto"):
+    """(tensors, metadata) of a safetensors file as torch tensors. reader: "auto" (the
+    safetensors package when installed, else k3ref's), "safetensors" or "k3ref"."""
+    if reader not in ("auto", "safetensors", "k3ref"):
+        raise ValueError(f"k3ref.goldens: reader must be 'auto', 'safetensors' or 'k3ref', not {reader!r}")
+    if reader == "safetensors" or (reader == "auto" and _has_safetensors()):
+        from safetensors import safe_open
+        # Validate with k3ref's reader too: it gives the tensors' order in the file and
+        # rejects what the format forbids.
+        order = list(_safetensors.read(path).tensors)
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            return {name: f.get_tensor(name) for name in order}, meta
+    f = _safetensors.read(path)
+    return {name: _torch_of(t) for name, t in f.tensors.items()}, dict(f.metadata)
+
+
+def expand_outputs(spec):
+    from .policy import expand_outputs as expand
+    return expand(spec)
+
+
+@dataclass
+class GoldenCase:
+    name: str
+    op: str
+    path: Path
+    params: dict
+    tensors: dict                  # every tensor of the file, in file order
+    outputs: list                  # the names of k3ref.outputs, expanded, in order
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def inputs(self):
+        """The tensors the matching reference takes (INPUT_NAMES of the operator)."""
+        names = INPUT_NAMES.get(self.op, ())
+        return {n: self.tensors[n] for n in names if n in self.tensors}
+
+    @property
+    def expected(self):
+        """The expected outputs, in the file's output order."""
+        return {n: self.tensors[n] for n in self.outputs if n in self.tensors}
+
+    @property
+    def reference_precision(self):
+        return self.metadata.get("k3ref.reference_precision", "")
+
+    @property
+    def kda_params(self):
+        """The KDA parameters (nested under "kda" for the chunkwise and backward families)."""
+        return self.params.get("kda", self.params)
+
+    @property
+    def options(self):
+        """Keyword arguments of the matching k3ref reference (the `k3ref kda` option names)."""
+        op = self.op
+        if op.startswith("kda.") or op.startswith("kcp."):
+            p = self.kda_params
+            o = dict(gate=p["gate"], gate_base=p["gate_base"], lower_bound=p["lower_bound"], beta=p["beta"],
+                     l2norm=bool(p["qk_l2norm"]), scale=p["scale"], state_layout=p["state_layout"])
+            if op == "kda.recurrent":
+                o["all_states"] = bool(p["all_states"])
+            elif op.startswith("kda.chunkwise_"):
+                o.update(chunk_form=self.params["form"], chunk_size=self.params["chunk_size"],
+                         sub_chunk=self.params["sub_chunk"], stages=True)
+            elif op == "kcp.context_parallel":
+                o["merge"] = self.params["merge"]
+            return o
+        if op.startswith("attnres."):
+            return dict(eps=self.params["eps"], block_size=self.params["block_size"], two_phase=op == "attnres.phase1")
+        if op == "qb.solver":
+            return dict(k=self.params["k"], iterations=self.params["iterations"])
+        return {}
+
+    def tolerances(self, policy="floor:2", table=None):
+        """{output: k3ref.policy.Rule}: the metric, floor dtype and bound that `policy` sets for
+        each expected output of this operator (the policy table, docs/tolerances.md)."""
+        from . import policy as _policy
+        rules = _policy.load_table(table).rules(policy, self.op) if not isinstance(table, _policy.PolicyTable) \
+            else table.rules(policy, self.op)
+        return {n: rules[n] for n in self.outputs if n in rules}
+
+
+def load_case(name_or_path, directory_=None, *, reader="auto"):
+    """One golden case: a path to a .safetensors file, or a case name in the golden directory."""
+    p = Path(name_or_path)
+    if not p.suffix == ".safetensors":
+        p = directory(directory_) / f"{name_or_path}.safetensors"
+    if not p.is_file():
+        raise FileNotFoundError(f"k3ref.goldens: no golden file {p}")
+    tensors, meta = read_tensors(p, reader)
+    try:
+        params = json.loads(meta.get("k3ref.params", "{}"))
+    except ValueError as e:
+        raise ValueError(f"{p}: metadata 'k3ref.params' is not JSON ({e})") from None
+    return GoldenCase(name=meta.get("k3ref.case", p.stem), op=meta.get("k3ref.op", ""), path=p, params=params,
+                      tensors=tensors, outputs=expand_outputs(meta.get("k3ref.outputs", "")), metadata=meta)
+
+
+def case_names(directory_=None, ops=None):
+    """Names of the cases in the directory's MANIFEST.json (optionally only operators in `ops`)."""
+    manifest = json.loads((directory(directory_) / "MANIFEST.json").read_text())
+    return [c["name"] for c in manifest["cases"] if ops is None or c["op"] in ops]
+
+
+def load_suite(directory_=None, ops=None, *, reader="auto"):
+    """Every case of the manifest (optionally only operators in `ops`), by name."""
+    return [load_case(n, directory_, reader=reader) for n in case_names(directory_, ops)]
+
+
+def reference(case, precision="mp256", threads=None):
+    """k3ref's outputs for the case's inputs, for every expected output this package
+    computes (all of them except qb.online's), in float64 (integer outputs in the golden's
+    dtype). At "mp256", the goldens' tier, the KDA, kcp and AttnRes outputs equal the
+    goldens bit for bit; qb.solver runs in double, exact on the goldens' dyadic scores."""
+    import k3ref
+    op, opt = case.op, case.options
+    kw = {} if threads is None else {"threads": threads}
+    if op == "kda.recurrent":
+        out = k3ref.kda(case.inputs, precision=precision, **opt, **kw)
+    elif op.startswith("kda.chunkwise_"):
+        out = k3ref.kda_chunkwise(case.inputs, precision=precision, **opt, **kw)
+    elif op == "kda.backward":
+        inputs = dict(case.inputs)
+        splits = inputs.pop("splits", None)
+        out = k3ref.kda_backward(inputs, precision=precision, **opt, **kw)
+        stages = k3ref.kda_backward(inputs, method="chunkwise", chunk_size=BACKWARD_GOLDEN_CHUNK_SIZE,
+                                    precision=precision, **opt, **kw)
+        out.update({n: stages[n] for n in ("chunk_states", "chunk_state_gradients")})
+        if splits is not None:
+            cp = k3ref.kcp_backward(inputs, splits=splits, precision=precision, **opt, **kw)
+            out.update({n: cp[n] for n in ("cp_entering_states", "cp_entering_state_gradients")})
+    elif op == "kcp.context_parallel":
+        out = k3ref.kcp_forward(case.inputs, precision=precision, **opt, **kw)
+    elif op.startswith("attnres."):
+        out = k3ref.attnres(case.inputs, precision=precision, **opt)
+    elif op == "qb.solver":
+        if "scores" not in case.tensors:
+            raise ValueError(f"k3ref.goldens.reference: case '{case.name}' stores no 'scores' (its scores are "
+                             f"{case.params.get('scores', {}).get('kind', 'derived')}); docs/qb.md gives their formula")
+        out = k3ref.qb_solver(case.inputs, **opt)
+        # The file keeps the selections of some iterations only (1-based selection_iterations).
+        keep = case.params.get("selection_iterations")
+        if keep is not None:
+            out["selection"] = out["selection"][[i - 1 for i in keep]]
+    else:
+        raise ValueError(f"k3ref.goldens.reference: operator '{op}' of case '{case.name}' has no reference in "
+                         "the Python package")
+    expected = case.expected
+    return {n: (t.to(expected[n].dtype) if not expected[n].is_floating_point() else t)
+            for n, t in out.items() if n in expected}

@@ -1,0 +1,113 @@
+"""assert_kda_close: torch.testing.assert_close for kernels judged against k3ref goldens.
+
+    from k3ref.testing import assert_kda_close
+    case = k3ref.goldens.load_case("kda_varlen")
+    assert_kda_close({"o": o, "final_state": ht}, case, policy="recurrent")
+
+The judging is k3ref.policy's (the policy table, the same verdicts as `k3ref compare`): each
+expected output gets its metric, floor dtype and bound; a required output the candidate
+lacks fails; a candidate tensor that is neither an output nor an input of the golden makes
+the call unusable. On failure an AssertionError names, per failing tensor, the figure and
+its bound, the worst element by its (batch, token, head, channel) index with both values,
+and the reason. An unknown policy or operator raises ValueError.
+"""
+import torch
+
+from . import policy as _policy
+
+# Axis names of each tensor by its golden name (docs/conventions.md layouts).
+_TOKEN = ("batch", "token", "head", "channel")
+_AXES = {
+    "beta": ("batch", "token", "head"), "dbeta": ("batch", "token", "head"),
+    "final_state": ("sequence", "head", "k", "v"), "initial_state": ("sequence", "head", "k", "v"),
+    "d_initial_state": ("sequence", "head", "k", "v"), "d_final_state": ("sequence", "head", "k", "v"),
+    "all_states": ("batch", "token", "head", "k", "v"),
+    "chunk_states": ("chunk", "head", "k", "v"), "chunk_state_gradients": ("chunk", "head", "k", "v"),
+    "L": ("batch", "token", "head", "column"), "INV": ("batch", "token", "head", "column"),
+    "M_qk": ("batch", "token", "head", "column"),
+    "fragment_transition": ("rank", "head", "k", "k'"), "fragment_state": ("rank", "head", "k", "v"),
+    "entering_state": ("rank", "head", "k", "v"), "cp_entering_states": ("rank", "head", "k", "v"),
+    "cp_entering_state_gradients": ("rank", "head", "k", "v"),
+    "h": ("layer", "token", "channel"), "alpha": ("layer", "token", "source"),
+    "block_sums": ("block", "token", "channel"),
+}
+
+
+def axis_names(tensor, rank, state_layout="k_first"):
+    names = _AXES.get(tensor)
+    if names is None and rank == 4:
+        names = _TOKEN
+    if names is None or len(names) != rank:
+        return tuple(f"dim{i}" for i in range(rank))
+    if state_layout == "v_first" and names[-2:] == ("k", "v"):
+        names = names[:-2] + ("v", "k")
+    return names
+
+
+def format_index(tensor, index, state_layout="k_first"):
+    """"(batch 0, token 12, head 1, channel 7)" for a per-axis index of a named tensor."""
+    names = axis_names(tensor, len(index), state_layout)
+    return "(" + ", ".join(f"{n} {i}" for n, i in zip(names, index)) + ")"
+
+
+def _line(r, layout):
+    """One failing tensor: its reason (the policy judge's), the figure and bound, the worst element."""
+    line = f"{r.tensor}: {r.reason or r.status}"
+    if r.status in ("missing", "unknown", "error"):
+        return line
+    line += f" [{r.metric}: figure {r.figure:.3e}, bound {r.bound:.3e}]"
+    if r.worst_index:
+        line += (f"; worst element at {format_index(r.tensor, r.worst_index, layout)}: candidate "
+                 f"{r.candidate_value!r}, golden {r.golden_value!r} (abs error {r.max_abs:.3e})")
+    if r.candidate_nan or r.candidate_inf:
+        line += f"; {r.candidate_nan} NaN and {r.candidate_inf} Inf in the candidate"
+    return line
+
+
+def assert_kda_close(actual, expected_or_case, policy="floor:2", *, op=None, tensors=None, name="o", msg=None,
+                     table=None):
+    """Judges `actual` against a golden and raises AssertionError unless every judged
+    tensor passes.
+
+    actual            {name: tensor} (any float dtype, any device), or one tensor (named `name`)
+    expected_or_case  a golden case (k3ref.goldens.GoldenCase, or any object with .op,
+                      .expected and .tensors), or {name: tensor} / one tensor of expected
+                      values (then `op`, the golden operator such as "kda.recurrent", is required)
+    policy            a policy of the table ("recurrent", "chunk", ...) or "exact",
+                      "floor:<m>", "rel-rms:<r>"
+    tensors           judge only these outputs (each then required); default every output
+    msg               replaces the first line of the failure message
+    Returns the k3ref.policy.Verdict on success."""
+    if isinstance(actual, torch.Tensor):
+        actual = {name: actual}
+    if not hasattr(actual, "keys"):
+        raise TypeError(f"assert_kda_close: actual must be a tensor or a mapping of names to tensors, not "
+                        f"{type(actual).__name__}")
+    case = expected_or_case
+    layout = "k_first"
+    if hasattr(case, "expected") and hasattr(case, "op"):
+        expected, op = case.expected, op or case.op
+        known = [n for n in getattr(case, "tensors", {}) if n not in expected]
+        params = getattr(case, "params", {}) or {}
+        layout = params.get("kda", params).get("state_layout", "k_first") if isinstance(params, dict) else layout
+    else:
+        expected = {name: case} if isinstance(case, torch.Tensor) else case
+        if not hasattr(expected, "keys"):
+            raise TypeError(f"assert_kda_close: expected_or_case must be a golden case, a tensor or a mapping, "
+                            f"not {type(case).__name__}")
+        if op is None:
+            raise ValueError("assert_kda_close: pass op= (the golden operator, e.g. 'kda.recurrent') with "
+                             "expected tensors that are not a golden case")
+        known = []
+    verdict = _policy.judge(expected, actual, op, policy, tensors=tensors, known=known, table=table)
+    if verdict.passed:
+        return verdict
+    if verdict.exit_code == _policy.EXIT_UNUSABLE and not verdict.results:
+        raise ValueError(f"assert_kda_close: {verdict.reason}")
+    bad = [r for r in verdict.results if not r.passed]
+    first = msg or (f"Tensors are not close to the golden under policy '{policy}' ({op}): "
+                    f"{len(bad)} of {len(verdict.results)} tensor(s) fail")
+    lines = [first] + [_line(r, layout) for r in bad]
+    if not bad:
+        lines.append(verdict.reason)
+    raise AssertionError("\n".join(lines))
