@@ -41,6 +41,9 @@ const std::vector<Generator>& generators() {
       {"attnres.phase1", generate_attnres, golden_float_precision()},
       {"kcp.context_parallel", generate_kcp_context_parallel, golden_float_precision()},
       {"kda.backward", generate_kda_backward, golden_float_precision()},
+      {"serving.decode", generate_serving, golden_float_precision()},
+      {"serving.verify", generate_serving, golden_float_precision()},
+      {"serving.checkpoints", generate_serving, golden_float_precision()},
       // Each operator family registers its generator here (one line per op).
   };
   return all;
@@ -59,7 +62,7 @@ std::vector<Case> suite(const std::string& name) {
     std::vector<Case> cases;
     // Each operator family appends its default cases here (one line per family).
     for (auto family : {kda_default_cases, kda_chunkwise_default_cases, qb_default_cases, attnres_default_cases, kcp_default_cases,
-                        kda_backward_default_cases}) {
+                        kda_backward_default_cases, serving_default_cases}) {
       auto more = family();
       cases.insert(cases.end(), more.begin(), more.end());
     }

@@ -99,4 +99,9 @@ io::SafetensorsFile generate_kcp_context_parallel(const Case&);
 std::vector<Case> kda_backward_default_cases();
 io::SafetensorsFile generate_kda_backward(const Case&);
 
+// Serving goldens (src/golden/serving_cases.cc): "serving.decode" and "serving.verify" over a
+// state pool, "serving.checkpoints" at chunk / page / hash-block boundaries.
+std::vector<Case> serving_default_cases();
+io::SafetensorsFile generate_serving(const Case&);
+
 }  // namespace k3ref::golden

@@ -1,0 +1,284 @@
+// Serving goldens (docs/serving.md): continuous-batching decode over a state pool
+// ("serving.decode"), speculative-decoding verify ("serving.verify") and state checkpoints
+// at chunk / page / hash-block boundaries with their off-by-one neighbours
+// ("serving.checkpoints"). Reference at num::golden_bits bits through the serving
+// references (include/k3ref/serving/), rounded once to F64.
+//
+// Each case's parameters hold a complete "kda.recurrent" parameter object under "kda" (the
+// options: gate, beta, layout, ...) plus the pool and the slot tables. The pool is stored
+// whole, as one flat F32 buffer (bf16-exact values), padding included: the padding holds
+// 2^100, so a kernel that reads it produces outputs no tolerance accepts, and `pool_out`
+// (the whole buffer after the call) says that every element outside the named slots is
+// unchanged.
+#include <cmath>
+#include <string>
+
+#include "k3ref/golden/catalogue.h"
+#include "k3ref/kda/kda_io.h"
+#include "k3ref/serving/checkpoint.h"
+#include "k3ref/serving/decode.h"
+
+namespace k3ref::golden {
+namespace {
+
+using nlohmann::json;
+using num::Format;
+using G = num::golden_float;
+
+const double pool_padding = std::ldexp(1.0, 100);
+
+// What a serving case varies besides its tables.
+struct Shape5 {
+  std::int64_t T = 0, H = 1, HV = 1, K = 8, V = 4;
+};
+
+// The "kda" parameter object, in the keys of a kda.recurrent case.
+json kda_json(const Shape5& s, const std::vector<std::int64_t>& cu, bool initial_state, const std::string& layout,
+              const json& gate = json::object()) {
+  json j = {{"B", 1}, {"T", s.T}, {"H", s.H}, {"HV", s.HV}, {"K", s.K}, {"V", s.V},
+            {"cu_seqlens", cu.empty() ? json(nullptr) : json(cu)}, {"initial_state", initial_state},
+            {"gate", "log_decay"}, {"gate_base", "e"}, {"g_range", {-1.0, 0.0}}, {"lower_bound", nullptr},
+            {"A_log", false}, {"dt_bias", false}, {"beta", "as_given"}, {"beta_range", {0.0, 1.0}},
+            {"qk_l2norm", false}, {"scale", nullptr}, {"state_layout", layout}, {"all_states", false}};
+  for (const auto& [key, value] : gate.items()) j[key] = value;
+  return j;
+}
+
+struct Drawn {
+  kda::Inputs<double> in;
+  std::int64_t HV, K, V;
+};
+
+// Inputs as kda.recurrent draws them: bf16 q, k (entries within 1/sqrt(K) without the L2
+// norm), v, g, beta; fp32 A_log (A in [1, 16]) and dt_bias.
+Drawn draw_inputs(const json& kp, num::Random& rng) {
+  const std::int64_t T = kp.at("T"), H = kp.at("H"), HV = kp.at("HV"), K = kp.at("K"), V = kp.at("V");
+  const bool l2 = kp.at("qk_l2norm");
+  const double kw = l2 ? 1.0 : 1.0 / std::sqrt(static_cast<double>(K));
+  Drawn d{{}, HV, K, V};
+  d.in.q = draw_uniform_rounded(rng, {1, T, H, K}, -1, 1, Format::bf16);
+  d.in.k = draw_uniform_rounded(rng, {1, T, H, K}, -kw, kw, Format::bf16);
+  d.in.v = draw_uniform_rounded(rng, {1, T, HV, V}, -1, 1, Format::bf16);
+  d.in.g = draw_uniform_rounded(rng, {1, T, HV, K}, kp.at("g_range")[0], kp.at("g_range")[1], Format::bf16);
+  d.in.beta = draw_uniform_rounded(rng, {1, T, HV}, kp.at("beta_range")[0], kp.at("beta_range")[1], Format::bf16);
+  if (kp.at("A_log")) d.in.A_log = draw_uniform_rounded(rng, {HV}, 0, std::log(16.0), Format::fp32);
+  if (kp.at("dt_bias")) d.in.dt_bias = draw_uniform_rounded(rng, {HV, K}, -1, 1, Format::fp32);
+  if (!kp.at("cu_seqlens").is_null()) d.in.cu_seqlens = kp.at("cu_seqlens").get<std::vector<std::int64_t>>();
+  return d;
+}
+
+serving::PoolLayout pool_layout_of(const json& p, const Drawn& d) {
+  const json& pj = p.at("pool");
+  serving::PoolLayout L = serving::dense_pool_layout(pj.at("slots"), d.HV, d.K, d.V,
+                                                     *kda::state_layout_from_string(p.at("kda").at("state_layout").get<std::string>()));
+  L.slot_stride = pj.at("slot_stride");
+  L.offset = pj.at("offset");
+  return L;
+}
+
+// Slots hold bf16-exact states in [-1, 1]; everything else of the buffer holds the padding value.
+serving::StatePool<double> draw_pool(const serving::PoolLayout& L, num::Random& rng) {
+  serving::StatePool<double> pool = serving::StatePool<double>::zeros(L, pool_padding);
+  for (std::int64_t s = 0; s < L.slots; ++s)
+    serving::write_slot(pool, s, draw_uniform_rounded(rng, {L.HV, L.K, L.V}, -1, 1, Format::bf16));
+  return pool;
+}
+
+template <class S>
+serving::StatePool<S> lift_pool(const serving::StatePool<double>& p) {
+  serving::StatePool<S> out{p.layout, {}};
+  for (double x : p.buffer) out.buffer.push_back(S(x));
+  return out;
+}
+
+Tensor<double> to_double(const Tensor<G>& t) { return round_to_double(t); }
+Tensor<double> buffer_tensor(const std::vector<double>& b) { return Tensor<double>({static_cast<std::int64_t>(b.size())}, b); }
+Tensor<double> buffer_tensor(const std::vector<G>& b) {
+  return to_double(Tensor<G>({static_cast<std::int64_t>(b.size())}, b));
+}
+Tensor<std::int64_t> ints(const std::vector<std::int64_t>& v) { return Tensor<std::int64_t>({static_cast<std::int64_t>(v.size())}, v); }
+
+void add_inputs(io::SafetensorsFile& f, const kda::Inputs<double>& in) {
+  f.tensors.emplace_back("q", io::from_f64(in.q, DType::BF16));
+  f.tensors.emplace_back("k", io::from_f64(in.k, DType::BF16));
+  f.tensors.emplace_back("v", io::from_f64(in.v, DType::BF16));
+  f.tensors.emplace_back("g", io::from_f64(in.g, DType::BF16));
+  f.tensors.emplace_back("beta", io::from_f64(in.beta, DType::BF16));
+  if (in.initial_state) f.tensors.emplace_back("initial_state", io::from_f64(*in.initial_state, DType::F32));
+  if (in.A_log) f.tensors.emplace_back("A_log", io::from_f64(*in.A_log, DType::F32));
+  if (in.dt_bias) f.tensors.emplace_back("dt_bias", io::from_f64(*in.dt_bias, DType::F32));
+  if (in.cu_seqlens) f.tensors.emplace_back("cu_seqlens", io::from_i64(ints(*in.cu_seqlens), DType::I64));
+}
+
+void add_pool(io::SafetensorsFile& f, const serving::StatePool<double>& pool) {
+  const auto& L = pool.layout;
+  f.tensors.emplace_back("pool", io::from_f64(buffer_tensor(pool.buffer), DType::F32));
+  // [slots, slot stride, offset, 1 if V-first]: the geometry for readers without the params.
+  f.tensors.emplace_back("pool_geometry", io::from_i64(ints({L.slots, L.slot_stride, L.offset,
+                                                              L.layout == kda::StateLayout::v_first ? 1 : 0}),
+                                                        DType::I64));
+}
+
+io::SafetensorsFile generate_pool_case(const Case& c) {
+  const json& p = c.params;
+  num::Random rng(c.seed);
+  const Drawn d = draw_inputs(p.at("kda"), rng);
+  const serving::StatePool<double> pool = draw_pool(pool_layout_of(p, d), rng);
+  const auto opt = kda_golden_options(p.at("kda"));
+  auto work = lift_pool<G>(pool);
+  const kda::Inputs<G> in = kda::lift<G>(d.in);
+  io::SafetensorsFile f;
+  add_inputs(f, d.in);
+  add_pool(f, pool);
+  std::string outputs;
+  if (c.op == "serving.decode") {
+    const auto slots = p.at("slot_of_sequence").get<std::vector<std::int64_t>>();
+    f.tensors.emplace_back("slot_of_sequence", io::from_i64(ints(slots), DType::I64));
+    const Tensor<G> o = serving::continuous_batching_decode(in, opt, work, slots);
+    f.tensors.emplace_back("o", io::from_f64(to_double(o), DType::F64));
+    f.tensors.emplace_back("pool_out", io::from_f64(buffer_tensor(work.buffer), DType::F64));
+    outputs = "o,pool_out";
+  } else {
+    const auto rows = p.at("state_indices").get<std::vector<std::vector<std::int64_t>>>();
+    std::vector<std::int64_t> flat;
+    for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+    const Tensor<std::int64_t> idx({static_cast<std::int64_t>(rows.size()), static_cast<std::int64_t>(rows.at(0).size())}, flat);
+    const auto accepted = p.at("num_accepted").get<std::vector<std::int64_t>>();
+    const auto writes = p.at("writes") == "in_place" ? serving::StateWrites::in_place : serving::StateWrites::per_token_output;
+    f.tensors.emplace_back("state_indices", io::from_i64(idx, DType::I64));
+    f.tensors.emplace_back("num_accepted", io::from_i64(ints(accepted), DType::I64));
+    const auto out = serving::speculative_verify(in, opt, work, idx, accepted, writes);
+    f.tensors.emplace_back("o", io::from_f64(to_double(out.o), DType::F64));
+    outputs = "o";
+    if (out.token_states) {
+      f.tensors.emplace_back("token_states", io::from_f64(to_double(*out.token_states), DType::F64));
+      outputs += ",token_states";
+    }
+    f.tensors.emplace_back("pool_out", io::from_f64(buffer_tensor(work.buffer), DType::F64));
+    outputs += ",pool_out";
+  }
+  f.metadata = metadata_of(c, golden_float_precision(), outputs);
+  return f;
+}
+
+io::SafetensorsFile generate_checkpoint_case(const Case& c) {
+  const json& p = c.params;
+  num::Random rng(c.seed);
+  Drawn d = draw_inputs(p.at("kda"), rng);
+  const bool v_first = p.at("kda").at("state_layout") == "v_first";
+  d.in.initial_state = draw_uniform_rounded(rng, v_first ? Shape{1, d.HV, d.V, d.K} : Shape{1, d.HV, d.K, d.V}, -1, 1, Format::bf16);
+  const std::int64_t T = d.in.q.dim(1);
+  std::vector<std::int64_t> bounds;
+  for (const auto& [kind, block] : p.at("blocks").items()) {
+    const auto b = serving::block_boundaries(T, block.get<std::int64_t>());
+    bounds.insert(bounds.end(), b.begin(), b.end());
+  }
+  bounds = serving::with_neighbours(bounds, T);
+  const auto opt = kda_golden_options(p.at("kda"));
+  const kda::Inputs<G> in = kda::lift<G>(d.in);
+  const auto single = kda::recurrent_forward(in, opt);
+  const auto states = serving::checkpoints(in, opt, bounds);
+  std::vector<G> stacked;
+  for (const auto& s : states) stacked.insert(stacked.end(), s.values().begin(), s.values().end());
+  Shape shape{static_cast<std::int64_t>(states.size())};
+  shape.insert(shape.end(), states.at(0).shape().begin(), states.at(0).shape().end());
+  io::SafetensorsFile f;
+  add_inputs(f, d.in);
+  f.tensors.emplace_back("checkpoint_positions", io::from_i64(ints(bounds), DType::I64));
+  f.tensors.emplace_back("o", io::from_f64(to_double(single.o), DType::F64));
+  f.tensors.emplace_back("final_state", io::from_f64(to_double(*single.final_state), DType::F64));
+  f.tensors.emplace_back("checkpoints", io::from_f64(to_double(Tensor<G>(shape, stacked)), DType::F64));
+  f.metadata = metadata_of(c, golden_float_precision(), "o,final_state,checkpoints");
+  return f;
+}
+
+json pool_json(std::int64_t slots, std::int64_t stride_padding, std::int64_t offset, const Shape5& s) {
+  return {{"slots", slots}, {"slot_stride", s.HV * s.K * s.V + stride_padding}, {"offset", offset}};
+}
+
+}  // namespace
+
+io::SafetensorsFile generate_serving(const Case& c) {
+  if (c.op == "serving.checkpoints") return generate_checkpoint_case(c);
+  return generate_pool_case(c);
+}
+
+std::vector<Case> serving_default_cases() {
+  std::vector<Case> cases;
+  std::uint64_t seed = 0x73657276;  // "serv"
+  auto add = [&](const std::string& name, const std::string& op, const json& params) {
+    cases.push_back(Case{name, op, seed++, params});
+  };
+  // Decode: one token per sequence, as an engine's decode step; the slots named out of
+  // order; unnamed slots between them. K != V everywhere, so a K/V layout swap cannot hide.
+  {
+    Shape5 s{4, 1, 2, 8, 12};
+    add("serving_decode_k_first", "serving.decode",
+        {{"kda", kda_json(s, {0, 1, 2, 3, 4}, false, "k_first")}, {"pool", pool_json(7, 0, 0, s)},
+         {"slot_of_sequence", {5, 0, 3, 6}}});
+  }
+  {  // V-first, a padded slot stride and a misaligned start, grouped value heads (HV = 2H).
+    Shape5 s{3, 2, 4, 12, 8};
+    add("serving_decode_v_first_padded_gva", "serving.decode",
+        {{"kda", kda_json(s, {0, 1, 2, 3}, false, "v_first")}, {"pool", pool_json(5, 7, 3, s)},
+         {"slot_of_sequence", {4, 1, 2}}});
+  }
+  {  // An empty sequence (nothing read or written) and a chunked prefill of 5 tokens.
+    Shape5 s{7, 1, 2, 8, 12};
+    add("serving_decode_empty_and_prefill", "serving.decode",
+        {{"kda", kda_json(s, {0, 1, 1, 6, 7}, false, "k_first")}, {"pool", pool_json(6, 2, 0, s)},
+         {"slot_of_sequence", {2, 0, 5, 1}}});
+  }
+  {  // A padded batch entry (pad_slot -1 with a token): zero outputs, no slot touched.
+    Shape5 s{3, 1, 2, 8, 12};
+    add("serving_decode_pad_slot", "serving.decode",
+        {{"kda", kda_json(s, {0, 1, 2, 3}, false, "k_first")}, {"pool", pool_json(4, 0, 0, s)},
+         {"slot_of_sequence", {1, -1, 3}}});
+  }
+  // Verify: L = 4 draft tokens, accepted counts 1, 2 and L choosing the entering column.
+  {
+    Shape5 s{12, 1, 2, 8, 12};
+    add("serving_verify_accepted_1_2_L", "serving.verify",
+        {{"kda", kda_json(s, {0, 4, 8, 12}, false, "k_first")}, {"pool", pool_json(16, 0, 0, s)},
+         {"state_indices", {{3, 7, 0, 11}, {1, 12, 5, 9}, {13, 2, 8, 4}}}, {"num_accepted", {1, 2, 4}},
+         {"writes", "in_place"}});
+  }
+  {  // V-first, padded and misaligned pool, HV = 2H, real gates; a shorter window (2 of 3
+     // columns), an empty sequence, accepted count L = 3.
+    Shape5 s{5, 2, 4, 12, 8};
+    const json gate = {{"gate", "lower_bound"}, {"lower_bound", -5.0}, {"g_range", {-4.0, 4.0}}, {"A_log", true},
+                       {"dt_bias", true}, {"beta", "sigmoid"}, {"beta_range", {-4.0, 4.0}}, {"qk_l2norm", true}};
+    add("serving_verify_v_first_padded_gva", "serving.verify",
+        {{"kda", kda_json(s, {0, 3, 3, 5}, false, "v_first", gate)}, {"pool", pool_json(10, 5, 2, s)},
+         {"state_indices", {{6, 0, 8}, {1, 2, 3}, {9, 4, 7}}}, {"num_accepted", {3, 1, 2}}, {"writes", "in_place"}});
+  }
+  {  // The per-token output (FLA inplace_final_state=False): row bos + t, the pool only read.
+    Shape5 s{6, 1, 2, 8, 12};
+    add("serving_verify_per_token_output", "serving.verify",
+        {{"kda", kda_json(s, {0, 3, 6}, false, "k_first")}, {"pool", pool_json(6, 0, 0, s)},
+         {"state_indices", {{0, 4, 2}, {5, 1, 3}}}, {"num_accepted", {3, 2}}, {"writes", "per_token_output"}});
+  }
+  {  // Padding: a padded sequence (entering entry -1) and a window column -1 (state not stored).
+    Shape5 s{5, 1, 2, 8, 12};
+    add("serving_verify_pad_slots", "serving.verify",
+        {{"kda", kda_json(s, {0, 2, 5}, false, "k_first")}, {"pool", pool_json(6, 0, 0, s)},
+         {"state_indices", {{-1, 0, 1}, {2, 3, -1}}}, {"num_accepted", {1, 2}}, {"writes", "in_place"}});
+  }
+  // Checkpoints: every chunk (64, FLA's chunk_kda), page (16) and hash-block (32, a 512-token
+  // block scaled down) boundary and its neighbours, with an initial state.
+  {
+    Shape5 s{130, 1, 2, 16, 8};
+    add("serving_checkpoints_chunk_page_hash", "serving.checkpoints",
+        {{"kda", kda_json(s, {}, true, "k_first")}, {"blocks", {{"chunk", 64}, {"hash_block", 32}, {"page", 16}}}});
+  }
+  {  // V-first, FLA's chunk configuration (softplus gate, sigmoid beta, L2 norm), HV = 2H.
+    Shape5 s{70, 1, 2, 16, 8};
+    const json gate = {{"gate", "softplus"}, {"g_range", {-4.0, 4.0}}, {"A_log", true}, {"dt_bias", true},
+                       {"beta", "sigmoid"}, {"beta_range", {-4.0, 4.0}}, {"qk_l2norm", true}};
+    add("serving_checkpoints_v_first_gates", "serving.checkpoints",
+        {{"kda", kda_json(s, {}, true, "v_first", gate)}, {"blocks", {{"chunk", 64}, {"page", 16}}}});
+  }
+  return cases;
+}
+
+}  // namespace k3ref::golden
