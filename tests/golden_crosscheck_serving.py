@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Independent cross-check of the committed serving goldens (serving.decode, serving.verify,
+serving.checkpoints).
+
+Written from docs/serving.md in NumPy (float64): the pool is addressed from its stored
+geometry (slot s at offset + s * slot_stride, heads contiguous, K x V or V x K), each
+sequence is run through the KDA recurrence on its own from the state its slot table names,
+and the results are put where the rules say (decode: back into the same slot; verify: state
+after token t into column t of its row, or row bos + t of token_states; checkpoints: the state
+after b tokens). Only the file reader and the KDA gate/beta stages come from
+golden_crosscheck.py; the serving logic shares nothing with the C++ generator.
+Usage: golden_crosscheck_serving.py GOLDEN_DIR
+"""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from golden_crosscheck import load, prepared, rel_rms  # noqa: E402  (one safetensors reader, one KDA stage model)
+
+PAD = -1
+PADDING_VALUE = 2.0**100  # what the generator writes between and around slots
+
+
+class Pool:
+    def __init__(self, buffer, geometry, HV, K, V):
+        self.buffer = buffer.astype(np.float64).copy()
+        self.slots, self.stride, self.offset, v_first = (int(x) for x in geometry)
+        self.v_first = bool(v_first)
+        self.HV, self.K, self.V = HV, K, V
+
+    def span(self, s):
+        base = self.offset + s * self.stride
+        return base, base + self.HV * self.K * self.V
+
+    def read(self, s):
+        a, b = self.span(s)
+        block = self.buffer[a:b]
+        if self.v_first:
+            return block.reshape(self.HV, self.V, self.K).transpose(0, 2, 1).copy()
+        return block.reshape(self.HV, self.K, self.V).copy()
+
+    def write(self, s, state):
+        a, b = self.span(s)
+        self.buffer[a:b] = (state.transpose(0, 2, 1) if self.v_first else state).reshape(-1)
+
+    def stored(self, state):
+        return state.transpose(0, 2, 1) if self.v_first else state
+
+
+def run_tokens(q, k, v, decay, beta, scale, begin, end, S0):
+    """The recurrence over tokens [begin, end) of row 0 from S0 [HV, K, V]: outputs, state after each token."""
+    HV, H = v.shape[2], q.shape[2]
+    S = S0.copy()
+    outs, states = [], []
+    for s in range(begin, end):
+        o = np.zeros((HV, v.shape[3]))
+        for hv in range(HV):
+            h = hv // (HV // H)
+            S[hv] = decay[0, s, hv][:, None] * S[hv]
+            S[hv] = S[hv] + beta[0, s, hv] * np.outer(k[0, s, h], v[0, s, hv] - k[0, s, h] @ S[hv])
+            o[hv] = S[hv].T @ (scale * q[0, s, h])
+        outs.append(o)
+        states.append(S.copy())
+    return outs, states
+
+
+def pool_case(t, p, op):
+    kp = p["kda"]
+    q, k, v, decay, beta, scale = prepared(t, kp)
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    pool = Pool(t["pool"], t["pool_geometry"], HV, K, V)
+    before = pool.buffer.copy()
+    cu = [int(x) for x in t["cu_seqlens"]]
+    N = len(cu) - 1
+    o = np.zeros(v.shape)
+    named = set()  # slots whose contents may change
+    token_states = None
+    if op == "serving.decode":
+        slot_of = [int(x) for x in t["slot_of_sequence"]]
+        for n in range(N):
+            if cu[n] == cu[n + 1] or slot_of[n] == PAD:
+                continue  # no tokens: nothing read; padding: outputs zero, nothing read
+            outs, states = run_tokens(q, k, v, decay, beta, scale, cu[n], cu[n + 1], pool.read(slot_of[n]))
+            o[0, cu[n] : cu[n + 1]] = np.array(outs)
+            pool.write(slot_of[n], states[-1])
+            named.add(slot_of[n])
+    else:
+        idx = t["state_indices"].astype(np.int64)
+        accepted = [int(x) for x in t["num_accepted"]]
+        in_place = p["writes"] == "in_place"
+        if not in_place:
+            token_states = np.zeros((v.shape[1], HV, V, K) if pool.v_first else (v.shape[1], HV, K, V))
+        entering = {}
+        for n in range(N):
+            if cu[n] == cu[n + 1]:
+                continue
+            assert 1 <= accepted[n] <= idx.shape[1], "accepted count outside [1, W] in a golden"
+            entering[n] = int(idx[n, accepted[n] - 1])
+        source = Pool(before, t["pool_geometry"], HV, K, V)  # every sequence reads the pool as it was
+        for n, e in entering.items():
+            if e == PAD:
+                continue
+            outs, states = run_tokens(q, k, v, decay, beta, scale, cu[n], cu[n + 1], source.read(e))
+            o[0, cu[n] : cu[n + 1]] = np.array(outs)
+            for j, S in enumerate(states):
+                if in_place:
+                    if idx[n, j] != PAD:
+                        pool.write(int(idx[n, j]), S)
+                        named.add(int(idx[n, j]))
+                else:
+                    token_states[cu[n] + j] = pool.stored(S)
+    ours = {"o": o, "pool_out": pool.buffer}
+    if token_states is not None:
+        ours["token_states"] = token_states
+    # Isolation, exactly: every element outside the named slots equals the input pool.
+    outside = np.ones(before.size, dtype=bool)
+    for s in named:
+        a, b = pool.span(s)
+        outside[a:b] = False
+    problems = []
+    if not np.array_equal(t["pool_out"][outside], before[outside]):
+        problems.append("pool_out differs from pool outside the named slots")
+    inside_any = np.zeros(before.size, dtype=bool)
+    for s in range(pool.slots):
+        a, b = pool.span(s)
+        inside_any[a:b] = True
+    if not np.all(before[~inside_any] == PADDING_VALUE):
+        problems.append("the pool's padding does not hold 2^100")
+    # The padding (2^100) would swamp a relative figure: pool_out is compared inside the slots
+    # (the padding is compared exactly above).
+    ours["pool_out"] = ours["pool_out"][inside_any]
+    t["pool_out"] = t["pool_out"][inside_any]
+    return ours, problems
+
+
+def checkpoint_case(t, p):
+    kp = p["kda"]
+    q, k, v, decay, beta, scale = prepared(t, kp)
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    v_first = kp["state_layout"] == "v_first"
+    S0 = t["initial_state"][0].astype(np.float64)
+    S0 = S0.transpose(0, 2, 1).copy() if v_first else S0.copy()
+    T = q.shape[1]
+    outs, states = run_tokens(q, k, v, decay, beta, scale, 0, T, S0)
+    store = (lambda S: S.transpose(0, 2, 1)) if v_first else (lambda S: S)
+    positions = [int(b) for b in t["checkpoint_positions"]]
+    # The positions are the block boundaries of the case's block sizes and their neighbours.
+    expected_positions = set()
+    for block in p["blocks"].values():
+        for b in range(block, T + 1, block):
+            expected_positions |= {x for x in (b - 1, b, b + 1) if 0 <= x <= T}
+    problems = [] if positions == sorted(expected_positions) else ["checkpoint_positions are not the boundaries +-1"]
+    checkpoints = np.array([store(S0 if b == 0 else states[b - 1]) for b in positions])
+    return {"o": np.array(outs)[None], "final_state": store(states[-1])[None], "checkpoints": checkpoints}, problems
+
+
+def main(golden_dir):
+    manifest = json.loads((Path(golden_dir) / "MANIFEST.json").read_text())
+    passed = failed = 0
+    worst = 0.0
+    for case in manifest["cases"]:
+        if not case["op"].startswith("serving."):
+            continue
+        tensors, meta = load(Path(golden_dir) / case["file"])
+        if case["op"] == "serving.checkpoints":
+            ours, problems = checkpoint_case(tensors, case["params"])
+        else:
+            ours, problems = pool_case(tensors, case["params"], case["op"])
+        for name in meta["k3ref.outputs"].split(","):
+            ref, mine = tensors[name], ours[name]
+            if ref.shape != mine.shape:
+                problems.append(f"tensor '{name}': shape {list(ref.shape)}, recomputed {list(mine.shape)}")
+                continue
+            rel = rel_rms(mine, ref)
+            worst = max(worst, rel)
+            if not (rel <= 1e-11 and np.isfinite(mine).all()):
+                problems.append(f"tensor '{name}': relative RMS difference {rel:.3e} > 1e-11")
+        for problem in problems:
+            print(f"FAIL {case['name']}: {problem}")
+        passed += not problems
+        failed += bool(problems)
+    print(f"worst relative RMS difference over the serving goldens: {worst:.3e}")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed or passed == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "goldens"))
