@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Independent cross-check of the committed serving goldens (serving.decode, serving.verify,
-serving.checkpoints).
+serving.checkpoints, serving.rollback).
 
 Written from docs/serving.md in NumPy (float64): the pool is addressed from its stored
 geometry (slot s at offset + s * slot_stride, heads contiguous, K x V or V x K), each
 sequence is run through the KDA recurrence on its own from the state its slot table names,
 and the results are put where the rules say (decode: back into the same slot; verify: state
 after token t into column t of its row, or row bos + t of token_states; checkpoints: the state
-after b tokens). Only the file reader and the KDA gate/beta stages come from
+after b tokens; rollback: the layer's short convolutions with SiLU, K3's gate and beta, then
+snapshots one draft token at a time and a replay of the accepted tokens plus the bonus token).
+Only the file reader and the KDA gate/beta stages come from
 golden_crosscheck.py; the serving logic shares nothing with the C++ generator.
 Usage: golden_crosscheck_serving.py GOLDEN_DIR
 """
@@ -157,6 +159,70 @@ def checkpoint_case(t, p):
     return {"o": np.array(outs)[None], "final_state": store(states[-1])[None], "checkpoints": checkpoints}, problems
 
 
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def short_conv(x, weight, state):
+    """Causal depthwise convolution with SiLU: x [L, D], weight [D, W], state [D, W - 1] (oldest first)."""
+    W = weight.shape[1]
+    history = np.concatenate([state.T, x], axis=0)  # [W - 1 + L, D]
+    y = np.array([silu((weight.T * history[t : t + W]).sum(0)) for t in range(x.shape[0])]).reshape(x.shape)
+    return y, history[history.shape[0] - (W - 1) :].T.copy()
+
+
+def layer_run(t, p, state, tokens):
+    """Tokens (q, k, v, g, beta projected, before the convolutions) through the layer from state
+    (kda [HV, K, V], conv_q, conv_k, conv_v): outputs [L, HV, V] and the new state."""
+    H, HV, K, V = p["H"], p["HV"], p["K"], p["V"]
+    kda, cq, ck, cv = state
+    q, cq = short_conv(tokens[0], t["conv_q"], cq)
+    k, ck = short_conv(tokens[1], t["conv_k"], ck)
+    v, cv = short_conv(tokens[2], t["conv_v"], cv)
+    L = q.shape[0]
+    q = q.reshape(L, H, K)
+    k = k.reshape(L, H, K)
+    v = v.reshape(L, HV, V)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    A, bias = np.exp(t["A_log"].astype(np.float64)), t["dt_bias"].astype(np.float64)
+    gate = -5.0 / (1.0 + np.exp(-A[None, :, None] * (tokens[3] + bias[None])))
+    decay, beta = np.exp(gate), 1.0 / (1.0 + np.exp(-tokens[4]))
+    S = kda.copy()
+    o = np.zeros((L, HV, V))
+    for s in range(L):
+        for hv in range(HV):
+            h = hv // (HV // H)
+            S[hv] = decay[s, hv][:, None] * S[hv]
+            S[hv] = S[hv] + beta[s, hv] * np.outer(k[s, h], v[s, hv] - k[s, h] @ S[hv])
+            o[s, hv] = S[hv].T @ (K**-0.5 * q[s, h])
+    return o, (S, cq, ck, cv)
+
+
+def rollback_case(t, p):
+    pre = tuple(t[n].astype(np.float64) for n in ("pre_draft_state", "pre_draft_conv_q", "pre_draft_conv_k", "pre_draft_conv_v"))
+    draft = [t["draft_" + n] for n in ("q", "k", "v", "g", "beta")]
+    bonus = [t["bonus_" + n] for n in ("q", "k", "v", "g", "beta")]
+    a = int(t["accepted"][0])
+    verify_o, _ = layer_run(t, p, pre, draft)
+    snaps = [pre]
+    for i in range(p["L"]):  # snapshots: one draft token at a time
+        snaps.append(layer_run(t, p, snaps[-1], [x[i : i + 1] for x in draft])[1])
+    # Replay: the a accepted draft tokens and the bonus token in one run from the pre-draft state.
+    replay_o, replayed = layer_run(t, p, pre, [np.concatenate([d[:a], b]) for d, b in zip(draft, bonus)])
+    ours = {"verify_o": verify_o, "bonus_o": replay_o[a]}
+    for j, n in enumerate(("states", "conv_q", "conv_k", "conv_v")):
+        ours["snapshot_" + n] = np.array([s[j] for s in snaps])
+    for j, n in enumerate(("state", "conv_q", "conv_k", "conv_v")):
+        ours["rollback_" + n] = replayed[j]
+    problems = []
+    # The rollback state is not the verification pass's final state unless every draft was accepted.
+    full = snaps[-1][0]
+    if (a < p["L"]) == bool(np.allclose(snaps[a][0], full, rtol=0, atol=1e-12)):
+        problems.append("snapshot a equals the verification pass's final state for a < L (or differs at a = L)")
+    return ours, problems
+
+
 def main(golden_dir):
     manifest = json.loads((Path(golden_dir) / "MANIFEST.json").read_text())
     passed = failed = 0
@@ -167,6 +233,8 @@ def main(golden_dir):
         tensors, meta = load(Path(golden_dir) / case["file"])
         if case["op"] == "serving.checkpoints":
             ours, problems = checkpoint_case(tensors, case["params"])
+        elif case["op"] == "serving.rollback":
+            ours, problems = rollback_case(tensors, case["params"])
         else:
             ours, problems = pool_case(tensors, case["params"], case["op"])
         for name in meta["k3ref.outputs"].split(","):

@@ -44,6 +44,7 @@ const std::vector<Generator>& generators() {
       {"serving.decode", generate_serving, golden_float_precision()},
       {"serving.verify", generate_serving, golden_float_precision()},
       {"serving.checkpoints", generate_serving, golden_float_precision()},
+      {"serving.rollback", generate_serving, golden_float_precision()},
       // Each operator family registers its generator here (one line per op).
   };
   return all;

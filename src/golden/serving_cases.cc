@@ -1,7 +1,8 @@
 // Serving goldens (docs/serving.md): continuous-batching decode over a state pool
 // ("serving.decode"), speculative-decoding verify ("serving.verify") and state checkpoints
 // at chunk / page / hash-block boundaries with their off-by-one neighbours
-// ("serving.checkpoints"). Reference at num::golden_bits bits through the serving
+// ("serving.checkpoints"), and speculative-decoding rollback by replay of the cached projected
+// inputs and by snapshots ("serving.rollback", kcp/replay.h). Reference at num::golden_bits bits through the serving
 // references (include/k3ref/serving/), rounded once to F64.
 //
 // Each case's parameters hold a complete "kda.recurrent" parameter object under "kda" (the
@@ -14,6 +15,7 @@
 #include <string>
 
 #include "k3ref/golden/catalogue.h"
+#include "k3ref/kcp/replay.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/serving/checkpoint.h"
 #include "k3ref/serving/decode.h"
@@ -192,6 +194,122 @@ io::SafetensorsFile generate_checkpoint_case(const Case& c) {
   return f;
 }
 
+// Rollback of one sequence's draft window (kcp/replay.h): the layer (short convolutions with
+// SiLU, K3's gate and beta), the pre-draft state (KDA and conv states), the L draft tokens'
+// projected inputs, the bonus token and the accepted count a in [0, L] (draft tokens accepted,
+// the bonus token not counted). Outputs: the verification pass's outputs, the snapshot after
+// every draft position, and the state replay rebuilds (a accepted tokens then the bonus token)
+// with the bonus token's output.
+io::SafetensorsFile generate_rollback_case(const Case& c) {
+  const json& p = c.params;
+  const std::int64_t H = p.at("H"), HV = p.at("HV"), K = p.at("K"), V = p.at("V"), W = p.at("W"), L = p.at("L");
+  const std::int64_t a = p.at("accepted");
+  num::Random rng(c.seed);
+  const double kw = 1.0;  // the layer normalises q and k
+  auto bf16 = [&](const Shape& shape, double lo, double hi) { return draw_uniform_rounded(rng, shape, lo, hi, Format::bf16); };
+  kcp::DecodeLayer<double> layer;
+  layer.H = H;
+  layer.HV = HV;
+  layer.K = K;
+  layer.V = V;
+  layer.conv_q = bf16({H * K, W}, -1, 1);
+  layer.conv_k = bf16({H * K, W}, -1, 1);
+  layer.conv_v = bf16({HV * V, W}, -1, 1);
+  layer.activation = kcp::ConvActivation::silu;
+  layer.options.qk_l2norm = true;
+  layer.options.gate = kda::GateForm::lower_bound;
+  layer.options.lower_bound = -5.0;
+  layer.options.beta = kda::BetaForm::sigmoid;
+  layer.A_log = draw_uniform_rounded(rng, {HV}, 0, std::log(16.0), Format::fp32);
+  layer.dt_bias = draw_uniform_rounded(rng, {HV, K}, -1, 1, Format::fp32);
+  kcp::DecodeState<double> pre{bf16({HV, K, V}, -1, 1), bf16({H * K, W - 1}, -kw, kw), bf16({H * K, W - 1}, -kw, kw),
+                               bf16({HV * V, W - 1}, -1, 1)};
+  auto tokens = [&](std::int64_t n) {
+    kcp::ProjectedTokens<double> t;
+    t.q = bf16({n, H * K}, -kw, kw);
+    t.k = bf16({n, H * K}, -kw, kw);
+    t.v = bf16({n, HV * V}, -1, 1);
+    t.g = bf16({n, HV, K}, -4, 4);
+    t.beta = bf16({n, HV}, -4, 4);
+    return t;
+  };
+  const auto draft = tokens(L);
+  const auto bonus = tokens(1);
+
+  auto lift = [](const Tensor<double>& t) { return t.map<G>([](double x) { return G(x); }); };
+  kcp::DecodeLayer<G> gl;
+  gl.H = H;
+  gl.HV = HV;
+  gl.K = K;
+  gl.V = V;
+  gl.conv_q = lift(layer.conv_q);
+  gl.conv_k = lift(layer.conv_k);
+  gl.conv_v = lift(layer.conv_v);
+  gl.activation = layer.activation;
+  gl.options.qk_l2norm = true;
+  gl.options.gate = kda::GateForm::lower_bound;
+  gl.options.lower_bound = G(-5);
+  gl.options.beta = kda::BetaForm::sigmoid;
+  gl.A_log = lift(*layer.A_log);
+  gl.dt_bias = lift(*layer.dt_bias);
+  const kcp::DecodeState<G> gpre{lift(pre.kda), lift(pre.conv_q), lift(pre.conv_k), lift(pre.conv_v)};
+  auto lift_tokens = [&](const kcp::ProjectedTokens<double>& t) {
+    return kcp::ProjectedTokens<G>{lift(t.q), lift(t.k), lift(t.v), lift(t.g), lift(t.beta)};
+  };
+  const auto gdraft = lift_tokens(draft);
+  const auto verify = kcp::decode_run(gl, gpre, gdraft);
+  const auto snaps = kcp::snapshot_states(gl, gpre, gdraft);
+  const auto replayed = kcp::replay_accepted(gl, gpre, gdraft, a, std::optional<kcp::ProjectedTokens<G>>(lift_tokens(bonus)));
+  // Replay without the bonus token is snapshot a, bit for bit (the same operations in order).
+  if (!(kcp::replay_accepted(gl, gpre, gdraft, a).state == snaps.at(static_cast<std::size_t>(a))))
+    throw InvalidArgument("serving.rollback: replay and snapshot disagree for case " + c.name);
+
+  auto stack = [&](auto pick) {
+    std::vector<G> data;
+    Shape shape{static_cast<std::int64_t>(snaps.size())};
+    const Tensor<G>& first = pick(snaps[0]);
+    shape.insert(shape.end(), first.shape().begin(), first.shape().end());
+    for (const auto& s : snaps) data.insert(data.end(), pick(s).values().begin(), pick(s).values().end());
+    return to_double(Tensor<G>(shape, data));
+  };
+  io::SafetensorsFile f;
+  auto put = [&](const std::string& name, const Tensor<double>& t, DType d) { f.tensors.emplace_back(name, io::from_f64(t, d)); };
+  put("conv_q", layer.conv_q, DType::BF16);
+  put("conv_k", layer.conv_k, DType::BF16);
+  put("conv_v", layer.conv_v, DType::BF16);
+  put("A_log", *layer.A_log, DType::F32);
+  put("dt_bias", *layer.dt_bias, DType::F32);
+  put("pre_draft_state", pre.kda, DType::F32);
+  put("pre_draft_conv_q", pre.conv_q, DType::BF16);
+  put("pre_draft_conv_k", pre.conv_k, DType::BF16);
+  put("pre_draft_conv_v", pre.conv_v, DType::BF16);
+  for (const auto& [prefix, t] : {std::pair{"draft", &draft}, std::pair{"bonus", &bonus}}) {
+    put(std::string(prefix) + "_q", t->q, DType::BF16);
+    put(std::string(prefix) + "_k", t->k, DType::BF16);
+    put(std::string(prefix) + "_v", t->v, DType::BF16);
+    put(std::string(prefix) + "_g", t->g, DType::BF16);
+    put(std::string(prefix) + "_beta", t->beta, DType::BF16);
+  }
+  f.tensors.emplace_back("accepted", io::from_i64(ints({a}), DType::I64));
+  put("verify_o", to_double(verify.o), DType::F64);
+  put("snapshot_states", stack([](const kcp::DecodeState<G>& s) -> const Tensor<G>& { return s.kda; }), DType::F64);
+  put("snapshot_conv_q", stack([](const kcp::DecodeState<G>& s) -> const Tensor<G>& { return s.conv_q; }), DType::F64);
+  put("snapshot_conv_k", stack([](const kcp::DecodeState<G>& s) -> const Tensor<G>& { return s.conv_k; }), DType::F64);
+  put("snapshot_conv_v", stack([](const kcp::DecodeState<G>& s) -> const Tensor<G>& { return s.conv_v; }), DType::F64);
+  put("rollback_state", to_double(replayed.state.kda), DType::F64);
+  put("rollback_conv_q", to_double(replayed.state.conv_q), DType::F64);
+  put("rollback_conv_k", to_double(replayed.state.conv_k), DType::F64);
+  put("rollback_conv_v", to_double(replayed.state.conv_v), DType::F64);
+  const std::int64_t row = HV * V;
+  put("bonus_o",
+      to_double(Tensor<G>({HV, V}, std::vector<G>(replayed.o.values().begin() + a * row, replayed.o.values().end()))),
+      DType::F64);
+  f.metadata = metadata_of(c, golden_float_precision(),
+                           "verify_o,snapshot_states,snapshot_conv_q,snapshot_conv_k,snapshot_conv_v,rollback_state,"
+                           "rollback_conv_q,rollback_conv_k,rollback_conv_v,bonus_o");
+  return f;
+}
+
 json pool_json(std::int64_t slots, std::int64_t stride_padding, std::int64_t offset, const Shape5& s) {
   return {{"slots", slots}, {"slot_stride", s.HV * s.K * s.V + stride_padding}, {"offset", offset}};
 }
@@ -200,6 +318,7 @@ json pool_json(std::int64_t slots, std::int64_t stride_padding, std::int64_t off
 
 io::SafetensorsFile generate_serving(const Case& c) {
   if (c.op == "serving.checkpoints") return generate_checkpoint_case(c);
+  if (c.op == "serving.rollback") return generate_rollback_case(c);
   return generate_pool_case(c);
 }
 
@@ -278,6 +397,11 @@ std::vector<Case> serving_default_cases() {
     add("serving_checkpoints_v_first_gates", "serving.checkpoints",
         {{"kda", kda_json(s, {}, true, "v_first", gate)}, {"blocks", {{"chunk", 64}, {"page", 16}}}});
   }
+  // Rollback of a 3-token draft window with 0 (every draft rejected: back to the pre-draft
+  // state, then the bonus token), 1 and L = 3 draft tokens accepted.
+  for (std::int64_t a : {0, 1, 3})
+    add("serving_rollback_accepted_" + std::string(a == 3 ? "L" : std::to_string(a)), "serving.rollback",
+        {{"H", 1}, {"HV", 2}, {"K", 8}, {"V", 12}, {"W", 4}, {"L", 3}, {"accepted", a}});
   return cases;
 }
 
