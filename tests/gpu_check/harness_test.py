@@ -115,15 +115,39 @@ class Checks(unittest.TestCase):
         self.assertIn("missing_kernel", res[0].reason)
 
     def test_reports(self):
-        res = checks.run_all([adapters.TorchKernelAdapter(future_leak=True)], CASES[:1], "cpu")
+        # The reports of an in-process run of a leaky kernel: JUnit counts every result, the
+        # JSON holds them all, and the HTML opens with the verdict, then the table, then each
+        # failure with its worst element (by batch, token, head, channel) and its plot.
+        from k3ref.gpu_check import cli, collection
+        from k3ref.gpu_check.isolation import Runner
+
+        a = adapters.TorchKernelAdapter(future_leak=True)
+        a.kind = "kernel"  # judged as a kernel: its failures are the run's
+        tests = collection.collect([a], CASES[:1], checks=["golden", "causality"])
+        with Runner("cpu", isolate=False) as runner:
+            rows, res = cli.execute(tests, runner, requested={a.name})
+        passed, failures = cli.verdict_of(rows, res)
+        self.assertFalse(passed)
+        self.assertEqual(len(failures), 2, failures)
+        summary = report.summary(rows, res, runner, [a], {a.name}, "cpu", 1.0, passed, failures, 1)
+        self.assertEqual(summary["kernels"][a.name]["timing"]["checks_run"], 2)
+        self.assertIn("absent", summary["kernels"][a.name]["timing"]["compile_timing"])  # no Triton here
+        for key in ("python", "torch", "triton", "cuda_driver"):
+            self.assertIn(key, summary["versions"])
         with tempfile.TemporaryDirectory() as d:
-            report.write_junit(Path(d) / "r.xml", res)
-            report.write_json(Path(d) / "r.json", res, {"x": 1})
-            report.write_html(Path(d) / "r.html", res, {"x": 1})
-            root = ET.parse(Path(d) / "r.xml").getroot()
+            report.write_all(Path(d), rows, res, summary)
+            root = ET.parse(Path(d) / "report.xml").getroot()
             self.assertEqual(sum(int(s.get("tests")) for s in root), len(res))
-            self.assertEqual(len(json.loads((Path(d) / "r.json").read_text())["results"]), len(res))
-            self.assertIn("causality", (Path(d) / "r.html").read_text())
+            self.assertEqual(len(json.loads((Path(d) / "report.json").read_text())["results"]), len(res))
+            html = (Path(d) / "report.html").read_text()
+            order = [html.index(x) for x in ("<h1 class='fail'>FAIL</h1>", "kernels x checks",
+                                            "failures and known limitations", "worst element of o: index")]
+            self.assertEqual(order, sorted(order))
+            self.assertIn('{&quot;batch&quot;: 0, &quot;token&quot;: ', html)
+            self.assertNotIn('"summary"', html)  # the raw JSON is its own file
+            plots = list((Path(d) / "plots").glob("*.png"))
+            self.assertEqual(len(plots), 1)  # the golden failure has a plot; causality has no windows
+            self.assertIn(f"plots/{plots[0].name}", html)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,17 @@ class Adapter:
         """A one-line version of the kernel (package version, commit), or ''."""
         return ""
 
+    def probe(self, device):
+        """A cheap test in the parent process, before any child is started: None, or why the
+        kernel cannot be available on this host (no CUDA device for a CUDA kernel, a missing
+        checkout). It must not import the kernel."""
+        if self.requires_cuda:
+            if not str(device).startswith("cuda"):
+                return f"needs a CUDA device; the run is on {device}"
+            if not torch.cuda.is_available():
+                return "no CUDA device"
+        return None
+
     def case_unsupported(self, case):
         """None, or why this golden case is outside the kernel's scope."""
         return None if case.op in self.golden_ops else f"takes {', '.join(self.golden_ops) or 'no golden operator'}"

@@ -138,7 +138,8 @@ def outcome(test, res, requested):
     name = test.adapter.name
     if res.status == "skip":
         if res.extra.get("unavailable") and name in requested:
-            return "fail", f"{name} was asked for but is not available: {res.reason}"
+            why = res.reason[len("not available: "):] if res.reason.startswith("not available: ") else res.reason
+            return "fail", f"{name} was asked for but is not available: {why}"
         return "skip", res.reason
     if test.xfail:
         if res.status == "pass":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .checks import CheckResult
 
-STDERR_TAIL_LINES = 15
+STDERR_TAIL_LINES = 40
 CUDA_WORDS = ("CUDA", "cuda", "illegal memory access", "device-side assert", "cudaError")
 
 
@@ -33,6 +33,19 @@ def _tail(path, lines=STDERR_TAIL_LINES, limit=3000):
     except OSError:
         return ""
     return "\n".join(text.rstrip().splitlines()[-lines:])[-limit:]
+
+
+def stderr_summary(tail):
+    """One line from a child's stderr: Python's fatal-error line and the innermost frame when
+    faulthandler printed them (abort, segfault), else the last line that is not empty."""
+    lines = [l.strip() for l in tail.splitlines() if l.strip()]
+    if not lines:
+        return "(nothing on stderr)"
+    fatal = next((l for l in lines if l.startswith("Fatal Python error")), None)
+    if fatal:
+        frames = [l for l in lines if l.startswith("File ")]
+        return fatal + (f"; innermost frame: {frames[0]}" if frames else "")
+    return lines[-1]
 
 
 def _signal_name(returncode):
@@ -72,7 +85,7 @@ class Worker:
             self.loaded = self._recv(load_timeout, "loading the adapter")
         except (ChildDied, TimeoutError) as e:
             tail = self.stderr_tail()
-            self.failed = f"{e}; last stderr line: {tail.splitlines()[-1] if tail else '(nothing on stderr)'}"
+            self.failed = f"{e}; stderr: {stderr_summary(tail)}"
             self.failed_tail = tail
         self.startup_s = time.perf_counter() - t0
 
@@ -253,10 +266,12 @@ class Runner:
         if self.budget_s and time.monotonic() - first > self.budget_s:
             return self._done(CheckResult(a.name, test.check, test.case, "skip",
                                           f"time budget of {self.budget_s:g} s for this kernel exhausted"), test)
-        if getattr(a, "requires_cuda", False) and not self._cuda():
-            self.loaded.setdefault(a.name, {"available": False, "reason": "no CUDA device (checked without loading)"})
-            res = self._unavailable(test, self.loaded[a.name])
-            return self._done(res, test)
+        if a.name not in self.loaded:
+            why = a.probe(self.device) if hasattr(a, "probe") else None
+            if why:
+                self.loaded[a.name] = {"available": False, "reason": why + " (probed without loading)"}
+        if self.loaded.get(a.name, {}).get("available") is False:
+            return self._done(self._unavailable(test, self.loaded[a.name]), test)
         why_not = _picklable(a) if self.isolate else "isolation turned off"
         if why_not:
             res = self._run_here(test, why_not)
@@ -318,8 +333,7 @@ class Runner:
             tail = w.stderr_tail()
             self.workers.pop(group, None)
             w.close()
-            last = tail.splitlines()[-1] if tail else "(nothing on stderr)"
-            res = CheckResult(a.name, test.check, test.case, "error", f"{e}; last stderr line: {last}"[:600],
+            res = CheckResult(a.name, test.check, test.case, "error", f"{e}; stderr: {stderr_summary(tail)}"[:600],
                               extra={"crash": True, "stderr_tail": tail})
             res.seconds = time.perf_counter() - t0
             self._time(a)["check_s"] += res.seconds
@@ -332,13 +346,6 @@ class Runner:
             self.workers.pop(group, None)
             w.close()
         return res
-
-    def _cuda(self):
-        if not str(self.device).startswith("cuda"):
-            return False
-        import torch
-
-        return torch.cuda.is_available()
 
     def availability(self, adapter):
         """What loading the adapter gave, or None when no check of it ran."""

@@ -60,16 +60,16 @@ class TorchtitanQbAdapter(Adapter):
                               if histogram else "64 fp32 ulps on biases and cutoffs; selections equal outside ties")
         super().__init__()
 
+    def probe(self, device):
+        if any(c.exists() for c in self._candidates()):
+            return None
+        return ("torchtitan's kimi_k3/quantile_balance.py not found (install torchtitan or pass --torchtitan-path "
+                "to a checkout)")
+
     def load(self):
         # The module file alone: importing the torchtitan package pulls in its whole model
         # zoo (and a recent torch); quantile_balance.py needs only torch.
-        candidates = []
-        root = self.torchtitan_path or os.environ.get("K3REF_TORCHTITAN_PATH")
-        if root:
-            candidates.append(Path(root) / self.RELATIVE)
-        spec = importlib.util.find_spec("torchtitan")
-        if spec and spec.submodule_search_locations:
-            candidates += [Path(p).parent / self.RELATIVE for p in spec.submodule_search_locations]
+        candidates = self._candidates()
         for c in candidates:
             if c.exists():
                 self.mod = _load_module_from(c)
@@ -77,6 +77,16 @@ class TorchtitanQbAdapter(Adapter):
                 return
         raise ImportError("torchtitan's kimi_k3/quantile_balance.py not found (install torchtitan or pass "
                           "--torchtitan-path to a checkout); looked in: " + (", ".join(map(str, candidates)) or "none"))
+
+    def _candidates(self):
+        candidates = []
+        root = self.torchtitan_path or os.environ.get("K3REF_TORCHTITAN_PATH")
+        if root:
+            candidates.append(Path(root) / self.RELATIVE)
+        spec = importlib.util.find_spec("torchtitan")
+        if spec and spec.submodule_search_locations:
+            candidates += [Path(p).parent / self.RELATIVE for p in spec.submodule_search_locations]
+        return candidates
 
     def supports(self, case):
         return case.op in self.golden_ops
