@@ -137,7 +137,7 @@ class PolicyTable:
         for name, pol in data.get("policies", {}).items():
             w = f"{where}: policies.{name}"
             _only_keys(pol, ("about", "rules"), w)
-            if _parametric(name) is not None:
+            if name == "exact" or name.startswith(("floor:", "rel-rms:")):
                 raise PolicyTableError(f"{w}: the name is reserved for the parametric policy")
             self.about[name] = pol.get("about", "")
             for op, by_key in pol.get("rules", {}).items():
@@ -419,6 +419,8 @@ def _measure(res, x, r, rule):
 def _apply_rule(res, x, r, rule):
     both = _measure(res, x, r, rule)
     res.metric, res.floor_dtype, res.rule = rule.metric, rule.floor_dtype, rule.source
+    # The ratio to the floor where there is one (a golden exact in the floor dtype has none).
+    ratio = f"; {res.ratio:.3g}x" if res.floor > 0 else ""
     if rule.metric == "exact":
         res.figure, res.bound = res.max_abs, 0.0
         ok = res.max_abs == 0
@@ -427,12 +429,12 @@ def _apply_rule(res, x, r, rule):
         res.figure, res.bound = res.rel_rms, rule.multiple * res.floor
         ok = res.rel_rms <= res.bound or res.max_abs == 0
         why = (f"rel RMS {_e(res.rel_rms)} {'<=' if ok else '>'} {_e(res.bound)} ({rule.multiple:g} x "
-               f"{rule.floor_dtype} floor {_e(res.floor)}; {res.ratio:.3g}x)")
+               f"{rule.floor_dtype} floor {_e(res.floor)}{ratio})")
     elif rule.metric == "rel-rms":
         res.figure, res.bound = res.rel_rms, rule.bound
         ok = res.rel_rms <= res.bound
-        why = (f"rel RMS {_e(res.rel_rms)} {'<=' if ok else '>'} {_e(res.bound)} ({res.ratio:.3g}x "
-               f"{rule.floor_dtype} floor {_e(res.floor)})")
+        why = (f"rel RMS {_e(res.rel_rms)} {'<=' if ok else '>'} {_e(res.bound)} ({rule.floor_dtype} floor "
+               f"{_e(res.floor)}{ratio})")
     else:  # max-abs-ulps
         mant = FLOAT_DTYPES[rule.floor_dtype][0]
         scale = max(1.0, float(torch.where(both, r.abs(), torch.zeros_like(r)).max())) if r.numel() else 1.0

@@ -7,15 +7,6 @@
 #include "k3ref/error.h"
 
 namespace k3ref::check {
-namespace {
-
-std::string format_double(double x) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.3e", x);
-  return buf;
-}
-
-}  // namespace
 
 double ulp_distance(num::Format format, double x, double ref) {
   const auto info = num::format_info(format);
@@ -81,7 +72,9 @@ std::vector<double> rel_rms_by_window(const std::vector<double>& candidate, cons
   std::int64_t inner = 1;
   for (std::size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
   const std::int64_t extent = shape[axis];
-  const std::int64_t windows = (extent + window - 1) / window;
+  // No elements, no windows (a zero-element shape may still declare a huge extent); the
+  // ceiling is formed without overflow for any window up to 2^63 - 1.
+  const std::int64_t windows = n == 0 ? 0 : extent / window + (extent % window != 0);
   std::vector<double> err(windows, 0.0), ref(windows, 0.0);
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t w = (i / inner) % extent / window;
@@ -92,66 +85,6 @@ std::vector<double> rel_rms_by_window(const std::vector<double>& candidate, cons
   std::vector<double> out(windows);
   for (std::int64_t w = 0; w < windows; ++w) out[w] = ref[w] > 0 ? std::sqrt(err[w] / ref[w]) : std::sqrt(err[w]);
   return out;
-}
-
-std::string policy_help() {
-  return "exact            bitwise equal values (NaN where the reference has NaN)\n"
-         "floor:<m>        relative RMS error <= m x the floor, the error of rounding the exact\n"
-         "                 reference to the candidate's dtype (e.g. floor:2)\n"
-         "rel-rms:<r>      relative RMS error <= r (e.g. rel-rms:0.005, FLA's test ratio)\n"
-         "recurrent        alias of floor:1.5  (FLA fused_recurrent_kda measures 1.0x on an H200)\n"
-         "chunk            alias of floor:4    (FLA chunk_kda measures 2.0x-2.7x)\n"
-         "flashkda         alias of floor:5    (FlashKDA measures 3.4x-3.5x)\n"
-         "fla-test         alias of rel-rms:0.005\n";
-}
-
-Policy parse_policy(const std::string& name) {
-  auto parse_number = [&](const std::string& text) {
-    std::size_t used = 0;
-    double value = 0;
-    try {
-      value = std::stod(text, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != text.size() || !(value > 0) || !std::isfinite(value))
-      throw InvalidArgument("tolerance policy '" + name + "': '" + text + "' is not a positive number");
-    return value;
-  };
-  if (name == "exact") return {Policy::Kind::exact, 0, name};
-  if (name == "recurrent") return {Policy::Kind::floor_multiple, 1.5, name};
-  if (name == "chunk") return {Policy::Kind::floor_multiple, 4, name};
-  if (name == "flashkda") return {Policy::Kind::floor_multiple, 5, name};
-  if (name == "fla-test") return {Policy::Kind::rel_rms, 0.005, name};
-  if (name.rfind("floor:", 0) == 0) return {Policy::Kind::floor_multiple, parse_number(name.substr(6)), name};
-  if (name.rfind("rel-rms:", 0) == 0) return {Policy::Kind::rel_rms, parse_number(name.substr(8)), name};
-  throw InvalidArgument("unknown tolerance policy '" + name + "'; known policies:\n" + policy_help());
-}
-
-Verdict judge(const Metrics& m, const Policy& p) {
-  if (m.first_nonfinite_mismatch >= 0)
-    return {false, "NaN/Inf where the reference has none (or the reverse), first at flat index " +
-                       std::to_string(m.first_nonfinite_mismatch)};
-  switch (p.kind) {
-    case Policy::Kind::exact:
-      if (m.max_abs == 0) return {true, "bitwise equal"};
-      return {false, "not equal: max abs error " + format_double(m.max_abs) + " at flat index " +
-                         std::to_string(m.max_abs_index)};
-    case Policy::Kind::floor_multiple: {
-      const double bound = p.bound * m.floor_rel_rms;
-      const std::string ratio = m.floor_rel_rms > 0 ? format_double(m.rel_rms / m.floor_rel_rms) + "x floor" : "n/a";
-      if (m.rel_rms <= bound || m.max_abs == 0)
-        return {true, "rel RMS " + format_double(m.rel_rms) + " <= " + format_double(bound) + " (" +
-                          format_double(p.bound) + " x floor " + format_double(m.floor_rel_rms) + "; " + ratio + ")"};
-      return {false, "rel RMS " + format_double(m.rel_rms) + " > " + format_double(bound) + " (" +
-                         format_double(p.bound) + " x floor " + format_double(m.floor_rel_rms) + "; " + ratio + ")"};
-    }
-    case Policy::Kind::rel_rms:
-      if (m.rel_rms <= p.bound)
-        return {true, "rel RMS " + format_double(m.rel_rms) + " <= " + format_double(p.bound)};
-      return {false, "rel RMS " + format_double(m.rel_rms) + " > " + format_double(p.bound)};
-  }
-  return {false, "unknown policy"};
 }
 
 }  // namespace k3ref::check

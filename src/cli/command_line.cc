@@ -12,7 +12,9 @@
 #include <iostream>
 #include <thread>
 
+#include "k3ref/check/judgement.h"
 #include "k3ref/check/metrics.h"
+#include "k3ref/check/policy_table.h"
 #include "k3ref/error.h"
 #include "k3ref/golden/suite.h"
 #include "k3ref/io/safetensors.h"
@@ -144,82 +146,113 @@ int kda_command(const KdaArgs& a) {
 }
 
 // ---- compare -----------------------------------------------------------------------------
+// The verdict is check::judge_case's: every golden output under its own rule of the policy
+// table, failing closed (include/k3ref/check/judgement.h); this prints it and writes the
+// machine-readable reports.
 
 struct CompareArgs {
-  std::string golden, candidate, policy = "floor:2";
+  std::string golden, candidate, policy = "floor:2", policy_table, json, junit;
   std::vector<std::string> tensors;
   std::int64_t window = 0;
 };
 
-std::optional<num::Format> format_of(DType d) {
-  switch (d) {
-    case DType::F64: return num::Format::fp64;
-    case DType::F32: return num::Format::fp32;
-    case DType::F16: return num::Format::fp16;
-    case DType::BF16: return num::Format::bf16;
-    case DType::F8_E4M3: return num::Format::fp8_e4m3;
-    case DType::F8_E5M2: return num::Format::fp8_e5m2;
-    default: return std::nullopt;
-  }
+check::NamedValues named_values(const io::RawTensor& t, const std::string& file) {
+  check::NamedValues v;
+  v.shape = t.shape;
+  v.dtype = std::string(dtype_name(t.dtype));
+  v.numeric = t.dtype != DType::BOOL;
+  if (v.numeric) v.values = io::to_f64(t, file).values();
+  return v;
 }
 
-int compare_command(const CompareArgs& a) {
-  const check::Policy policy = check::parse_policy(a.policy);
-  const io::SafetensorsFile ref = io::read_safetensors(a.golden);
-  const io::SafetensorsFile cand = io::read_safetensors(a.candidate);
-  std::vector<std::string> names = a.tensors;
-  if (names.empty()) {
-    // The golden's outputs (from its metadata), else every F64 tensor the candidate also has.
-    auto it = ref.metadata.find("k3ref.outputs");
-    if (it != ref.metadata.end()) {
-      std::string list = it->second;
-      for (std::size_t pos = 0; pos <= list.size();) {
-        const std::size_t comma = std::min(list.find(',', pos), list.size());
-        if (comma > pos && cand.find(list.substr(pos, comma - pos))) names.push_back(list.substr(pos, comma - pos));
-        pos = comma + 1;
-      }
+void write_text(const std::string& path, const std::string& text) {
+  io::write_file_atomic(path, std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
+}
+
+void write_reports(const CompareArgs& a, const check::CaseJudgement& j, const std::string& case_name) {
+  if (!a.json.empty()) write_text(a.json, check::judgement_json(j, a.golden, a.candidate));
+  if (!a.junit.empty()) write_text(a.junit, check::judgement_junit(j, case_name));
+}
+
+void print_judgement(const CompareArgs& a, const check::CaseJudgement& j, const io::SafetensorsFile& ref,
+                     const io::SafetensorsFile& cand) {
+  std::printf("%-28s %-8s %-6s %-16s %10s %10s %10s %10s %6s  %s\n", "tensor", "role", "dtype", "rule", "rel_rms",
+              "floor", "max_abs", "max_ulp", "nan", "verdict");
+  for (const auto& t : j.tensors) {
+    std::string rule = t.metric;
+    if (t.metric == "floor" || t.metric == "rel-rms" || t.metric == "max-abs-ulps") rule += " " + t.floor_dtype;
+    if (t.status == "pass" || t.status == "fail") {
+      std::printf("%-28s %-8s %-6s %-16s %10.3e %10.3e %10.3e %10.3g %6lld  %s: %s\n", t.tensor.c_str(), t.role.c_str(),
+                  t.candidate_dtype.c_str(), rule.c_str(), t.rel_rms, t.floor, t.max_abs, t.max_ulp,
+                  static_cast<long long>(t.candidate_nan), t.passed ? "PASS" : "FAIL", t.reason.c_str());
     } else {
-      for (const auto& [name, t] : ref.tensors)
-        if (t.dtype == DType::F64 && cand.find(name)) names.push_back(name);
+      std::string status = t.status;
+      for (char& c : status) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      std::printf("%-28s %-8s %-6s %-16s %10s %10s %10s %10s %6s  %s: %s\n", t.tensor.c_str(), t.role.c_str(),
+                  t.candidate_dtype.empty() ? "-" : t.candidate_dtype.c_str(), rule.c_str(), "-", "-", "-", "-", "-",
+                  status.c_str(), t.reason.c_str());
     }
-    if (names.empty()) {
-      std::fprintf(stderr, "k3ref compare: %s has none of the output tensors of %s\n", a.candidate.c_str(),
-                   a.golden.c_str());
-      return exit_unusable;
-    }
-  }
-  bool all_pass = true;
-  std::printf("%-14s %-6s %10s %10s %10s %10s %6s  %s\n", "tensor", "dtype", "rel_rms", "floor", "max_abs", "max_ulp",
-              "nan", "verdict");
-  for (const auto& name : names) {
-    const io::RawTensor& r = ref.at(name, a.golden);
-    const io::RawTensor& c = cand.at(name, a.candidate);
-    if (r.shape != c.shape)
-      throw FileError(a.candidate + ": tensor '" + name + "': shape " + shape_to_string(c.shape) + ", golden has " +
-                      shape_to_string(r.shape));
-    const auto format = format_of(c.dtype);
-    if (!format || !is_floating(r.dtype))
-      throw FileError(a.candidate + ": tensor '" + name + "': dtype " + std::string(dtype_name(c.dtype)) +
-                      " is not a floating-point output");
-    const Tensor<double> x = io::to_f64(c, a.candidate), y = io::to_f64(r, a.golden);
-    const check::Metrics m = check::compare(x.values(), y.values(), *format);
-    const check::Verdict v = check::judge(m, policy);
-    all_pass = all_pass && v.pass;
-    std::printf("%-14s %-6s %10.3e %10.3e %10.3e %10.3g %6lld  %s: %s\n", name.c_str(),
-                std::string(dtype_name(c.dtype)).c_str(), m.rel_rms, m.floor_rel_rms, m.max_abs, m.max_ulp,
-                static_cast<long long>(m.candidate_nan), v.pass ? "PASS" : "FAIL", v.reason.c_str());
-    if (!v.pass && m.max_abs_index >= 0)
-      std::printf("%-14s worst element %lld: candidate %.9g, golden %.17g\n", "",
-                  static_cast<long long>(m.max_abs_index), x.data()[m.max_abs_index], y.data()[m.max_abs_index]);
-    if (a.window > 0 && r.shape.size() >= 2) {
-      const auto by_window = check::rel_rms_by_window(x.values(), y.values(), r.shape, 1, a.window);
-      std::printf("%-14s rel RMS by token window of %lld:", "", static_cast<long long>(a.window));
+    if (t.status == "fail" && t.max_abs_index >= 0)
+      std::printf("%-28s worst element %s (flat %lld): candidate %.9g, golden %.17g\n", "",
+                  shape_to_string(Shape(t.worst_index.begin(), t.worst_index.end())).c_str(),
+                  static_cast<long long>(t.max_abs_index), t.candidate_value, t.golden_value);
+    if (a.window > 0 && t.shape.size() >= 2 && (t.status == "pass" || t.status == "fail")) {
+      const Tensor<double> x = io::to_f64(cand.at(t.tensor, a.candidate), a.candidate);
+      const Tensor<double> y = io::to_f64(ref.at(t.tensor, a.golden), a.golden);
+      const auto by_window = check::rel_rms_by_window(x.values(), y.values(), t.shape, 1, a.window);
+      std::printf("%-28s rel RMS by token window of %lld:", "", static_cast<long long>(a.window));
       for (double e : by_window) std::printf(" %.2e", e);
       std::printf("\n");
     }
   }
-  std::printf("%s under policy '%s'\n", all_pass ? "PASS" : "FAIL", policy.name.c_str());
-  return all_pass ? exit_ok : exit_fail;
+  std::printf("%s under policy '%s' (%s): %s\n", j.exit_code == 0 ? "PASS" : "FAIL", j.policy.c_str(), j.op.c_str(),
+              j.reason.c_str());
+}
+
+int compare_command(const CompareArgs& a) {
+  std::string op, case_name = fs::path(a.golden).stem().string();
+  try {
+    std::optional<check::PolicyTable> loaded;
+    if (!a.policy_table.empty()) loaded = check::PolicyTable::load(a.policy_table);
+    const check::PolicyTable& table = loaded ? *loaded : check::PolicyTable::builtin();
+    const io::SafetensorsFile ref = io::read_safetensors(a.golden);
+    const io::SafetensorsFile cand = io::read_safetensors(a.candidate);
+    auto meta = [&](const char* key) -> const std::string* {
+      auto it = ref.metadata.find(key);
+      return it == ref.metadata.end() ? nullptr : &it->second;
+    };
+    // A golden without its operator or output list cannot be judged by any rule: unusable.
+    if (!meta("k3ref.op") || !meta("k3ref.outputs"))
+      throw FileError(a.golden + ": no 'k3ref.op' / 'k3ref.outputs' metadata: not a k3ref golden");
+    op = *meta("k3ref.op");
+    if (meta("k3ref.case")) case_name = *meta("k3ref.case");
+    check::JudgeRequest q;
+    q.op = op;
+    q.policy = a.policy;
+    for (const auto& name : check::expand_outputs(*meta("k3ref.outputs")))
+      q.expected.emplace_back(name, named_values(ref.at(name, a.golden), a.golden));
+    for (const auto& [name, t] : ref.tensors)
+      if (std::none_of(q.expected.begin(), q.expected.end(), [&](const auto& e) { return e.first == name; }))
+        q.known.push_back(name);
+    for (const auto& [name, t] : cand.tensors) q.candidate_names.push_back(name);
+    q.candidate = [&](const std::string& name) { return named_values(cand.at(name, a.candidate), a.candidate); };
+    if (!a.tensors.empty()) q.tensors = a.tensors;
+    const check::CaseJudgement j = check::judge_case(table, q);
+    write_reports(a, j, case_name);
+    if (j.exit_code == exit_unusable) {
+      std::fprintf(stderr, "k3ref compare: %s\n", j.reason.c_str());
+      return exit_unusable;
+    }
+    print_judgement(a, j, ref, cand);
+    return j.exit_code;
+  } catch (const std::exception& e) {
+    // Unusable input (unreadable file, malformed golden or table): the reports say so too.
+    try {
+      write_reports(a, check::unusable(op, a.policy, e.what()), case_name);
+    } catch (const std::exception&) {
+    }
+    throw;
+  }
 }
 
 }  // namespace
@@ -275,12 +308,24 @@ int run(int argc, const char* const* argv, bool execute) {
 
   CompareArgs cmp_args;
   CLI::App* cmp = app.add_subcommand(
-      "compare", "Compare a kernel's output file with a golden; exit 0 pass, 1 fail, 2 unusable input");
+      "compare",
+      "Judge a kernel's output file against a golden, every output under its rule of the policy table; exit 0 "
+      "pass, 1 fail (a bound exceeded, a required output missing), 2 unusable input (unknown names, bad files)");
   cmp->add_option("--golden", cmp_args.golden, "Golden safetensors file")->required();
   cmp->add_option("--candidate", cmp_args.candidate, "The kernel's outputs (same tensor names)")->required();
-  cmp->add_option("--policy", cmp_args.policy, "Tolerance policy:\n" + check::policy_help())->capture_default_str();
-  cmp->add_option("--tensors", cmp_args.tensors, "Tensors to compare (default: the golden's outputs)")->delimiter(',');
+  cmp->add_option("--policy", cmp_args.policy,
+                  "Tolerance policy (per tensor rules from the policy table):\n" +
+                      check::policy_table_help(check::PolicyTable::builtin()))
+      ->capture_default_str();
+  cmp->add_option("--policy-table", cmp_args.policy_table,
+                  "Policy table file (default: the built-in copy of policy/policies.json)");
+  cmp->add_option("--tensors", cmp_args.tensors,
+                  "Judge only these outputs, each then required (default: every golden output; stage tensors "
+                  "are optional)")
+      ->delimiter(',');
   cmp->add_option("--window", cmp_args.window, "Also print the error per window of this many tokens");
+  cmp->add_option("--json", cmp_args.json, "Write the verdict and every tensor's figures as JSON to this file");
+  cmp->add_option("--junit", cmp_args.junit, "Write the verdict as JUnit XML (one testcase per tensor) to this file");
 
   try {
     app.parse(argc, argv);

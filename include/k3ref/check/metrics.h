@@ -1,6 +1,6 @@
-// Error metrics of a candidate tensor against a reference, and the tolerance policies
-// that turn them into a verdict (DESIGN.md section 9). A verdict always says why: the
-// measured figure, the bound, and where the bound came from.
+// Error metrics of a candidate tensor against a reference. The tolerance policies that turn
+// them into a verdict are the policy table's (policy_table.h, judgement.h): a verdict always
+// says why: the measured figure, the bound, and where the bound came from.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +30,8 @@ struct Metrics {
 // (subnormal spacing below the normal range).
 double ulp_distance(num::Format format, double x, double ref);
 
-// Compares elementwise; `format` is the candidate's output format (for ulps and floor).
+// Compares elementwise; `format` is the format whose rounding of the reference is the floor
+// (and whose ulps max_ulp counts): the contract dtype the policy table gives, not the storage dtype.
 Metrics compare(const std::vector<double>& candidate, const std::vector<double>& reference, num::Format format);
 
 // Relative RMS error per window of `window` consecutive positions along axis `axis` of
@@ -38,22 +39,7 @@ Metrics compare(const std::vector<double>& candidate, const std::vector<double>&
 std::vector<double> rel_rms_by_window(const std::vector<double>& candidate, const std::vector<double>& reference,
                                       const Shape& shape, std::size_t axis, std::int64_t window);
 
-struct Policy {
-  enum class Kind { exact, floor_multiple, rel_rms } kind = Kind::exact;
-  double bound = 0;  // the multiple of the floor, or the rel-RMS bound
-  std::string name;
-};
-
-// Parses a policy name: "exact", "floor:<m>" (rel RMS <= m x the output-rounding floor),
-// "rel-rms:<r>" (rel RMS <= r), or a named alias (see policy_help()). Throws
-// InvalidArgument naming the policy on anything else.
-Policy parse_policy(const std::string& name);
-std::string policy_help();
-
-struct Verdict {
-  bool pass = false;
-  std::string reason;  // one line: figure, bound, why
-};
-Verdict judge(const Metrics& m, const Policy& p);
+// Tolerance policies and verdicts: policy_table.h (the rules, from policy/policies.json)
+// and judgement.h (the verdict on a golden case).
 
 }  // namespace k3ref::check

@@ -1,0 +1,80 @@
+// The verdict on one golden case: every golden output judged under its own rule of the
+// policy table (policy_table.h), failing closed. The same rules, in the same order, as the
+// Python judge (python/k3ref/policy.py, `judge`); on the same files both give the same
+// verdict and the same figures (tests/check/policy_parity_test.py).
+//
+//   exit 2 (unusable): the operator or policy is not in the table, the policy has no
+//          rules for the operator, a golden output is not in the table, a requested
+//          tensor is not a golden output, a candidate tensor is neither an output nor an
+//          input of the golden, a shape differs, a candidate tensor is not numeric;
+//   exit 1 (fail):     a figure over its bound, NaN/Inf where the golden has none (or the
+//          reverse), a required output (role output/gradient, or any --tensors name)
+//          missing from the candidate, or nothing judged at all;
+//   exit 0 (pass):     otherwise. Optional (stage) tensors absent from the candidate are
+//          reported as skipped.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "k3ref/check/policy_table.h"
+#include "k3ref/tensor/tensor.h"
+
+namespace k3ref::check {
+
+struct NamedValues {
+  Shape shape;
+  std::vector<double> values;  // row-major, exact conversions of the stored elements
+  std::string dtype;           // the stored dtype's name ("BF16"), for the report
+  bool numeric = true;         // false for BOOL and other non-numeric dtypes
+};
+
+struct JudgeRequest {
+  std::string op, policy;
+  std::vector<std::pair<std::string, NamedValues>> expected;  // golden outputs, golden order
+  std::vector<std::string> known;                             // the golden's other tensor names (its inputs)
+  std::vector<std::string> candidate_names;                   // every tensor of the candidate
+  std::function<NamedValues(const std::string&)> candidate;   // values of one of candidate_names
+  std::optional<std::vector<std::string>> tensors;            // judge only these (each then required)
+};
+
+struct TensorJudgement {
+  std::string tensor, role;      // role "" for a tensor unknown to the golden
+  bool required = true;
+  std::string status = "pass";   // pass | fail | missing | skipped | unknown | error
+  bool passed = false;
+  std::string metric, floor_dtype, rule;
+  double figure = 0, bound = 0, floor = 0, ratio = 0, rel_rms = 0, max_abs = 0;
+  std::int64_t max_abs_index = -1;
+  std::vector<std::int64_t> worst_index;  // max_abs_index per axis of the golden's shape
+  double candidate_value = 0, golden_value = 0, max_ulp = 0;
+  std::int64_t max_ulp_index = -1, count = 0, candidate_nan = 0, candidate_inf = 0, first_nonfinite_mismatch = -1;
+  std::string candidate_dtype;
+  Shape shape;
+  std::string reason;
+};
+
+struct CaseJudgement {
+  std::string op, policy, table;
+  int exit_code = 2;
+  std::string reason;  // one line
+  std::vector<TensorJudgement> tensors;
+  const char* verdict() const;  // "pass", "fail", "unusable"
+};
+
+CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& request);
+
+// A judgement that never got as far as the rules (an unreadable file): exit 2 with `reason`.
+CaseJudgement unusable(std::string op, std::string policy, std::string reason);
+
+// Machine-readable reports. JSON: {"golden", "candidate", "op", "policy", "policy_table",
+// "policy_table_version", "verdict", "exit_code", "reason", "tensors": [...]} with the
+// TensorJudgement fields by name (non-finite numbers as null). JUnit XML: one testsuite for
+// the case, one testcase per tensor (failure, error or skipped with the reason).
+std::string judgement_json(const CaseJudgement& j, const std::string& golden, const std::string& candidate);
+std::string judgement_junit(const CaseJudgement& j, const std::string& case_name);
+
+}  // namespace k3ref::check

@@ -1,0 +1,339 @@
+#include "k3ref/check/judgement.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "k3ref/check/metrics.h"
+#include "k3ref/error.h"
+
+namespace k3ref::check {
+namespace {
+
+// printf formats shared with the Python judge's f-strings ({:.3e}, {:g}, {:.3g}).
+std::string fmt(const char* spec, double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, spec, x);
+  return buf;
+}
+std::string e3(double x) { return fmt("%.3e", x); }
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+bool contains(const std::vector<std::string>& v, const std::string& x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+// Figures and verdict of one tensor under its rule (the Python judge's _apply_rule).
+void apply_rule(TensorJudgement& res, const std::vector<double>& x, const std::vector<double>& r, const TensorRule& rule) {
+  const num::Format format = rule.floor_format.value_or(num::Format::fp64);
+  const Metrics m = compare(x, r, format);
+  res.count = m.count;
+  res.candidate_nan = m.candidate_nan;
+  res.candidate_inf = m.candidate_inf;
+  res.first_nonfinite_mismatch = m.first_nonfinite_mismatch;
+  res.rel_rms = m.rel_rms;
+  res.floor = m.floor_rel_rms;
+  res.ratio = m.floor_rel_rms > 0 ? m.rel_rms / m.floor_rel_rms : (m.rel_rms == 0 ? 0.0 : INFINITY);
+  res.max_abs = m.max_abs;
+  res.max_abs_index = m.max_abs_index;
+  res.max_ulp = m.max_ulp;
+  res.max_ulp_index = m.max_ulp_index;
+  if (m.max_abs_index >= 0) {
+    res.candidate_value = x[m.max_abs_index];
+    res.golden_value = r[m.max_abs_index];
+  }
+  bool ok = false;
+  std::string why;
+  const std::string dtype = floor_format_name(rule.floor_format);
+  // The ratio to the floor where there is one (a golden exact in the floor dtype has none).
+  const std::string ratio = m.floor_rel_rms > 0 ? "; " + fmt("%.3g", res.ratio) + "x" : "";
+  switch (rule.metric) {
+    case RuleMetric::exact:
+      res.figure = m.max_abs;
+      res.bound = 0;
+      ok = m.max_abs == 0;
+      why = ok ? "bitwise equal"
+               : "not equal: max abs error " + e3(m.max_abs) + " at flat index " + std::to_string(m.max_abs_index);
+      break;
+    case RuleMetric::floor_multiple:
+      res.figure = m.rel_rms;
+      res.bound = rule.multiple * m.floor_rel_rms;
+      ok = m.rel_rms <= res.bound || m.max_abs == 0;
+      why = "rel RMS " + e3(m.rel_rms) + (ok ? " <= " : " > ") + e3(res.bound) + " (" + fmt("%g", rule.multiple) +
+            " x " + dtype + " floor " + e3(m.floor_rel_rms) + ratio + ")";
+      break;
+    case RuleMetric::rel_rms:
+      res.figure = m.rel_rms;
+      res.bound = rule.bound;
+      ok = m.rel_rms <= res.bound;
+      why = "rel RMS " + e3(m.rel_rms) + (ok ? " <= " : " > ") + e3(res.bound) + " (" + dtype + " floor " +
+            e3(m.floor_rel_rms) + ratio + ")";
+      break;
+    case RuleMetric::max_abs_ulps: {
+      double scale = 1;
+      for (std::size_t i = 0; i < r.size(); ++i)
+        if (std::isfinite(r[i]) && std::isfinite(x[i])) scale = std::max(scale, std::fabs(r[i]));
+      res.figure = m.max_abs;
+      res.bound = rule.ulps * std::ldexp(1.0, -num::format_info(format).mantissa_bits) * scale;
+      ok = m.max_abs <= res.bound;
+      why = "max abs error " + e3(m.max_abs) + (ok ? " <= " : " > ") + e3(res.bound) + " (" + fmt("%g", rule.ulps) +
+            " " + dtype + " ulps of max(1, max |golden|) = " + e3(scale) + ")";
+      break;
+    }
+  }
+  if (m.first_nonfinite_mismatch >= 0) {
+    ok = false;
+    why = "NaN/Inf where the golden has none (or the reverse), first at flat index " +
+          std::to_string(m.first_nonfinite_mismatch);
+  }
+  res.passed = ok;
+  res.status = ok ? "pass" : "fail";
+  res.reason = why;
+}
+
+std::vector<std::int64_t> unravel(std::int64_t index, const Shape& shape) {
+  std::vector<std::int64_t> out(shape.size());
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    const std::int64_t extent = shape[d];
+    out[d] = extent ? index % extent : 0;
+    index = extent ? index / extent : index;
+  }
+  return out;
+}
+
+nlohmann::json number(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); }
+
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&apos;"; break;
+      default:
+        // Control characters other than tab and newline are not allowed in XML 1.0.
+        if (static_cast<unsigned char>(c) < 0x20 && c != '\t' && c != '\n') out += ' ';
+        else out += c;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* CaseJudgement::verdict() const {
+  return exit_code == 0 ? "pass" : exit_code == 1 ? "fail" : "unusable";
+}
+
+CaseJudgement unusable(std::string op, std::string policy, std::string reason) {
+  CaseJudgement j;
+  j.op = std::move(op);
+  j.policy = std::move(policy);
+  j.exit_code = 2;
+  j.reason = std::move(reason);
+  return j;
+}
+
+CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& q) {
+  CaseJudgement j = unusable(q.op, q.policy, "");
+  j.table = table.origin();
+  std::map<std::string, TensorRule> rules;
+  try {
+    rules = table.rules(q.policy, q.op);
+  } catch (const InvalidArgument& e) {
+    j.reason = e.what();
+    return j;
+  }
+  // The first reason of each kind, in the order the Python judge finds them.
+  std::string first_unusable, first_fail;
+  auto note_unusable = [&](const std::string& s) { if (first_unusable.empty()) first_unusable = s; };
+  auto note_fail = [&](const std::string& s) { if (first_fail.empty()) first_fail = s; };
+
+  std::vector<std::string> outputs;
+  for (const auto& [name, values] : q.expected) outputs.push_back(name);
+  for (const auto& name : outputs)
+    if (!rules.count(name)) note_unusable("golden output '" + name + "' of operator '" + q.op + "' is not in the policy table");
+  const std::vector<std::string> selected = q.tensors ? *q.tensors : outputs;
+  for (const auto& name : selected)
+    if (!contains(outputs, name)) note_unusable("no output '" + name + "' in the golden (outputs: " + join(outputs) + ")");
+  const OperatorSpec& spec = *table.find_operator(q.op);
+  for (const auto& name : q.candidate_names) {
+    if (contains(outputs, name) || contains(q.known, name) || contains(spec.inputs, name)) continue;
+    TensorJudgement u;
+    u.tensor = name;
+    u.required = false;
+    u.status = "unknown";
+    u.reason = "candidate tensor '" + name + "' is neither an output nor an input of the golden (outputs: " +
+               join(outputs) + ")";
+    note_unusable(u.reason);
+    j.tensors.push_back(std::move(u));
+  }
+  if (!first_unusable.empty()) {
+    j.reason = first_unusable;
+    return j;
+  }
+
+  int judged = 0;
+  for (const auto& name : selected) {
+    const TensorRule& rule = rules.at(name);
+    const OutputSpec& out = *spec.find(name);
+    const NamedValues& ref =
+        std::find_if(q.expected.begin(), q.expected.end(), [&](const auto& e) { return e.first == name; })->second;
+    TensorJudgement res;
+    res.tensor = name;
+    res.role = role_name(out.role);
+    res.required = q.tensors.has_value() || out.role != TensorRole::stage;
+    res.metric = metric_name(rule.metric);
+    res.floor_dtype = floor_format_name(rule.floor_format);
+    res.rule = rule.source;
+    res.shape = ref.shape;
+    if (!contains(q.candidate_names, name)) {
+      if (res.required) {
+        res.status = "missing";
+        res.reason = "missing from the candidate (a required " + res.role + ")";
+        note_fail(name + ": " + res.reason);
+      } else {
+        res.status = "skipped";
+        res.passed = true;
+        res.reason = "not in the candidate (an optional " + res.role + " tensor)";
+      }
+      j.tensors.push_back(std::move(res));
+      continue;
+    }
+    const NamedValues cand = q.candidate(name);
+    res.candidate_dtype = cand.dtype;
+    if (cand.shape != ref.shape) {
+      res.status = "error";
+      res.reason = "shape " + shape_to_string(cand.shape) + " differs from the golden's " + shape_to_string(ref.shape);
+      note_unusable(name + ": " + res.reason);
+    } else if (!cand.numeric) {
+      res.status = "error";
+      res.reason = "dtype " + cand.dtype + " is not a numeric output";
+      note_unusable(name + ": " + res.reason);
+    } else {
+      apply_rule(res, cand.values, ref.values, rule);
+      if (res.max_abs_index >= 0) res.worst_index = unravel(res.max_abs_index, res.shape);
+      ++judged;
+      if (!res.passed) note_fail(name + ": " + res.reason);
+    }
+    j.tensors.push_back(std::move(res));
+  }
+  if (!first_unusable.empty()) {
+    j.reason = first_unusable;
+  } else if (!first_fail.empty()) {
+    j.exit_code = 1;
+    j.reason = first_fail;
+  } else if (judged == 0) {
+    j.exit_code = 1;
+    j.reason = "no tensor was judged: the candidate holds none of the golden's outputs";
+  } else {
+    j.exit_code = 0;
+    j.reason = std::to_string(judged) + " tensor(s) pass under policy '" + q.policy + "'";
+  }
+  return j;
+}
+
+std::string judgement_json(const CaseJudgement& j, const std::string& golden, const std::string& candidate) {
+  nlohmann::ordered_json out;
+  out["golden"] = golden;
+  out["candidate"] = candidate;
+  out["op"] = j.op;
+  out["policy"] = j.policy;
+  out["policy_table"] = j.table;
+  out["policy_table_version"] = policy_table_version;
+  out["verdict"] = j.verdict();
+  out["exit_code"] = j.exit_code;
+  out["reason"] = j.reason;
+  out["tensors"] = nlohmann::ordered_json::array();
+  for (const auto& t : j.tensors) {
+    nlohmann::ordered_json e;
+    e["tensor"] = t.tensor;
+    e["role"] = t.role;
+    e["required"] = t.required;
+    e["status"] = t.status;
+    e["passed"] = t.passed;
+    e["metric"] = t.metric;
+    e["floor_dtype"] = t.floor_dtype;
+    e["rule"] = t.rule;
+    e["figure"] = number(t.figure);
+    e["bound"] = number(t.bound);
+    e["floor"] = number(t.floor);
+    e["ratio"] = number(t.ratio);
+    e["rel_rms"] = number(t.rel_rms);
+    e["max_abs"] = number(t.max_abs);
+    e["max_abs_index"] = t.max_abs_index;
+    e["worst_index"] = t.worst_index;
+    e["candidate_value"] = number(t.candidate_value);
+    e["golden_value"] = number(t.golden_value);
+    e["max_ulp"] = number(t.max_ulp);
+    e["max_ulp_index"] = t.max_ulp_index;
+    e["count"] = t.count;
+    e["candidate_nan"] = t.candidate_nan;
+    e["candidate_inf"] = t.candidate_inf;
+    e["first_nonfinite_mismatch"] = t.first_nonfinite_mismatch;
+    e["candidate_dtype"] = t.candidate_dtype;
+    e["shape"] = t.shape;
+    e["reason"] = t.reason;
+    out["tensors"].push_back(std::move(e));
+  }
+  return out.dump(2) + "\n";
+}
+
+std::string judgement_junit(const CaseJudgement& j, const std::string& case_name) {
+  int failures = 0, errors = 0, skipped = 0;
+  std::string cases;
+  const std::string classname = xml_escape("k3ref.compare." + case_name);
+  for (const auto& t : j.tensors) {
+    cases += "    <testcase classname=\"" + classname + "\" name=\"" + xml_escape(t.tensor) + "\">";
+    const std::string msg = xml_escape(t.reason);
+    if (t.status == "fail" || t.status == "missing") {
+      ++failures;
+      cases += "<failure message=\"" + msg + "\">" + msg + "</failure>";
+    } else if (t.status == "error" || t.status == "unknown") {
+      ++errors;
+      cases += "<error message=\"" + msg + "\">" + msg + "</error>";
+    } else if (t.status == "skipped") {
+      ++skipped;
+      cases += "<skipped message=\"" + msg + "\"/>";
+    } else {
+      cases += "<system-out>" + msg + "</system-out>";
+    }
+    cases += "</testcase>\n";
+  }
+  // A verdict no tensor carries (an unusable input, nothing judged) is a testcase of its own,
+  // so that a report never shows green for a run that judged nothing.
+  const bool carried = std::any_of(j.tensors.begin(), j.tensors.end(), [](const TensorJudgement& t) {
+    return t.status != "pass" && t.status != "skipped";
+  });
+  int tests = static_cast<int>(j.tensors.size());
+  if (j.exit_code != 0 && !carried) {
+    ++tests;
+    const std::string msg = xml_escape(j.reason);
+    if (j.exit_code == 2) {
+      ++errors;
+      cases += "    <testcase classname=\"" + classname + "\" name=\"compare\"><error message=\"" + msg + "\">" + msg +
+               "</error></testcase>\n";
+    } else {
+      ++failures;
+      cases += "    <testcase classname=\"" + classname + "\" name=\"compare\"><failure message=\"" + msg + "\">" +
+               msg + "</failure></testcase>\n";
+    }
+  }
+  std::string head = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites>\n  <testsuite name=\"" +
+                     xml_escape("k3ref compare " + case_name + " (policy " + j.policy + ")") + "\" tests=\"" +
+                     std::to_string(tests) + "\" failures=\"" + std::to_string(failures) + "\" errors=\"" +
+                     std::to_string(errors) + "\" skipped=\"" + std::to_string(skipped) + "\">\n";
+  return head + cases + "  </testsuite>\n</testsuites>\n";
+}
+
+}  // namespace k3ref::check
