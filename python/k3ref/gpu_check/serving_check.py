@@ -1,0 +1,745 @@
+"""Checks of the KDA serving paths (docs/serving.md) on real kernels, through the adapter
+protocol of adapters.py.
+
+A serving kernel is wrapped by an adapter of family "serving" that implements some of:
+
+  decode(inputs, params, pool, slot_of_sequence)                       -> o
+  verify(inputs, params, pool, state_indices, num_accepted, in_place)  -> (o, token_states or None)
+  prefill(inputs, params, initial_state)                               -> (o, final_state)
+  intermediate_states(inputs, params, chunk)                           -> h [NT, HV, K, V] (or V-first)
+
+with the semantics of the k3ref references (include/k3ref/serving/): `pool` is a tensor
+[slots, HV, K, V] (or [slots, HV, V, K] when params['state_layout'] is 'v_first') that may be
+a strided view into a larger buffer (any slot stride, any start); decode writes each
+sequence's final state into its slot, verify enters from column num_accepted - 1 of the
+sequence's row of state_indices and stores the state after token t into column t (in place)
+or row bos + t of token_states; -1 names no slot (padding); h[c] is the state after c * chunk
+tokens. The adapters here: FLA fused_recurrent_kda in continuous-batching and spec-decode modes,
+FLA chunk_kda with return_intermediate_states, and a pure-PyTorch kernel for the CPU with the
+mutations the checks must catch.
+
+Checks (each returns checks.CheckResult):
+  golden               serving.decode / serving.verify goldens: o, the named slots (or
+                       token_states) within the kernel's bound; every other pool element
+                       (other slots, padding between and before slots) bitwise unchanged
+  slot_isolation       the same goldens with NaN in every slot the call does not read and in the
+                       padding: no NaN reaches an output or a written slot, the NaNs keep their bits
+  layout_equivalence   the same states in a K-first and a V-first pool (K != V): both agree with
+                       the fp64 reference
+  decode_after_prefill one sequence prefilled up to a split, then decoded token by token
+                       through the pool, equals the fp64 single shot (and, reported, the
+                       kernel's own single shot bit for bit or not)
+  intermediate_states  serving.checkpoints goldens: h[c] equals the checkpoint at c * chunk and
+                       is farther from the checkpoints one token early and late than the bound
+  accepted_zero        verify with an accepted count 0 (which names no entering state): the
+                       kernel must reject it, or at least not read a slot outside the
+                       sequence's row (all other slots hold NaN)
+"""
+import math
+import time
+
+import torch
+
+from .. import goldens as golden_io
+from . import reference
+from .adapters import Adapter, _add_path, _env_path, _module_version, _need_cuda
+from .checks import CheckResult
+
+PAD = -1
+POOL_OPS = ("serving.decode", "serving.verify")
+CHECKPOINT_OPS = ("serving.checkpoints",)
+SERVING_CHECKS = ("golden", "slot_isolation", "layout_equivalence", "decode_after_prefill", "intermediate_states",
+                  "accepted_zero")
+
+
+# --------------------------------------------------------------------------- pools
+
+def pool_view(flat, geometry, HV, K, V):
+    """The [slots, HV, K, V] (or V-first) view of a flat buffer with geometry (slots, slot stride,
+    offset, v_first), as an engine holds a pool: heads contiguous inside a slot."""
+    slots, stride, offset, v_first = (int(x) for x in geometry)
+    inner = (V, K) if v_first else (K, V)
+    return flat.as_strided((slots, HV) + inner, (stride, K * V, inner[1], 1), offset)
+
+
+def slot_spans(geometry, HV, K, V):
+    slots, stride, offset, _ = (int(x) for x in geometry)
+    return [(offset + s * stride, offset + s * stride + HV * K * V) for s in range(slots)]
+
+
+def named_slots(case):
+    """The slots the reference writes in a pool golden."""
+    t, p = case.tensors, case.params
+    cu = [int(x) for x in t["cu_seqlens"].tolist()]
+    out = set()
+    if case.op == "serving.decode":
+        for n, s in enumerate(int(x) for x in t["slot_of_sequence"].tolist()):
+            if s != PAD and cu[n + 1] > cu[n]:
+                out.add(s)
+    elif p["writes"] == "in_place":
+        idx, acc = t["state_indices"].tolist(), t["num_accepted"].tolist()
+        for n in range(len(cu) - 1):
+            if cu[n + 1] > cu[n] and idx[n][acc[n] - 1] != PAD:
+                out |= {s for s in idx[n][: cu[n + 1] - cu[n]] if s != PAD}
+    return out
+
+
+def read_slots(case):
+    """The slots the reference reads (entering states) in a pool golden."""
+    t = case.tensors
+    cu = [int(x) for x in t["cu_seqlens"].tolist()]
+    if case.op == "serving.decode":
+        return {s for n, s in enumerate(int(x) for x in t["slot_of_sequence"].tolist()) if s != PAD and cu[n + 1] > cu[n]}
+    idx, acc = t["state_indices"].tolist(), t["num_accepted"].tolist()
+    return {idx[n][acc[n] - 1] for n in range(len(cu) - 1) if cu[n + 1] > cu[n] and idx[n][acc[n] - 1] != PAD}
+
+
+def kda_inputs(t, device):
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens")
+    return {n: t[n].to(device) for n in names if n in t}
+
+
+# --------------------------------------------------------------------------- judging
+
+def rel_rms(x, ref):
+    x, ref = x.double().cpu(), ref.double().cpu()
+    d = torch.sqrt(((x - ref) ** 2).sum())
+    n = torch.sqrt((ref * ref).sum())
+    return float(d / n) if n > 0 else float(x.abs().max()) if x.numel() else 0.0
+
+
+def floor_of(ref, dtype):
+    """The relative RMS error of rounding the exact result to `dtype` (the irreducible floor)."""
+    if dtype == torch.float64:
+        return 0.0
+    return rel_rms(ref.double().to(dtype).double(), ref)
+
+
+class Bound:
+    """A kernel's bound for one tensor: `multiple` times the floor of its storage dtype, and never
+    below `at_least` (the fp64 kernels' noise)."""
+
+    def __init__(self, dtype, multiple, at_least=1e-12):
+        self.dtype, self.multiple, self.at_least = dtype, multiple, at_least
+
+    def of(self, ref):
+        return max(self.multiple * floor_of(ref, self.dtype), self.at_least)
+
+
+def _finite(x):
+    return bool(torch.isfinite(x.double()).all())
+
+
+def _bits(x):
+    x = x.contiguous()
+    return x.view({torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}[x.dtype])
+
+
+# --------------------------------------------------------------------------- the adapters
+
+class ServingAdapter(Adapter):
+    """A serving kernel (see the module's docstring). Subclasses set `modes` (a subset of
+    'decode', 'verify', 'per_token', 'pad', 'multi_token_decode', 'prefill', 'intermediate') and
+    the bounds of o and of states."""
+
+    family = "serving"
+    golden_ops = POOL_OPS
+    checks = SERVING_CHECKS
+    modes = ()
+    o_bound = Bound(torch.bfloat16, 2.0)
+    state_bound = Bound(torch.float32, 2.0)
+    h_bound = Bound(torch.bfloat16, 2.0)
+    policy = "floor:2"
+    pool_dtype = torch.float32
+
+    # -- what runs where
+    def checks_supported(self):
+        m = set(self.modes)
+        runs = {"golden": bool(m & {"decode", "verify"}), "slot_isolation": bool(m & {"decode", "verify"}),
+                "layout_equivalence": "decode" in m, "decode_after_prefill": {"decode", "prefill"} <= m,
+                "intermediate_states": "intermediate" in m, "accepted_zero": "verify" in m}
+        return tuple(c for c in SERVING_CHECKS if runs[c])
+
+    def case_unsupported(self, case):
+        if case.op == "serving.decode" and "decode" not in self.modes:
+            return "the kernel has no continuous-batching decode mode"
+        if case.op == "serving.verify" and "verify" not in self.modes:
+            return "the kernel has no speculative-decoding verify mode"
+        if case.op == "serving.checkpoints" and "intermediate" not in self.modes:
+            return "the kernel returns no intermediate states"
+        if case.op not in POOL_OPS + CHECKPOINT_OPS:
+            return f"takes {', '.join(POOL_OPS + CHECKPOINT_OPS)}"
+        if case.op in POOL_OPS:
+            t = case.tensors
+            tables = [t["slot_of_sequence"]] if case.op == "serving.decode" else [t["state_indices"]]
+            if "pad" not in self.modes and any(bool((x == PAD).any()) for x in tables):
+                return "the kernel has no padding slot id (-1): " + self.pad_reason
+            if case.op == "serving.verify" and case.params["writes"] != "in_place" and "per_token" not in self.modes:
+                return "the kernel has no per-token state output: " + self.per_token_reason
+            cu = t["cu_seqlens"]
+            if case.op == "serving.decode" and bool(((cu[1:] - cu[:-1]) > 1).any()) and "multi_token_decode" not in self.modes:
+                return "the kernel's decode takes at most one token per sequence: " + self.multi_token_reason
+        return None
+
+    pad_reason = per_token_reason = multi_token_reason = ""
+
+    def cases(self, check, suite):
+        supported = self.checks_supported()
+        if check not in supported:
+            yield "-", None, f"the kernel's modes ({', '.join(self.modes)}) do not cover '{check}'"
+            return
+        ops = {"golden": POOL_OPS, "slot_isolation": POOL_OPS, "intermediate_states": CHECKPOINT_OPS}.get(check)
+        if ops is None:
+            yield "-", None, None
+            return
+        found = False
+        for case in suite:
+            if case.op in ops:
+                found = True
+                yield case.name, case, self.case_unsupported(case)
+        if not found:  # fail closed: a check with nothing to run on is not a pass
+            yield "-", None, None
+
+    def run_check(self, check, case, device):
+        start = time.perf_counter()
+        try:
+            if check in ("golden", "slot_isolation", "intermediate_states") and case is None:
+                res = CheckResult(self.name, check, "-", "fail", "no serving golden of the operators this check needs "
+                                  "in the suite (generate them with `k3ref golden generate`)")
+            else:
+                res = getattr(self, "_check_" + check)(case, device)
+        except Exception as e:  # a check that cannot run is an error with its reason, never a pass
+            res = CheckResult(self.name, check, case.name if case is not None else "-", "error",
+                              f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        res.seconds = time.perf_counter() - start
+        return res
+
+    # -- the kernel's operations (subclasses)
+    def decode(self, inputs, params, pool, slot_of_sequence):
+        raise NotImplementedError
+
+    def verify(self, inputs, params, pool, state_indices, num_accepted, in_place=True):
+        raise NotImplementedError
+
+    def prefill(self, inputs, params, initial_state):
+        raise NotImplementedError
+
+    def intermediate_states(self, inputs, params, chunk):
+        raise NotImplementedError
+
+    # -- running a pool golden
+    def _run_pool_case(self, case, device, poison_unread=False):
+        t, p = case.tensors, case.params
+        kp = p["kda"]
+        HV, K, V = t["v"].shape[2], t["q"].shape[3], t["v"].shape[3]
+        geometry = t["pool_geometry"].tolist()
+        flat = t["pool"].to(device=device, dtype=self.pool_dtype).clone()
+        if poison_unread:
+            keep = torch.zeros(flat.numel(), dtype=torch.bool)
+            for s in read_slots(case):
+                a, b = slot_spans(geometry, HV, K, V)[s]
+                keep[a:b] = True
+            flat[~keep.to(device)] = float("nan")
+        before = flat.clone()
+        pool = pool_view(flat, geometry, HV, K, V)
+        inputs = kda_inputs(t, device)
+        token_states = None
+        if case.op == "serving.decode":
+            o = self.decode(inputs, kp, pool, t["slot_of_sequence"].to(device))
+        else:
+            o, token_states = self.verify(inputs, kp, pool, t["state_indices"].to(device), t["num_accepted"].to(device),
+                                          in_place=p["writes"] == "in_place")
+        return dict(o=o, flat=flat, before=before, token_states=token_states, geometry=geometry, HV=HV, K=K, V=V)
+
+    def _judge_pool_case(self, case, run, check):
+        t = case.tensors
+        spans = slot_spans(run["geometry"], run["HV"], run["K"], run["V"])
+        named = named_slots(case)
+        flat, before = run["flat"].cpu(), run["before"].cpu()
+        problems, metrics, worst = [], {}, 0.0
+        outside = torch.ones(flat.numel(), dtype=torch.bool)
+        for s in named:
+            a, b = spans[s]
+            outside[a:b] = False
+        changed = (_bits(flat) != _bits(before)) & outside
+        if bool(changed.any()):
+            first = int(changed.nonzero()[0])
+            slot = next((s for s, (a, b) in enumerate(spans) if a <= first < b), None)
+            where = f"slot {slot}, which the call does not name" if slot is not None else "the pool's padding"
+            problems.append(f"{int(changed.sum())} pool elements outside the named slots changed (first: element "
+                            f"{first}, in {where})")
+        o, ref_o = run["o"].cpu(), t["o"]
+        if not _finite(o):
+            problems.append(f"o has {int((~torch.isfinite(o.double())).sum())} non-finite values")
+        checks = [("o", o, ref_o, self.o_bound)]
+        for s in sorted(named):
+            a, b = spans[s]
+            checks.append((f"slot {s}", flat[a:b], t["pool_out"][a:b], self.state_bound))
+        if run["token_states"] is not None:
+            checks.append(("token_states", run["token_states"].cpu(), t["token_states"], self.state_bound))
+        for label, got, ref, bound in checks:
+            if tuple(got.shape) != tuple(ref.shape):
+                problems.append(f"{label}: shape {list(got.shape)}, golden {list(ref.shape)}")
+                continue
+            rel, limit = rel_rms(got, ref), bound.of(ref)
+            worst = max(worst, rel / limit)
+            metrics[label] = rel
+            if not _finite(got):
+                problems.append(f"{label}: non-finite values (a poisoned slot leaked)" if check == "slot_isolation"
+                                else f"{label}: non-finite values")
+            elif rel > limit:
+                problems.append(f"{label}: relative RMS error {rel:.3e} > bound {limit:.3e}")
+        status = "fail" if problems else "pass"
+        reason = "; ".join(problems) if problems else (
+            f"o and {len(named)} named slots within bound (worst {worst:.2f} of it); every other pool element bitwise "
+            "unchanged" + (" (NaN poison kept its bits, never leaked)" if check == "slot_isolation" else ""))
+        return CheckResult(self.name, check, case.name, status, reason[:600], ratio=worst, metrics=metrics)
+
+    def _check_golden(self, case, device):
+        why = self.case_unsupported(case)
+        if why:
+            return CheckResult(self.name, "golden", case.name, "skip", why)
+        return self._judge_pool_case(case, self._run_pool_case(case, device), "golden")
+
+    def _check_slot_isolation(self, case, device):
+        why = self.case_unsupported(case)
+        if why:
+            return CheckResult(self.name, "slot_isolation", case.name, "skip", why)
+        return self._judge_pool_case(case, self._run_pool_case(case, device, poison_unread=True), "slot_isolation")
+
+    # -- self-made problems (seeded; the fp64 reference is the pure-PyTorch kernel, unmutated)
+    @staticmethod
+    def _problem(seed, lengths, H=1, HV=2, K=8, V=12, device="cpu"):
+        gen = torch.Generator().manual_seed(seed)
+        T = sum(lengths)
+
+        def bf16(shape, lo, hi):
+            return (torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(torch.bfloat16)
+
+        kw = K ** -0.5
+        inputs = dict(q=bf16((1, T, H, K), -1, 1), k=bf16((1, T, H, K), -kw, kw), v=bf16((1, T, HV, V), -1, 1),
+                      g=bf16((1, T, HV, K), -1, 0), beta=bf16((1, T, HV), 0, 1),
+                      cu_seqlens=torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))]))
+        states = bf16((len(lengths) + 3, HV, K, V), -1, 1).float()
+        params = dict(gate="log_decay", gate_base="e", beta="as_given", qk_l2norm=False, scale=None,
+                      lower_bound=None, state_layout="k_first")
+        return {k: v.to(device) for k, v in inputs.items()}, params, states.to(device)
+
+    def _check_layout_equivalence(self, case, device):
+        lengths = [1, 1, 1] if "multi_token_decode" not in self.modes else [1, 2, 1]
+        problems, worst = [], 0.0
+        for K, V in ((8, 12), (12, 8)):
+            inputs, params, states = self._problem(17 + K, lengths, K=K, V=V, device=device)
+            slots = torch.tensor([3, 0, 4], device=device)
+            ref_o, ref_pool = TorchServingAdapter().decode_reference(inputs, params, states.double(), slots)
+            for layout in ("k_first", "v_first"):
+                p = dict(params, state_layout=layout)
+                pool = states.to(self.pool_dtype)
+                pool = pool if layout == "k_first" else pool.transpose(-1, -2).contiguous()
+                o = self.decode(inputs, p, pool, slots)
+                got = pool if layout == "k_first" else pool.transpose(-1, -2)
+                for label, x, ref, bound in (("o", o, ref_o, self.o_bound), ("pool", got, ref_pool, self.state_bound)):
+                    rel, limit = rel_rms(x, ref), bound.of(ref)
+                    worst = max(worst, rel / limit)
+                    if not (rel <= limit and _finite(x)):
+                        problems.append(f"K={K}, V={V}, {layout}: {label} relative RMS error {rel:.3e} > {limit:.3e}")
+        status = "fail" if problems else "pass"
+        return CheckResult(self.name, "layout_equivalence", "-", status,
+                           "; ".join(problems) or f"K-first and V-first pools agree with the reference, K != V both "
+                           f"ways (worst {worst:.2f} of the bound)", ratio=worst)
+
+    def _check_decode_after_prefill(self, case, device):
+        T = 12
+        inputs, params, states = self._problem(5, [T], HV=2, K=8, V=12, device=device)
+        one = {k: v for k, v in inputs.items() if k != "cu_seqlens"}
+        h0 = states[:1].clone()
+        ref_o, ref_final = reference.kda_forward(dict(one, initial_state=h0), params)
+        single_o, single_final = self.prefill(one, params, h0.clone())
+        problems, bitwise, worst = [], [], 0.0
+        for split in (0, 1, 7, T - 1, T):
+            part = {k: v[:, :split] for k, v in one.items()}
+            if split > 0:
+                o_pre, state = self.prefill(part, params, h0.clone())
+            else:
+                o_pre, state = one["q"].new_zeros(1, 0, 2, 12, dtype=torch.float64), h0.clone()
+            pool = torch.zeros(3, 2, 8, 12, dtype=self.pool_dtype, device=device)
+            pool[1] = state[0].to(self.pool_dtype)
+            outs = [o_pre.double().cpu()]
+            for t in range(split, T):
+                tok = {k: v[:, t : t + 1] for k, v in one.items()}
+                tok["cu_seqlens"] = torch.tensor([0, 1], device=device)
+                outs.append(self.decode(tok, params, pool, torch.tensor([1], device=device)).double().cpu())
+            o = torch.cat(outs, dim=1)
+            for label, x, ref, bound in (("o", o, ref_o, self.o_bound), ("final state", pool[1:2], ref_final,
+                                                                         self.state_bound)):
+                rel, limit = rel_rms(x, ref), bound.of(ref)
+                worst = max(worst, rel / limit)
+                if not (rel <= limit and _finite(x)):
+                    problems.append(f"split {split}: {label} relative RMS error {rel:.3e} > {limit:.3e}")
+            bitwise.append(bool(torch.equal(o.to(single_o.dtype), single_o.cpu())) and
+                           bool(torch.equal(pool[1:2].cpu(), single_final.to(self.pool_dtype).cpu())))
+        res = CheckResult(self.name, "decode_after_prefill", "-", "fail" if problems else "pass",
+                          "; ".join(problems) or f"every split within the bound of the fp64 single shot (worst "
+                          f"{worst:.2f}); bitwise equal to the kernel's own single shot at {sum(bitwise)} of "
+                          f"{len(bitwise)} splits", ratio=worst)
+        res.extra["bitwise_equal_to_single_shot"] = bitwise
+        return res
+
+    def _check_intermediate_states(self, case, device):
+        t, p = case.tensors, case.params
+        kp = p["kda"]
+        chunk = int(p["blocks"]["chunk"])
+        inputs = kda_inputs(t, device)
+        inputs.pop("cu_seqlens", None)
+        h0 = t["initial_state"].to(device)
+        h = self.intermediate_states(dict(inputs, initial_state=h0), kp, chunk).cpu()
+        positions = [int(x) for x in t["checkpoint_positions"].tolist()]
+        ckpt = {b: t["checkpoints"][i] for i, b in enumerate(positions)}
+        ckpt[0] = h0[0].double()
+        T = t["q"].shape[1]
+        problems, worst, margin = [], 0.0, math.inf
+        expected_chunks = (T + chunk - 1) // chunk
+        if h.shape[0] != expected_chunks:
+            problems.append(f"{h.shape[0]} intermediate states for T = {T}, chunk {chunk}: expected {expected_chunks}")
+        for c in range(min(h.shape[0], expected_chunks)):
+            b = c * chunk
+            ref = ckpt[b]
+            rel, limit = rel_rms(h[c], ref), self.h_bound.of(ref)
+            worst = max(worst, rel / limit)
+            if not (rel <= limit and _finite(h[c])):
+                problems.append(f"h[{c}] against the state after {b} tokens: relative RMS error {rel:.3e} > {limit:.3e}")
+            for nb in (b - 1, b + 1):
+                if nb in ckpt:
+                    d = rel_rms(h[c], ckpt[nb])
+                    margin = min(margin, d / limit)
+                    if d <= limit:
+                        problems.append(f"h[{c}] is within the bound of the state after {nb} tokens too "
+                                        f"({d:.3e} <= {limit:.3e}): an off-by-one would pass")
+        return CheckResult(self.name, "intermediate_states", case.name, "fail" if problems else "pass",
+                           "; ".join(problems)[:600] or f"h[c] = state after c * {chunk} tokens within the bound "
+                           f"(worst {worst:.2f}), neighbours at least {margin:.1f} bounds away", ratio=worst)
+
+    def _check_accepted_zero(self, case, device):
+        inputs, params, states = self._problem(23, [2, 2, 2], device=device)
+        W = 3
+        idx = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], device=device)
+        accepted = torch.tensor([2, 0, 1], device=device)
+        pool = torch.full((9, 2, 8, 12), float("nan"), dtype=self.pool_dtype, device=device)
+        for n, a in ((0, 2), (2, 1)):  # the only states read by a correct kernel
+            pool[idx[n, a - 1]] = states[n].to(self.pool_dtype)
+        try:
+            o, _ = self.verify(inputs, params, pool, idx, accepted, in_place=True)
+        except Exception as e:  # rejecting the count is the defined behaviour
+            return CheckResult(self.name, "accepted_zero", "-", "pass",
+                               f"accepted count 0 rejected: {type(e).__name__}: {e}".splitlines()[0][:300])
+        o = o.double().cpu()
+        bad = int((~torch.isfinite(o[0, 2:4])).sum())
+        if bad:
+            return CheckResult(self.name, "accepted_zero", "-", "fail",
+                               f"accepted count 0 read a slot outside its row: {bad} of {o[0, 2:4].numel()} outputs of "
+                               "sequence 1 are NaN (FLA's entering index becomes column -1, i.e. the previous row's last "
+                               f"entry, slot {int(idx[0, W - 1])}); a kernel must reject 0 or read nothing")
+        others = int((~torch.isfinite(o[0, :2])).sum() + (~torch.isfinite(o[0, 4:])).sum())
+        if others:
+            return CheckResult(self.name, "accepted_zero", "-", "fail",
+                               f"{others} outputs of sequences 0 and 2 (accepted counts 2 and 1) are NaN: they read a "
+                               "slot other than the one their accepted count names")
+        return CheckResult(self.name, "accepted_zero", "-", "pass",
+                           "accepted count 0 neither rejected nor read outside the row (no NaN reached an output)")
+
+
+class TorchServingAdapter(ServingAdapter):
+    """The pure-PyTorch serving kernel (CPU or GPU): fp64 arithmetic, fp32 pool, the reference
+    semantics of include/k3ref/serving/. A mutation makes it wrong on purpose, to test the checks:
+      accepted_off_by_one      entering column a - 2 of the flat index table (at a = 1: the
+                               previous row's last entry, the neighbour's slot)
+      write_unnamed_slot       the last state written also lands in the first slot the call
+                               does not name
+      layout_swap              a V-first pool read and written as if K-first
+      checkpoint_late          intermediate state c taken one token after c * chunk
+      verify_writes_committed  verify also writes its final state into the entering slot
+    """
+
+    MUTATIONS = (None, "accepted_off_by_one", "write_unnamed_slot", "layout_swap", "checkpoint_late",
+                 "verify_writes_committed")
+    modes = ("decode", "verify", "per_token", "pad", "multi_token_decode", "prefill", "intermediate")
+    # fp64 arithmetic and an fp64 pool against the 256-bit goldens: everything to 1e-12.
+    o_bound = Bound(torch.float64, 1.0)
+    state_bound = Bound(torch.float64, 1.0)
+    h_bound = Bound(torch.float64, 1.0)
+    pool_dtype = torch.float64
+    policy = "rel-rms:1e-12"
+    contract = "PyTorch; fp64 recurrence, fp64 outputs and pool"
+
+    def __init__(self, mutation=None):
+        super().__init__()
+        if mutation not in self.MUTATIONS:
+            raise ValueError(f"unknown mutation {mutation!r}; known: {self.MUTATIONS[1:]}")
+        self.mutation = mutation
+        self.name = "torch.serving" + (f"[{mutation}]" if mutation else "")
+        self.kind = "mutant" if mutation else "kernel"
+
+    # -- the recurrence (fp64) over one sequence
+    @staticmethod
+    def _run(prep, scale, begin, end, S):
+        q, k, v, decay, beta = prep
+        HV, H = v.shape[2], q.shape[2]
+        head = torch.arange(HV, device=q.device) // (HV // H)
+        outs, states = [], []
+        for t in range(begin, end):
+            S = decay[0, t][:, :, None] * S
+            kt = k[0, t][head]
+            u = beta[0, t][:, None] * (v[0, t] - torch.einsum("hkv,hk->hv", S, kt))
+            S = S + kt[:, :, None] * u[:, None, :]
+            outs.append(torch.einsum("hkv,hk->hv", S, scale * q[0, t][head]))
+            states.append(S)
+        return outs, states
+
+    def _prep(self, inputs, params):
+        prep = reference.prepare(inputs, params)
+        K = inputs["q"].shape[-1]
+        scale = params.get("scale")
+        return prep, K ** -0.5 if scale is None else float(scale)
+
+    def _v_first(self, params):
+        return params.get("state_layout") == "v_first" and self.mutation != "layout_swap"
+
+    def _read(self, pool, s, params):
+        x = pool[s].double()
+        if params.get("state_layout") == "v_first" and self.mutation == "layout_swap":
+            HV, A, B = x.shape
+            return x.contiguous().reshape(HV, B, A)  # the V x K bytes read as K x V
+        return x.transpose(-1, -2) if self._v_first(params) else x
+
+    def _write(self, pool, s, S, params):
+        if params.get("state_layout") == "v_first" and self.mutation == "layout_swap":
+            pool[s] = S.reshape(pool[s].shape).to(pool.dtype)
+        else:
+            pool[s] = (S.transpose(-1, -2) if self._v_first(params) else S).to(pool.dtype)
+
+    def _unnamed_write(self, pool, named, S, params):
+        if self.mutation == "write_unnamed_slot" and S is not None:
+            free = [s for s in range(pool.shape[0]) if s not in named]
+            if free:
+                self._write(pool, free[0], S, params)
+
+    def decode(self, inputs, params, pool, slot_of_sequence):
+        prep, scale = self._prep(inputs, params)
+        cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
+        o = torch.zeros(inputs["v"].shape, dtype=torch.float64, device=inputs["v"].device)
+        slots = [int(x) for x in slot_of_sequence.tolist()]
+        last = None
+        for n in range(len(cu) - 1):
+            if cu[n + 1] == cu[n] or slots[n] == PAD:
+                continue
+            outs, states = self._run(prep, scale, cu[n], cu[n + 1], self._read(pool, slots[n], params))
+            o[0, cu[n] : cu[n + 1]] = torch.stack(outs)
+            self._write(pool, slots[n], states[-1], params)
+            last = states[-1]
+        self._unnamed_write(pool, set(slots), last, params)
+        return o
+
+    def decode_reference(self, inputs, params, states, slots):
+        """fp64 decode on a K-first [slots, HV, K, V] copy: (o, pool after)."""
+        pool = states.clone()
+        o = TorchServingAdapter().decode(inputs, dict(params, state_layout="k_first"), pool, slots)
+        return o, pool
+
+    def verify(self, inputs, params, pool, state_indices, num_accepted, in_place=True):
+        prep, scale = self._prep(inputs, params)
+        cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
+        N, W = state_indices.shape
+        flat = [int(x) for x in state_indices.reshape(-1).tolist()]
+        acc = [int(x) for x in num_accepted.tolist()]
+        o = torch.zeros(inputs["v"].shape, dtype=torch.float64, device=inputs["v"].device)
+        HV, K, V = inputs["v"].shape[2], inputs["q"].shape[3], inputs["v"].shape[3]
+        token_states = None
+        if not in_place:
+            shape = (cu[-1], HV, V, K) if params.get("state_layout") == "v_first" else (cu[-1], HV, K, V)
+            token_states = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+        last = None
+        for n in range(N):
+            L = cu[n + 1] - cu[n]
+            if L == 0:
+                continue
+            if self.mutation == "accepted_off_by_one":
+                entering = flat[n * W + acc[n] - 2]
+            else:
+                if not 1 <= acc[n] <= W:
+                    raise ValueError(f"num_accepted[{n}] = {acc[n]} is outside [1, W = {W}]: it names no entering state")
+                entering = flat[n * W + acc[n] - 1]
+            if entering == PAD:
+                continue
+            if in_place and L > W:
+                raise ValueError(f"sequence {n} has {L} tokens for {W} columns")
+            outs, states = self._run(prep, scale, cu[n], cu[n + 1], self._read(pool, entering, params))
+            o[0, cu[n] : cu[n + 1]] = torch.stack(outs)
+            for j, S in enumerate(states):
+                if in_place:
+                    if flat[n * W + j] != PAD:
+                        self._write(pool, flat[n * W + j], S, params)
+                else:
+                    token_states[cu[n] + j] = (S.transpose(-1, -2) if self._v_first(params) else S).to(pool.dtype)
+            if self.mutation == "verify_writes_committed":
+                self._write(pool, entering, states[-1], params)
+            last = states[-1]
+        self._unnamed_write(pool, {s for s in flat if s != PAD}, last, params)
+        return o, token_states
+
+    def prefill(self, inputs, params, initial_state):
+        prep, scale = self._prep(inputs, params)
+        S = initial_state[0].double()
+        if params.get("state_layout") == "v_first":
+            S = S.transpose(-1, -2)
+        T = inputs["q"].shape[1]
+        outs, states = self._run(prep, scale, 0, T, S)
+        o = torch.stack(outs)[None] if outs else torch.zeros(1, 0, *inputs["v"].shape[2:], dtype=torch.float64)
+        final = states[-1] if states else S
+        if params.get("state_layout") == "v_first":
+            final = final.transpose(-1, -2)
+        return o, final[None]
+
+    def intermediate_states(self, inputs, params, chunk):
+        prep, scale = self._prep(inputs, params)
+        v_first = params.get("state_layout") == "v_first"
+        S = inputs["initial_state"][0].double()
+        S = S.transpose(-1, -2) if v_first else S
+        T = inputs["q"].shape[1]
+        _, states = self._run(prep, scale, 0, T, S)
+        late = 1 if self.mutation == "checkpoint_late" else 0
+        h = [S if c * chunk + late == 0 else states[min(c * chunk + late, T) - 1] for c in range((T + chunk - 1) // chunk)]
+        h = torch.stack(h)
+        return h.transpose(-1, -2) if v_first else h
+
+
+class FlaServingAdapter(ServingAdapter):
+    """FLA's fused_recurrent_kda_fwd with ssm_state_indices (continuous batching, the pool as
+    initial_state, inplace_final_state=True) and num_accepted_tokens (spec decoding). Decode maps
+    to 1-D ssm_state_indices with one token per sequence (FLA stores the state after token t into
+    index [n, t]: with more tokens it would write its neighbours' slots); prefill is the plain
+    varlen call. Not supported (skipped with the reason): padding (-1: FLA has no guard and
+    addresses the memory before the pool) and the per-token output (FLA allocates N rows but
+    writes row bos + t)."""
+
+    requires_cuda = True
+    fla_path = None
+    _unpicklable = ("fwd", "plain")
+    o_bound = Bound(torch.bfloat16, 2.0)
+    state_bound = Bound(torch.float32, 2.0, at_least=1e-6)
+    policy = "floor:2"
+    policy_reason = "fp32 recurrence on bf16 inputs: 1.0x the bf16 output floor measured (kda.recurrent)"
+    contract = "Triton; fp32 state and arithmetic on bf16 inputs, o rounded to bf16, fp32 pool"
+    pad_reason = "FLA reads slot -1 (before the pool's start) for a -1 index"
+    per_token_reason = "with inplace_final_state=False FLA allocates N state rows but writes row bos + t"
+    multi_token_reason = "FLA's continuous batching stores the state after token t into index column t"
+
+    def __init__(self, mode="spec_decode"):
+        super().__init__()
+        if mode not in ("continuous_batching", "spec_decode"):
+            raise ValueError(f"unknown mode {mode!r}")
+        self.mode = mode
+        self.name = f"fla.fused_recurrent_kda[{mode}]"
+        self.modes = ("decode", "prefill") + (("verify",) if mode == "spec_decode" else ())
+
+    def load(self):
+        _need_cuda()
+        _add_path(_env_path("K3REF_FLA_PATH", FlaServingAdapter.fla_path))
+        import importlib
+
+        mod = importlib.import_module("fla.ops.kda.fused_recurrent")
+        self.fwd = mod.fused_recurrent_kda_fwd
+        self.plain = mod.fused_recurrent_kda
+
+    def version(self):
+        return _module_version("fla")
+
+    @staticmethod
+    def _kw(inputs, params):
+        HV, K = inputs["v"].shape[2], inputs["q"].shape[3]
+        kw = dict(scale=params.get("scale"), use_qk_l2norm_in_kernel=bool(params.get("qk_l2norm")),
+                  state_v_first=params.get("state_layout") == "v_first")
+        gate = params.get("gate", "log_decay")
+        if gate != "log_decay":
+            kw["use_gate_in_kernel"] = True
+            kw["A_log"] = inputs["A_log"].float() if inputs.get("A_log") is not None else None
+            if inputs.get("dt_bias") is not None:
+                kw["dt_bias"] = inputs["dt_bias"].float().reshape(HV * K)
+            if gate == "lower_bound":
+                kw["lower_bound"] = float(params["lower_bound"])
+        if params.get("beta", "as_given") != "as_given":
+            kw["use_beta_sigmoid_in_kernel"] = True
+            kw["allow_neg_eigval"] = params["beta"] == "two_sigmoid"
+        return kw
+
+    def decode(self, inputs, params, pool, slot_of_sequence):
+        cu = inputs["cu_seqlens"]
+        if bool(((cu[1:] - cu[:-1]) > 1).any()):
+            raise ValueError(self.multi_token_reason)
+        o, _ = self.fwd(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], initial_state=pool,
+                        inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=slot_of_sequence.to(torch.int32),
+                        **self._kw(inputs, params))
+        return o
+
+    def verify(self, inputs, params, pool, state_indices, num_accepted, in_place=True):
+        if not in_place:
+            raise ValueError(self.per_token_reason)
+        o, _ = self.fwd(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], initial_state=pool,
+                        inplace_final_state=True, cu_seqlens=inputs["cu_seqlens"],
+                        ssm_state_indices=state_indices.to(torch.int32).contiguous(),
+                        num_accepted_tokens=num_accepted.to(torch.int32), **self._kw(inputs, params))
+        return o, None
+
+    def prefill(self, inputs, params, initial_state):
+        o, final = self.plain(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                              initial_state=initial_state.float(), output_final_state=True, **self._kw(inputs, params))
+        return o, final
+
+
+class FlaChunkIntermediateAdapter(ServingAdapter):
+    """FLA's chunk_kda(..., return_intermediate_states=True) under torch.inference_mode(): h
+    [B, NT, HV, K, V] (bf16), h[c] the state entering chunk c of 64 tokens."""
+
+    requires_cuda = True
+    fla_path = None
+    _unpicklable = ("fn",)
+    modes = ("intermediate",)
+    golden_ops = CHECKPOINT_OPS
+    h_bound = Bound(torch.bfloat16, 3.0)
+    policy = "floor:3"
+    policy_reason = "chunked UT transform, bf16 products (2.0x-2.7x the bf16 floor on o), h stored in bf16"
+    contract = "Triton; chunks of 64 in UT form, bf16 tensor-core products, h rounded to bf16"
+    name = "fla.chunk_kda[return_intermediate_states]"
+
+    def load(self):
+        _need_cuda()
+        _add_path(_env_path("K3REF_FLA_PATH", FlaChunkIntermediateAdapter.fla_path))
+        import importlib
+
+        self.fn = importlib.import_module("fla.ops.kda").chunk_kda
+
+    def version(self):
+        return _module_version("fla")
+
+    def intermediate_states(self, inputs, params, chunk):
+        if chunk != 64:
+            raise ValueError(f"chunk_kda's intermediate states are per 64-token chunk, the golden asks {chunk}")
+        kw = FlaServingAdapter._kw(inputs, params)
+        with torch.inference_mode():
+            out = self.fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                          initial_state=inputs["initial_state"].float(), output_final_state=True,
+                          return_intermediate_states=True, **kw)
+        return out[2][0]
+
+
+def serving_adapters():
+    """The built-in serving adapters (register with `--adapter k3ref.gpu_check.serving_check:serving_adapters`)."""
+    return [FlaServingAdapter("continuous_batching"), FlaServingAdapter("spec_decode"), FlaChunkIntermediateAdapter()]
+
+
+def torch_serving_kernels():
+    """The CPU serving kernel and its mutants (`--adapter k3ref.gpu_check.serving_check:torch_serving_kernels`)."""
+    return [TorchServingAdapter(m) for m in TorchServingAdapter.MUTATIONS]
+
+
+def load_serving_suite(directory):
+    return golden_io.load_suite(directory, ops=POOL_OPS + CHECKPOINT_OPS)
