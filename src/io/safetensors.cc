@@ -10,14 +10,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <optional>
-#include <set>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
 #include "k3ref/error.h"
+#include "k3ref/io/file.h"
 #include "k3ref/num/float_format.h"
 
 namespace k3ref::io {
@@ -25,25 +25,8 @@ namespace {
 
 using nlohmann::json;
 
-// Quoted for a one-line message: control characters (a newline in a tensor name, a raw
-// byte echoed by the JSON parser) are escaped so an error is always one line.
-std::string one_line(std::string_view text) {
-  static constexpr char hex_digits[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(text.size());
-  for (unsigned char c : text) {
-    if (c < 0x20 || c == 0x7f) {
-      out += "\\x";
-      out += hex_digits[c >> 4];
-      out += hex_digits[c & 0xf];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
-}
-
-std::string quote_name(std::string_view name) { return "'" + one_line(name) + "'"; }
+std::string one_line(std::string_view text) { return printable(text); }
+std::string quote_name(std::string_view name) { return excerpt(name); }
 
 [[noreturn]] void throw_file_error(const std::string& file, const std::string& detail) {
   throw FileError(one_line(file) + ": " + detail);
@@ -62,80 +45,6 @@ void append_u64_le(std::vector<std::uint8_t>& out, std::uint64_t v) {
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
 }
 
-// RFC 3629 UTF-8: no overlong forms, no surrogates, nothing above U+10FFFF. Returns the
-// offset of the first bad byte. nlohmann's lexer also rejects bad UTF-8, but only inside
-// strings it reaches; checking up front gives one clear message for every case.
-std::optional<std::size_t> first_invalid_utf8(std::span<const std::uint8_t> text) {
-  std::size_t i = 0;
-  while (i < text.size()) {
-    const std::uint8_t lead = text[i];
-    std::size_t continuation_count;
-    std::uint8_t second_min = 0x80, second_max = 0xbf;
-    if (lead < 0x80) {
-      ++i;
-      continue;
-    } else if (lead >= 0xc2 && lead <= 0xdf) {
-      continuation_count = 1;
-    } else if (lead >= 0xe0 && lead <= 0xef) {
-      continuation_count = 2;
-      if (lead == 0xe0) second_min = 0xa0;  // overlong
-      if (lead == 0xed) second_max = 0x9f;  // surrogates
-    } else if (lead >= 0xf0 && lead <= 0xf4) {
-      continuation_count = 3;
-      if (lead == 0xf0) second_min = 0x90;  // overlong
-      if (lead == 0xf4) second_max = 0x8f;  // above U+10FFFF
-    } else {
-      return i;
-    }
-    if (i + continuation_count >= text.size()) return i;  // truncated sequence
-    if (text[i + 1] < second_min || text[i + 1] > second_max) return i;
-    for (std::size_t k = 2; k <= continuation_count; ++k)
-      if (text[i + k] < 0x80 || text[i + k] > 0xbf) return i;
-    i += continuation_count + 1;
-  }
-  return std::nullopt;
-}
-
-// nlohmann's parser keeps the last of duplicate keys without a word; this callback sees
-// every key and records the first duplicate, at any depth, with the tensor it is in.
-class DuplicateKeyFinder {
- public:
-  bool operator()(int /*depth*/, json::parse_event_t event, json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start:
-        keys_of_open_objects_.emplace_back();
-        break;
-      case json::parse_event_t::object_end:
-        keys_of_open_objects_.pop_back();
-        break;
-      case json::parse_event_t::key: {
-        const std::string& key = parsed.get_ref<const std::string&>();
-        if (keys_of_open_objects_.size() == 1) current_top_level_key_ = key;
-        if (!keys_of_open_objects_.back().insert(key).second && !duplicate_) {
-          duplicate_ = Duplicate{key, keys_of_open_objects_.size() == 1 ? key : current_top_level_key_,
-                                 keys_of_open_objects_.size() == 1};
-        }
-        break;
-      }
-      default:
-        break;
-    }
-    return true;
-  }
-
-  struct Duplicate {
-    std::string key;
-    std::string top_level_key;  // the tensor (or "__metadata__") the key belongs to
-    bool at_top_level;
-  };
-  const std::optional<Duplicate>& duplicate() const { return duplicate_; }
-
- private:
-  std::vector<std::set<std::string>> keys_of_open_objects_;
-  std::string current_top_level_key_;
-  std::optional<Duplicate> duplicate_;
-};
-
 // Where one tensor lives, as the header declares it (offsets into the data buffer).
 struct TensorLayout {
   std::string name;
@@ -150,116 +59,275 @@ struct HeaderContents {
   std::vector<TensorLayout> tensors;  // by (begin, end), tiling [0, data buffer size)
 };
 
-std::uint64_t unsigned_offset(const json& value, const std::string& file, const std::string& tensor) {
-  if (!value.is_number_unsigned())
-    throw_tensor_error(file, tensor, "data_offsets must hold non-negative integers, found " + one_line(value.dump()));
-  return value.get<std::uint64_t>();
-}
+// The header, validated while it is parsed: a SAX handler that knows the schema
+//   { name: {"dtype": string, "shape": [int, ...], "data_offsets": [uint, uint]}, ...,
+//     "__metadata__": {key: string, ...} }
+// and stops at the first event that leaves it. Nothing outside the schema is ever
+// built: no JSON document, no value nested deeper than the schema's three levels
+// (max_header_depth), no value that an error message would have to serialise. Memory is
+// the tensors' names and shapes; time is linear in the header (duplicate names through a
+// hash set, the tiling check after one sort).
+class HeaderParser final : public json::json_sax_t {
+ public:
+  HeaderParser(const std::string& file, std::uint64_t data_buffer_bytes)
+      : file_(file), data_buffer_bytes_(data_buffer_bytes) {}
 
-TensorLayout parse_tensor_entry(const std::string& file, const std::string& name, const json& entry,
-                                std::uint64_t data_buffer_bytes) {
-  if (!entry.is_object()) throw_tensor_error(file, name, "entry must be a JSON object, found " + std::string(entry.type_name()));
-  for (const auto& [key, value] : entry.items())
-    if (key != "dtype" && key != "shape" && key != "data_offsets")
-      throw_tensor_error(file, name, "unexpected key " + quote_name(key) + " (only dtype, shape, data_offsets)");
-  for (const char* required : {"dtype", "shape", "data_offsets"})
-    if (!entry.contains(required)) throw_tensor_error(file, name, std::string("missing \"") + required + "\"");
+  // The error that stopped the parse (empty when none).
+  const std::string& error() const { return error_; }
+  HeaderContents take() { return std::move(contents_); }
 
-  const json& dtype_value = entry["dtype"];
-  if (!dtype_value.is_string()) throw_tensor_error(file, name, "dtype must be a string, found " + one_line(dtype_value.dump()));
-  const std::string& dtype_text = dtype_value.get_ref<const std::string&>();
-  const std::optional<DType> dtype = dtype_from_name(dtype_text);
-  if (!dtype) throw_tensor_error(file, name, "unknown dtype " + quote_name(dtype_text));
+  bool null() override { return scalar("null"); }
+  bool boolean(bool value) override { return scalar(value ? "true" : "false"); }
+  bool number_integer(number_integer_t value) override {
+    if (where_ == Where::shape) return extent(value < 0, static_cast<std::uint64_t>(value), std::to_string(value));
+    return scalar(std::to_string(value));
+  }
+  bool number_unsigned(number_unsigned_t value) override {
+    if (where_ == Where::shape) return extent(false, value, std::to_string(value));
+    if (where_ == Where::offsets) {
+      if (offset_count_ == 2) return fail_tensor("data_offsets must be an array [begin, end], found more than 2 values");
+      offsets_[offset_count_++] = value;
+      return true;
+    }
+    return scalar(std::to_string(value));
+  }
+  bool number_float(number_float_t, const string_t& text) override { return scalar(text); }
+  bool string(string_t& value) override {
+    if (where_ == Where::entry_value && key_ == Key::dtype) {
+      const std::optional<DType> dtype = dtype_from_name(value);
+      if (!dtype) return fail_tensor("unknown dtype " + excerpt(value));
+      dtype_ = *dtype;
+      dtype_text_ = value;
+      where_ = Where::entry;
+      return true;
+    }
+    if (where_ == Where::metadata_value) {
+      contents_.metadata.emplace(std::move(metadata_key_), std::move(value));
+      where_ = Where::metadata;
+      return true;
+    }
+    return mismatch("the string " + excerpt(value));
+  }
+  bool binary(binary_t&) override { return scalar("binary data"); }
 
-  const json& shape_value = entry["shape"];
-  if (!shape_value.is_array()) throw_tensor_error(file, name, "shape must be an array, found " + one_line(shape_value.dump()));
-  Shape shape;
-  shape.reserve(shape_value.size());  // bounded by the header, already in memory
-  for (const json& extent : shape_value) {
-    if (extent.is_number_unsigned()) {
-      const std::uint64_t e = extent.get<std::uint64_t>();
-      if (e > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-        throw_tensor_error(file, name, "extent " + std::to_string(e) + " in shape does not fit in 63 bits");
-      shape.push_back(static_cast<std::int64_t>(e));
-    } else if (extent.is_number_integer()) {
-      shape.push_back(extent.get<std::int64_t>());  // negative: checked_numel reports it
-    } else {
-      throw_tensor_error(file, name, "shape must hold integers, found " + one_line(shape_value.dump()));
+  // Nesting is checked by the schema: an object or array where the schema has none is
+  // rejected at its opening bracket, naming the tensor and field. deeper() only guards
+  // the schema's own levels.
+  bool start_object(std::size_t) override {
+    switch (where_) {
+      case Where::document: where_ = Where::top; return deeper();
+      case Where::top_value:
+        if (is_metadata_) {
+          where_ = Where::metadata;
+        } else {
+          where_ = Where::entry;
+          seen_dtype_ = seen_shape_ = seen_offsets_ = false;
+          shape_.clear();
+          offset_count_ = 0;
+        }
+        return deeper();
+      default: return structured("an object");
     }
   }
-  std::int64_t numel;
-  try {
-    numel = checked_numel(shape, "shape");
-  } catch (const InvalidArgument& e) {
-    throw_tensor_error(file, name, e.what());
+  bool start_array(std::size_t) override {
+    if (where_ == Where::entry_value && key_ == Key::shape) {
+      where_ = Where::shape;
+      return deeper();
+    }
+    if (where_ == Where::entry_value && key_ == Key::offsets) {
+      where_ = Where::offsets;
+      return deeper();
+    }
+    return structured("an array");
+  }
+  bool end_array() override {
+    --depth_;
+    if (where_ == Where::offsets && offset_count_ != 2)
+      return fail_tensor("data_offsets must be an array [begin, end], found " + std::to_string(offset_count_) +
+                         " value(s)");
+    where_ = Where::entry;  // only shape and data_offsets arrays get this far
+    return true;
+  }
+  bool end_object() override {
+    --depth_;
+    switch (where_) {
+      case Where::metadata: where_ = Where::top; return true;
+      case Where::entry: where_ = Where::top; return finish_entry();
+      default: where_ = Where::done; return true;  // the top-level object
+    }
   }
 
-  const json& offsets_value = entry["data_offsets"];
-  if (!offsets_value.is_array() || offsets_value.size() != 2)
-    throw_tensor_error(file, name, "data_offsets must be an array [begin, end], found " + one_line(offsets_value.dump()));
-  const std::uint64_t begin = unsigned_offset(offsets_value[0], file, name);
-  const std::uint64_t end = unsigned_offset(offsets_value[1], file, name);
-  if (begin > end)
-    throw_tensor_error(file, name, "data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] run backwards");
+  bool key(string_t& key) override {
+    switch (where_) {
+      case Where::top:
+        if (!names_.insert(key).second) {
+          tensor_ = std::move(key);
+          return fail_tensor("appears more than once in the header");
+        }
+        is_metadata_ = key == "__metadata__";
+        if (!is_metadata_ && ++tensor_count_ > max_tensors)
+          return fail("header declares more than " + std::to_string(max_tensors) + " tensors (the limit)");
+        tensor_ = std::move(key);
+        where_ = Where::top_value;
+        return true;
+      case Where::metadata:
+        if (contents_.metadata.count(key))
+          return fail("tensor '__metadata__': key " + excerpt(key) + " appears more than once");
+        metadata_key_ = std::move(key);
+        where_ = Where::metadata_value;
+        return true;
+      default: {  // Where::entry
+        bool* seen = key == "dtype" ? &seen_dtype_ : key == "shape" ? &seen_shape_ : key == "data_offsets" ? &seen_offsets_ : nullptr;
+        if (!seen) return fail_tensor("unexpected key " + excerpt(key) + " (only dtype, shape, data_offsets)");
+        if (*seen) return fail_tensor("key " + excerpt(key) + " appears more than once");
+        *seen = true;
+        key_ = key == "dtype" ? Key::dtype : key == "shape" ? Key::shape : Key::offsets;
+        where_ = Where::entry_value;
+        return true;
+      }
+    }
+  }
 
-  // numel <= 2^63 - 1 and element size <= 8, so compare by division to stay in 64 bits.
-  const std::uint64_t element_bytes = dtype_size(*dtype);
-  const std::uint64_t span_bytes = end - begin;
-  if (span_bytes % element_bytes != 0 || span_bytes / element_bytes != static_cast<std::uint64_t>(numel))
-    throw_tensor_error(file, name,
-                       "shape " + shape_to_string(shape) + " of " + dtype_text + " needs " + std::to_string(numel) +
-                           " x " + std::to_string(element_bytes) + " bytes but data_offsets [" + std::to_string(begin) +
-                           ", " + std::to_string(end) + "] span " + std::to_string(span_bytes));
-  if (end > data_buffer_bytes)
-    throw_tensor_error(file, name,
-                       "data_offsets end " + std::to_string(end) + " lies beyond the data buffer of " +
-                           std::to_string(data_buffer_bytes) + " bytes");
-  return TensorLayout{name, *dtype, std::move(shape), begin, end};
-}
+  bool parse_error(std::size_t, const std::string&, const json::exception& e) override {
+    if (error_.empty()) error_ = "header is not valid JSON: " + excerpt(e.what(), 200);
+    return false;
+  }
+
+ private:
+  // Where the parser is in the schema; the next event must fit there.
+  enum class Where { document, top, top_value, metadata, metadata_value, entry, entry_value, shape, offsets, done };
+  enum class Key { dtype, shape, offsets };
+
+  bool fail(std::string message) {
+    if (error_.empty()) error_ = std::move(message);
+    return false;
+  }
+  bool fail_tensor(const std::string& detail) { return fail("tensor " + quote_name(tensor_) + ": " + detail); }
+
+  bool deeper() {
+    if (++depth_ > max_header_depth)
+      return fail("header nests values deeper than the schema's " + std::to_string(max_header_depth) + " levels");
+    return true;
+  }
+
+  // A value that is not where the schema allows it; `found` describes it briefly.
+  bool mismatch(const std::string& found) {
+    switch (where_) {
+      case Where::document: return fail("header must be a JSON object, found " + found);
+      case Where::top_value:
+        if (is_metadata_) return fail("__metadata__ must be an object of strings, found " + found);
+        return fail_tensor("entry must be a JSON object, found " + found);
+      case Where::metadata_value:
+        return fail("__metadata__ entry " + excerpt(metadata_key_) + " must be a string, found " + found);
+      case Where::entry_value:
+        if (key_ == Key::dtype) return fail_tensor("dtype must be a string, found " + found);
+        if (key_ == Key::shape) return fail_tensor("shape must be an array, found " + found);
+        return fail_tensor("data_offsets must be an array [begin, end], found " + found);
+      case Where::shape: return fail_tensor("shape must hold integers, found " + found);
+      case Where::offsets: return fail_tensor("data_offsets must hold non-negative integers, found " + found);
+      default: return fail("unexpected " + found + " in the header");
+    }
+  }
+  bool scalar(const std::string& text) { return mismatch(excerpt(text)); }
+  bool structured(const char* kind) { return mismatch(kind); }
+
+  bool extent(bool negative, std::uint64_t magnitude, const std::string& text) {
+    if (negative) return fail_tensor("shape: negative extent " + text + " (extents must be >= 0)");
+    if (magnitude > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      return fail_tensor("extent " + text + " in shape does not fit in 63 bits");
+    if (shape_.size() == max_rank)
+      return fail_tensor("shape has more than " + std::to_string(max_rank) + " dimensions (the rank limit)");
+    shape_.push_back(static_cast<std::int64_t>(magnitude));
+    return true;
+  }
+
+  // The entry is complete: check it as a whole, against the data buffer.
+  bool finish_entry() {
+    for (auto [seen, required] : {std::pair{seen_dtype_, "dtype"}, {seen_shape_, "shape"}, {seen_offsets_, "data_offsets"}})
+      if (!seen) return fail_tensor(std::string("missing \"") + required + "\"");
+    // Every product of extents must fit in 63 bits, zero or not: code that computes strides
+    // or a product of some dimensions (B x H, say) from a zero-element shape must not
+    // overflow either. So the product of the non-zero extents is checked.
+    std::int64_t nonzero_product = 1;
+    bool has_zero = false;
+    for (std::int64_t e : shape_) {
+      if (e == 0) {
+        has_zero = true;
+        continue;
+      }
+      if (__builtin_mul_overflow(nonzero_product, e, &nonzero_product))
+        return fail_tensor("element count of shape " + shape_to_string(shape_) +
+                           " overflows 63 bits (so does the product of its non-zero extents)");
+    }
+    const std::uint64_t numel = has_zero ? 0 : static_cast<std::uint64_t>(nonzero_product);
+    const std::uint64_t begin = offsets_[0], end = offsets_[1];
+    if (begin > end)
+      return fail_tensor("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] run backwards");
+    const std::uint64_t element_bytes = dtype_size(dtype_);
+    const std::uint64_t span_bytes = end - begin;
+    std::uint64_t needed_bytes;
+    if (__builtin_mul_overflow(numel, element_bytes, &needed_bytes) || needed_bytes != span_bytes)
+      return fail_tensor("shape " + shape_to_string(shape_) + " of " + dtype_text_ + " needs " + std::to_string(numel) +
+                         " x " + std::to_string(element_bytes) + " bytes but data_offsets [" + std::to_string(begin) +
+                         ", " + std::to_string(end) + "] span " + std::to_string(span_bytes));
+    if (end > data_buffer_bytes_)
+      return fail_tensor("data_offsets end " + std::to_string(end) + " lies beyond the data buffer of " +
+                         std::to_string(data_buffer_bytes_) + " bytes");
+    contents_.tensors.push_back(TensorLayout{std::move(tensor_), dtype_, std::move(shape_), begin, end});
+    shape_ = {};
+    return true;
+  }
+
+  const std::string& file_;
+  const std::uint64_t data_buffer_bytes_;
+  std::string error_;
+  HeaderContents contents_;
+  Where where_ = Where::document;
+  int depth_ = 0;
+  std::unordered_set<std::string> names_;
+  std::size_t tensor_count_ = 0;
+  bool is_metadata_ = false;
+  std::string tensor_, metadata_key_;
+  // The entry being parsed.
+  Key key_ = Key::dtype;
+  bool seen_dtype_ = false, seen_shape_ = false, seen_offsets_ = false;
+  DType dtype_ = DType::F64;
+  std::string dtype_text_;
+  Shape shape_;
+  std::uint64_t offsets_[2] = {0, 0};
+  std::size_t offset_count_ = 0;
+};
 
 // Validates the header text against a data buffer of `data_buffer_bytes` bytes.
 HeaderContents parse_header(std::span<const std::uint8_t> header_bytes, std::uint64_t data_buffer_bytes,
                             const std::string& file) {
-  if (const auto bad = first_invalid_utf8(header_bytes))
+  const std::string_view text(reinterpret_cast<const char*>(header_bytes.data()), header_bytes.size());
+  if (const auto bad = first_invalid_utf8(text))
     throw_file_error(file, "header is not valid UTF-8 (byte " + std::to_string(*bad) + " of the header)");
-
+  // JSON holds no raw NUL anywhere, and nlohmann's lexer takes one for the end of the
+  // input, which would accept a header whose bytes after the NUL are garbage.
+  if (const std::size_t nul = text.find('\0'); nul != std::string_view::npos)
+    throw_file_error(file, "header holds a NUL byte at byte " + std::to_string(nul) +
+                               " of the header (JSON allows none; pad with spaces)");
   // nlohmann skips a leading byte-order mark; the reference reader (serde_json) does not,
   // so accepting one would admit files that Python cannot load.
-  if (header_bytes.size() >= 3 && header_bytes[0] == 0xef && header_bytes[1] == 0xbb && header_bytes[2] == 0xbf)
+  if (text.starts_with("\xef\xbb\xbf"))
     throw_file_error(file, "header starts with a UTF-8 byte-order mark, which the reference reader rejects");
 
-  DuplicateKeyFinder duplicate_finder;
-  json header;
-  try {
-    header = json::parse(header_bytes.begin(), header_bytes.end(), std::ref(duplicate_finder));
-  } catch (const json::exception& e) {
-    throw_file_error(file, std::string("header is not valid JSON: ") + one_line(e.what()));
+  HeaderParser parser(file, data_buffer_bytes);
+  const bool parsed = json::sax_parse(text.begin(), text.end(), &parser);
+  if (!parsed || !parser.error().empty()) {
+    if (parser.error().empty()) throw_file_error(file, "header is not valid JSON");
+    throw_file_error(file, parser.error());
   }
-  if (!header.is_object()) throw_file_error(file, std::string("header must be a JSON object, found ") + header.type_name());
-  if (const auto& duplicate = duplicate_finder.duplicate()) {
-    if (duplicate->at_top_level) throw_tensor_error(file, duplicate->key, "appears more than once in the header");
-    throw_tensor_error(file, duplicate->top_level_key, "key " + quote_name(duplicate->key) + " appears more than once");
-  }
+  HeaderContents contents = parser.take();
 
-  HeaderContents contents;
-  contents.tensors.reserve(header.size());
-  for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      if (!entry.is_object())
-        throw_file_error(file, std::string("__metadata__ must be an object of strings, found ") + entry.type_name());
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string())
-          throw_file_error(file, "__metadata__ entry " + quote_name(key) + " must be a string, found " + one_line(value.dump()));
-        contents.metadata.emplace(key, value.get<std::string>());
-      }
-      continue;
-    }
-    contents.tensors.push_back(parse_tensor_entry(file, name, entry, data_buffer_bytes));
-  }
-
-  // Stable: tensors of zero bytes sharing an offset keep the header's (sorted) key order.
-  std::stable_sort(contents.tensors.begin(), contents.tensors.end(), [](const TensorLayout& a, const TensorLayout& b) {
-    return std::pair(a.begin, a.end) < std::pair(b.begin, b.end);
+  // One sort, then one pass: the tensors must tile the data buffer. Zero-byte tensors
+  // sharing an offset are ordered by name, as the reference writer's sorted keys give them.
+  std::sort(contents.tensors.begin(), contents.tensors.end(), [](const TensorLayout& a, const TensorLayout& b) {
+    if (a.begin != b.begin) return a.begin < b.begin;
+    if (a.end != b.end) return a.end < b.end;
+    return a.name < b.name;
   });
   std::uint64_t covered_up_to = 0;
   const TensorLayout* previous = nullptr;
@@ -296,42 +364,7 @@ std::uint64_t checked_header_length(const std::uint8_t* prefix, std::uint64_t fi
   return header_length;
 }
 
-// Closes a file descriptor on every path out of a scope.
-class FileDescriptor {
- public:
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  FileDescriptor(const FileDescriptor&) = delete;
-  FileDescriptor& operator=(const FileDescriptor&) = delete;
-  ~FileDescriptor() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-  // Closes now, reporting the error (close can report a deferred write error).
-  int close() {
-    const int result = ::close(fd_);
-    fd_ = -1;
-    return result;
-  }
-
- private:
-  int fd_;
-};
-
 std::string errno_text(int error_number) { return std::strerror(error_number); }
-
-// Reads exactly `count` bytes or throws FileError naming the file.
-void read_exactly(int fd, std::uint8_t* out, std::size_t count, const std::string& file, const char* what) {
-  while (count > 0) {
-    const ::ssize_t got = ::read(fd, out, count);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      throw_file_error(file, std::string("cannot read ") + what + ": " + errno_text(errno));
-    }
-    if (got == 0) throw_file_error(file, std::string("file ended while reading ") + what + " (was it truncated?)");
-    out += got;
-    count -= static_cast<std::size_t>(got);
-  }
-}
 
 std::optional<num::Format> float_format_of(DType dtype) {
   switch (dtype) {
@@ -478,30 +511,29 @@ SafetensorsFile parse_safetensors(std::span<const std::uint8_t> bytes, const std
 
 SafetensorsFile read_safetensors(const std::filesystem::path& path) {
   const std::string file_name = path.string();
-  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) throw_file_error(file_name, "cannot open: " + errno_text(errno));
-  struct ::stat status;
-  if (::fstat(fd.get(), &status) != 0) throw_file_error(file_name, "cannot stat: " + errno_text(errno));
-  if (!S_ISREG(status.st_mode)) throw_file_error(file_name, "not a regular file");
-  const std::uint64_t file_bytes = static_cast<std::uint64_t>(status.st_size);
+  // Regular files only, opened without blocking: a FIFO or a device is refused at once.
+  RegularFile opened = open_regular_file(path, std::numeric_limits<std::uint64_t>::max());
+  const int fd = opened.fd.get();
+  const std::uint64_t file_bytes = opened.size;
   if (file_bytes < 8)
     throw_file_error(file_name, "file has " + std::to_string(file_bytes) + " bytes, too short for the 8-byte header length");
 
   std::uint8_t prefix[8];
-  read_exactly(fd.get(), prefix, 8, file_name, "the header length");
+  read_exactly(fd, prefix, 8, file_name, "the header length");
   const std::uint64_t header_length = checked_header_length(prefix, file_bytes, file_name);
   std::vector<std::uint8_t> header_bytes(header_length);  // <= max_header_bytes and <= file size
-  read_exactly(fd.get(), header_bytes.data(), header_bytes.size(), file_name, "the header");
+  read_exactly(fd, header_bytes.data(), header_bytes.size(), file_name, "the header");
   HeaderContents header = parse_header(header_bytes, file_bytes - 8 - header_length, file_name);
   header_bytes = {};
 
-  // The tensors tile the data buffer in this order, so one sequential pass reads them all.
+  // The tensors tile the data buffer in this order, so one sequential pass reads them all;
+  // their sizes add up to the data buffer, which fstat measured.
   SafetensorsFile file;
   file.metadata = std::move(header.metadata);
   file.tensors.reserve(header.tensors.size());
   for (TensorLayout& layout : header.tensors) {
     RawTensor tensor{layout.dtype, std::move(layout.shape), std::vector<std::uint8_t>(layout.end - layout.begin)};
-    read_exactly(fd.get(), tensor.bytes.data(), tensor.bytes.size(), file_name, ("tensor " + quote_name(layout.name)).c_str());
+    read_exactly(fd, tensor.bytes.data(), tensor.bytes.size(), file_name, "tensor " + quote_name(layout.name));
     file.tensors.emplace_back(std::move(layout.name), std::move(tensor));
   }
   return file;

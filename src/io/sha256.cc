@@ -31,6 +31,8 @@ constexpr std::array<std::uint32_t, 64> round_constants = {
 class Sha256 {
  public:
   void absorb(std::span<const std::uint8_t> bytes) {
+    // An empty span may carry a null pointer, which memcpy must never see, even for 0 bytes.
+    if (bytes.empty()) return;
     total_bytes_ += bytes.size();
     std::size_t i = 0;
     // Top up a partly filled block first, then hash whole blocks straight from the input.

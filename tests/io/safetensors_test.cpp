@@ -693,6 +693,111 @@ std::uint64_t element_bits(const RawTensor& raw, std::size_t i) {
   return bits;
 }
 
+// ---------------------------------------------------------------- hostile inputs, round two
+
+std::string nested_arrays(std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
+
+// A valid one-tensor header with the value of `field` replaced by `value`.
+std::string header_with(std::string_view field, const std::string& value) {
+  std::map<std::string, std::string> fields = {{"dtype", "\"U8\""}, {"shape", "[1]"}, {"data_offsets", "[0,1]"}};
+  fields.at(std::string(field)) = value;
+  return R"({"weight":{"dtype":)" + fields["dtype"] + R"(,"shape":)" + fields["shape"] + R"(,"data_offsets":)" +
+         fields["data_offsets"] + "}}";
+}
+
+TEST(SafetensorsHostile, ValuesNestedTensOfThousandsDeepAreRejectedWhileParsingInAShortLine) {
+  // Was a segfault: the DOM was built, then the error path serialised it recursively.
+  for (std::string_view field : {"dtype", "shape", "data_offsets"}) {
+    const Bytes bytes = build_file(header_with(field, nested_arrays(100000)), zeros(1));
+    expect_file_error(bytes, {"'weight'", field, "found an array"});
+    try {
+      parse_safetensors(bytes, "deep.safetensors");
+    } catch (const FileError& e) {
+      EXPECT_LT(std::string(e.what()).size(), 200u) << e.what();
+    }
+  }
+  expect_file_error(build_file(R"({"__metadata__":{"k":)" + nested_arrays(100000) + "}}"),
+                    {"__metadata__ entry 'k' must be a string, found an array"});
+  expect_file_error(build_file(R"({"w":)" + std::string(100000, '[') + "}"), {"'w'", "must be a JSON object"});
+}
+
+TEST(SafetensorsHostile, NulInsideTheDeclaredHeaderIsRejected) {
+  // nlohmann's lexer ends the input at a NUL: the bytes after it used to be ignored.
+  const std::string valid = R"({"weight":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})";
+  expect_file_error(build_file(valid + std::string(1, '\0') + "garbage", zeros(1)), {"NUL byte at byte 58"});
+  expect_file_error(build_file(valid + std::string(5, '\0'), zeros(1)), {"NUL byte"});
+  EXPECT_NO_THROW(parse_safetensors(build_file(valid + "     ", zeros(1)), "space_padded.safetensors"));
+}
+
+TEST(SafetensorsHostile, EveryProductOfExtentsFitsIn63BitsEvenWithAZero) {
+  // [0, 2^62, 2^62] has no elements, but code forming the product of its last two
+  // extents (a stride, B x H) would overflow: rejected whatever the order of the zero.
+  for (const char* shape : {"[0,4611686018427387904,4611686018427387904]", "[4611686018427387904,4611686018427387904,0]",
+                            "[9223372036854775807,2,0]"})
+    expect_file_error(build_file(header_with("shape", shape).replace(header_with("shape", shape).find("[0,1]"), 5, "[0,0]")),
+                      {"'weight'", "overflows 63 bits"});
+  // Large but representable: accepted, and nothing is allocated for it.
+  const SafetensorsFile parsed = parse_safetensors(
+      build_file(R"({"w":{"dtype":"F64","shape":[1099511627776,0,1,15000],"data_offsets":[0,0]}})"), "big.safetensors");
+  ASSERT_EQ(parsed.tensors.size(), 1u);
+  EXPECT_EQ(parsed.tensors[0].second.shape, (Shape{1099511627776, 0, 1, 15000}));
+  EXPECT_TRUE(parsed.tensors[0].second.bytes.empty());
+}
+
+TEST(SafetensorsHostile, TensorCountAndRankLimits) {
+  std::string header = "{";
+  for (std::size_t i = 0; i <= max_tensors; ++i)
+    header += (i ? ",\"t" : "\"t") + std::to_string(i) + R"(":{"dtype":"U8","shape":[0],"data_offsets":[0,0]})";
+  header += "}";
+  expect_file_error(build_file(header), {"more than 131072 tensors"});
+
+  std::string shape = "[";
+  for (std::size_t i = 0; i <= max_rank; ++i) shape += i ? ",1" : "1";
+  expect_file_error(build_file(header_with("shape", shape + "]"), zeros(1)), {"'weight'", "more than 64 dimensions"});
+  shape.pop_back();
+  shape.pop_back();
+  EXPECT_NO_THROW(parse_safetensors(build_file(header_with("shape", shape + "]"), zeros(1)), "rank64.safetensors"));
+}
+
+TEST(SafetensorsHostile, MessagesQuoteShortPrintableExcerpts) {
+  // A 24 MB value was once echoed whole; names with terminal escapes were printed raw.
+  const std::string long_name(100000, 'n');
+  expect_file_error(build_file(R"({")" + long_name + R"(":{"dtype":"Q","shape":[0],"data_offsets":[0,0]}})"),
+                    {"... (100000 bytes)"});
+  const std::string escapes = "\\u001b]0;owned\\u0007\\u001b[2J\xc2\x9b" "31m";
+  try {
+    parse_safetensors(build_file(R"({")" + escapes + R"(":{"dtype":"Q","shape":[0],"data_offsets":[0,0]}})"), "e.st");
+    ADD_FAILURE() << "expected FileError";
+  } catch (const FileError& e) {
+    const std::string message = e.what();
+    EXPECT_LT(message.size(), 200u);
+    EXPECT_EQ(message.find('\x1b'), std::string::npos) << message;
+    EXPECT_EQ(message.find('\x07'), std::string::npos) << message;
+    EXPECT_EQ(message.find("\xc2\x9b"), std::string::npos) << message;
+    EXPECT_NE(message.find("\\x1b]0;owned\\x07\\x1b[2J\\xc2\\x9b31m"), std::string::npos) << message;
+  }
+  expect_file_error(build_file(header_with("dtype", '"' + std::string(5000, 'D') + '"'), zeros(1)),
+                    {"unknown dtype 'DDDD", "(5000 bytes)"});
+}
+
+TEST_F(SafetensorsFiles, OnlyRegularFilesAreReadAndAFifoDoesNotBlock) {
+  // alarm: before the fix, opening the FIFO blocked for a writer that never comes.
+  const std::filesystem::path fifo = directory_ / "fifo.safetensors";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  ::alarm(20);
+  for (const auto& [path, kind] : {std::pair{fifo, "a FIFO"}, {std::filesystem::path("/dev/zero"), "a character device"},
+                                   {directory_, "a directory"}}) {
+    try {
+      read_safetensors(path);
+      ADD_FAILURE() << "expected FileError for " << path;
+    } catch (const FileError& e) {
+      EXPECT_NE(std::string(e.what()).find(kind), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(path.string()), std::string::npos) << e.what();
+    }
+  }
+  ::alarm(0);
+}
+
 TEST(SafetensorsConversion, DecodesKnownBitPatterns) {
   // 1.0 in each format: F16 0x3c00, BF16 0x3f80, E4M3 (bias 7) 0x38, E5M2 (bias 15) 0x3c;
   // then -2.0: F16 0xc000, BF16 0xc000, E4M3 0xc0, E5M2 0xc0.

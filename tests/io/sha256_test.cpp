@@ -29,6 +29,13 @@ TEST(Sha256, EmptyMessage) {
   EXPECT_EQ(sha256_of(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
 }
 
+TEST(Sha256, EmptySpanWithANullPointer) {
+  // An empty file's bytes: a default-constructed span, whose data() is null. memcpy from a
+  // null pointer is undefined even for 0 bytes (UBSan reported it when hashing an empty file).
+  EXPECT_EQ(sha256_hex(std::span<const std::uint8_t>()), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(sha256_hex(std::vector<std::uint8_t>()), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+}
+
 TEST(Sha256, Abc) {
   EXPECT_EQ(sha256_of("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
 }

@@ -8,7 +8,9 @@
 //   [rest]     the data buffer: every tensor's little-endian element bytes
 //
 // The reader trusts nothing in the file: every inconsistency is a FileError naming the
-// file and, where one is involved, the tensor. Like the reference implementation it
+// file and, where one is involved, the tensor, quoting at most a short printable excerpt
+// of any value. It is linear in the file and allocates nothing that the bytes actually
+// present do not account for (limits below; docs/robustness.md). Like the reference implementation it
 // requires the tensors, sorted by offset, to tile the data buffer exactly (no gaps, no
 // overlaps, nothing left over). The writer is deterministic: the same SafetensorsFile
 // always gives the same bytes, which the manifests' SHA-256 digests rely on.
@@ -52,6 +54,14 @@ struct SafetensorsFile {
 // Largest header accepted, as in the reference implementation: a bound on what a
 // hostile length prefix can make the reader allocate.
 inline constexpr std::uint64_t max_header_bytes = 100'000'000;
+// Most tensors one file may declare. Checkpoint shards hold thousands; the bound keeps a
+// hostile header of tiny entries from costing more than about 100 MB of names and shapes.
+inline constexpr std::size_t max_tensors = 131'072;
+// Most dimensions one tensor may have (the operators use at most 5).
+inline constexpr std::size_t max_rank = 64;
+// Deepest nesting of the header's schema: top object, tensor entry, shape array. Anything
+// deeper is rejected at its opening bracket, while parsing.
+inline constexpr int max_header_depth = 3;
 
 // Reads and validates a whole file. Tensor bytes are read straight into their RawTensor,
 // so memory is the file size once, not twice.
