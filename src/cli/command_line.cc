@@ -7,16 +7,23 @@
 
 #include <CLI/CLI.hpp>
 
+#include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <limits>
+#include <new>
+#include <set>
 #include <thread>
+#include <unordered_map>
 
 #include "k3ref/check/judgement.h"
 #include "k3ref/check/metrics.h"
 #include "k3ref/check/policy_table.h"
 #include "k3ref/error.h"
 #include "k3ref/golden/suite.h"
+#include "k3ref/io/file.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/kda/recurrent.h"
@@ -30,6 +37,55 @@ namespace fs = std::filesystem;
 constexpr int exit_ok = 0, exit_fail = 1, exit_unusable = 2;
 
 int default_jobs() { return std::max(1u, std::thread::hardware_concurrency()); }
+
+// Most threads --jobs and --threads accept: more is a typo, and each thread costs memory.
+constexpr int max_threads = 1024;
+
+// ---- strict numeric options ------------------------------------------------------------
+// CLI11 2.1 converts numbers with strtod/strtoll: it takes "nan" and "inf" for a double and
+// clamps an integer beyond the type's range to its limit without a word. These options
+// parse with std::from_chars instead: the whole text must be the number, in range, finite.
+
+template <class Int>
+CLI::Option* add_integer_option(CLI::App* app, const std::string& name, Int& target, Int lowest, Int highest,
+                                const std::string& description) {
+  const std::string shown = name.substr(0, name.find(','));
+  return app
+      ->add_option_function<std::string>(
+          name,
+          [&target, shown, lowest, highest](const std::string& text) {
+            Int value{};
+            const char* end = text.data() + text.size();
+            const auto [stop, error] = std::from_chars(text.data(), end, value);
+            const std::string range = "[" + std::to_string(lowest) + ", " + std::to_string(highest) + "]";
+            if (error == std::errc::result_out_of_range || (error == std::errc() && stop == end && (value < lowest || value > highest)))
+              throw CLI::ValidationError(shown, io::excerpt(text) + " is outside " + range);
+            if (error != std::errc() || stop != end)
+              throw CLI::ValidationError(shown, io::excerpt(text) + " is not a decimal integer in " + range);
+            target = value;
+          },
+          description)
+      ->type_name("INT");
+}
+
+CLI::Option* add_finite_option(CLI::App* app, const std::string& name, std::optional<double>& target,
+                               const std::string& description) {
+  return app
+      ->add_option_function<std::string>(
+          name,
+          [&target, name](const std::string& text) {
+            double value = 0;
+            const char* end = text.data() + text.size();
+            const auto [stop, error] = std::from_chars(text.data(), end, value);
+            if (error == std::errc::result_out_of_range)
+              throw CLI::ValidationError(name, io::excerpt(text) + " is outside the range of a double");
+            if (error != std::errc() || stop != end) throw CLI::ValidationError(name, io::excerpt(text) + " is not a number");
+            if (!std::isfinite(value)) throw CLI::ValidationError(name, io::excerpt(text) + " is not finite");
+            target = value;
+          },
+          description)
+      ->type_name("FLOAT");
+}
 
 golden::Progress stderr_progress() {
   return [](std::size_t done, std::size_t total, const std::string& name, double seconds) {
@@ -47,24 +103,29 @@ struct GoldenArgs {
   std::vector<std::string> only;
   int jobs = default_jobs();
   bool quiet = false;
+  bool force = false;
 };
 
 int golden_generate(const GoldenArgs& a) {
   std::vector<golden::Case> cases = golden::suite(a.suite);
-  if (!a.only.empty()) {
-    std::vector<golden::Case> picked;
-    for (const auto& name : a.only) {
-      auto it = std::find_if(cases.begin(), cases.end(), [&](const golden::Case& c) { return c.name == name; });
-      if (it == cases.end()) throw InvalidArgument("golden generate: argument '--only': no case named '" + name + "'");
-      picked.push_back(*it);
-    }
-    cases = picked;
+  const bool subset = !a.only.empty();
+  if (subset) {
+    // Catalogue order, each case once however often it is named.
+    const std::set<std::string> wanted(a.only.begin(), a.only.end());
+    for (const auto& name : wanted)
+      if (std::none_of(cases.begin(), cases.end(), [&](const golden::Case& c) { return c.name == name; }))
+        throw InvalidArgument("golden generate: argument '--only': no case named " + io::excerpt(name) +
+                              " in suite " + io::excerpt(a.suite));
+    std::erase_if(cases, [&](const golden::Case& c) { return !wanted.count(c.name); });
   }
+  // Before any computing: the directory must take the suite without losing a file that
+  // k3ref did not write, and --only never shrinks a manifest that lists more cases.
+  golden::check_suite_output(a.out, cases, subset, a.force);
   const auto start = std::chrono::steady_clock::now();
   const auto generated = golden::generate_cases(cases, a.jobs, a.quiet ? golden::Progress{} : stderr_progress());
-  golden::write_suite(a.out, a.suite, generated);
+  golden::write_suite(a.out, a.suite, generated, subset);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("wrote %zu cases and MANIFEST.json to %s in %.1f s\n", generated.size(), a.out.c_str(), seconds);
+  std::printf("wrote %zu cases and MANIFEST.json to %s in %.1f s\n", generated.size(), io::printable(a.out).c_str(), seconds);
   return exit_ok;
 }
 
@@ -74,19 +135,22 @@ int golden_verify(const GoldenArgs& a) {
   if (!a.generated.empty()) options.generated_dir = fs::path(a.generated);
   if (!a.quiet) options.progress = stderr_progress();
   if (!fs::is_directory(a.dir)) {
-    std::fprintf(stderr, "k3ref golden verify: %s: not a directory\n", a.dir.c_str());
+    std::fprintf(stderr, "k3ref golden verify: --dir %s: not a directory\n", io::printable(a.dir).c_str());
     return exit_unusable;
   }
+  // A manifest that cannot be read or parsed is unusable input (exit 2, one line), not a
+  // difference: nothing can be verified against it.
+  (void)golden::read_manifest(fs::path(a.dir) / "MANIFEST.json");
   const auto problems = golden::verify_suite(a.dir, options);
   for (const auto& p : problems)
-    std::printf("DIFFERENT %s%s: %s\n", p.file.c_str(), p.tensor.empty() ? "" : (" tensor '" + p.tensor + "'").c_str(),
-                p.what.c_str());
+    std::printf("DIFFERENT %s%s: %s\n", io::printable(p.file).c_str(),
+                p.tensor.empty() ? "" : (" tensor " + io::excerpt(p.tensor)).c_str(), io::printable(p.what).c_str());
   if (!problems.empty()) {
-    std::printf("golden verify: %zu problem(s) in %s\n", problems.size(), a.dir.c_str());
+    std::printf("golden verify: %zu problem(s) in %s\n", problems.size(), io::printable(a.dir).c_str());
     return exit_fail;
   }
-  std::printf("golden verify: every file in %s matches the %s\n", a.dir.c_str(),
-              a.generated.empty() ? "regenerated suite" : ("suite in " + a.generated).c_str());
+  std::printf("golden verify: every file in %s matches the %s\n", io::printable(a.dir).c_str(),
+              a.generated.empty() ? "regenerated suite" : ("suite in " + io::printable(a.generated)).c_str());
   return exit_ok;
 }
 
@@ -104,7 +168,47 @@ struct KdaArgs {
   bool l2norm = false, all_states = false, no_final_state = false;
   std::string precision = "double";
   int threads = default_jobs();
+  bool force = false;
 };
+
+// Bounds on what `k3ref kda` computes, checked from the shapes before anything is
+// allocated: a file with T = 0 has no elements, so its size bounds nothing, yet its shapes
+// may declare 2^36 heads or 2^40 sequences. The limits are far above any real layer
+// (docs/robustness.md): sequence-head pairs N x HV (one state each) and the elements of
+// each output (final_state N x HV x K x V; o; all_states B x T x HV x K x V).
+constexpr std::int64_t max_kda_sequence_heads = std::int64_t{1} << 20;
+constexpr std::int64_t max_kda_output_elements = std::int64_t{1} << 28;
+
+void check_kda_work(const io::SafetensorsFile& file, const KdaArgs& a) {
+  const io::RawTensor* q = file.find("q");
+  const io::RawTensor* v = file.find("v");
+  if (!q || !v || q->shape.size() != 4 || v->shape.size() != 4) return;  // the library names the problem
+  const std::int64_t B = q->shape[0], T = q->shape[1], K = q->shape[3], HV = v->shape[2], V = v->shape[3];
+  std::int64_t N = B;
+  if (const io::RawTensor* cu = file.find("cu_seqlens"); cu && cu->shape.size() == 1 && cu->shape[0] > 0)
+    N = cu->shape[0] - 1;
+  const std::string where = io::printable(a.in) + ": tensors 'q', 'v'";
+  auto product = [&](std::initializer_list<std::int64_t> factors, const char* what) {
+    std::int64_t p = 1;
+    for (std::int64_t f : factors)
+      if (f < 0 || __builtin_mul_overflow(p, f, &p))
+        throw FileError(where + ": " + what + " overflows 63 bits");
+    return p;
+  };
+  const std::int64_t pairs = product({N, HV}, "sequences x value heads");
+  if (pairs > max_kda_sequence_heads)
+    throw FileError(where + ": N = " + std::to_string(N) + " sequences x HV = " + std::to_string(HV) +
+                    " value heads = " + std::to_string(pairs) + " sequence-heads, over the limit of " +
+                    std::to_string(max_kda_sequence_heads));
+  auto bounded = [&](std::int64_t elements, const char* output) {
+    if (elements > max_kda_output_elements)
+      throw FileError(where + ": output '" + output + "' would hold " + std::to_string(elements) +
+                      " elements, over the limit of " + std::to_string(max_kda_output_elements));
+  };
+  if (!a.no_final_state) bounded(product({pairs, K, V}, "final_state size N x HV x K x V"), "final_state");
+  bounded(product({B, T, HV, V}, "o size B x T x HV x V"), "o");
+  if (a.all_states) bounded(product({B, T, HV, K, V}, "all_states size B x T x HV x K x V"), "all_states");
+}
 
 template <class S>
 kda::Outputs<double> run_kda(const kda::Inputs<double>& in, const KdaArgs& a) {
@@ -128,7 +232,11 @@ kda::Outputs<double> run_kda(const kda::Inputs<double>& in, const KdaArgs& a) {
 }
 
 int kda_command(const KdaArgs& a) {
+  // Before any reading or computing: the output must be writable and must not destroy
+  // the input, a device, a FIFO or a symlink's target.
+  io::check_output_path(a.out, io::OutputCheck{{fs::path(a.in)}, a.force, "--out"});
   const io::SafetensorsFile file = io::read_safetensors(a.in);
+  check_kda_work(file, a);
   const kda::Inputs<double> in = kda::inputs_from_file(file, a.in);
   const auto start = std::chrono::steady_clock::now();
   kda::Outputs<double> out;
@@ -138,10 +246,13 @@ int kda_command(const KdaArgs& a) {
     out = run_kda<num::golden_float>(in, a);
   io::SafetensorsFile result;
   kda::add_outputs(result, out);
-  result.metadata = {{"k3ref.op", "kda.recurrent"}, {"k3ref.precision", a.precision}, {"k3ref.inputs", a.in}};
+  // Metadata must be UTF-8: a name that is not is recorded with its odd bytes as \xNN.
+  result.metadata = {{"k3ref.op", "kda.recurrent"},
+                     {"k3ref.precision", a.precision},
+                     {"k3ref.inputs", io::is_valid_utf8(a.in) ? a.in : io::printable(a.in)}};
   io::write_safetensors_atomic(a.out, result);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("wrote %s (%s reference, %.2f s)\n", a.out.c_str(), a.precision.c_str(), seconds);
+  std::printf("wrote %s (%s reference, %.2f s)\n", io::printable(a.out).c_str(), a.precision.c_str(), seconds);
   return exit_ok;
 }
 
@@ -210,6 +321,9 @@ void print_judgement(const CompareArgs& a, const check::CaseJudgement& j, const 
 }
 
 int compare_command(const CompareArgs& a) {
+  // Report paths are checked before anything is read or judged (io/file.h's rules).
+  for (const auto& [path, option] : {std::pair{&a.json, "--json"}, {&a.junit, "--junit"}})
+    if (!path->empty()) io::check_output_path(*path, io::OutputCheck{{fs::path(a.golden), fs::path(a.candidate)}, false, option});
   std::string op, case_name = fs::path(a.golden).stem().string();
   try {
     std::optional<check::PolicyTable> loaded;
@@ -271,14 +385,16 @@ int run(int argc, const char* const* argv, bool execute) {
   gen->add_option("--suite", golden_args.suite, "Suite name")->capture_default_str();
   gen->add_option("--out", golden_args.out, "Output directory")->capture_default_str();
   gen->add_option("--only", golden_args.only, "Generate only these cases (the manifest lists only them)");
-  gen->add_option("--jobs,-j", golden_args.jobs, "Cases generated in parallel")->check(CLI::PositiveNumber);
+  add_integer_option(gen, "--jobs,-j", golden_args.jobs, 1, max_threads, "Cases generated in parallel");
+  gen->add_flag("--force", golden_args.force,
+                "Write into a directory holding files k3ref did not write (they may be overwritten)");
   gen->add_flag("--quiet,-q", golden_args.quiet, "No progress lines");
   CLI::App* ver = golden_cmd->add_subcommand(
       "verify", "Check a committed suite: manifest, sha256 of each file, and byte equality with a fresh generation");
   ver->add_option("--dir", golden_args.dir, "Directory of the committed suite")->capture_default_str();
   ver->add_option("--generated", golden_args.generated,
                   "Compare with a suite already generated into this directory instead of regenerating");
-  ver->add_option("--jobs,-j", golden_args.jobs, "Cases regenerated in parallel")->check(CLI::PositiveNumber);
+  add_integer_option(ver, "--jobs,-j", golden_args.jobs, 1, max_threads, "Cases regenerated in parallel");
   ver->add_flag("--quiet,-q", golden_args.quiet, "No progress lines");
   CLI::App* lst = golden_cmd->add_subcommand("list", "List the cases of a suite with their parameters");
   lst->add_option("--suite", golden_args.suite, "Suite name")->capture_default_str();
@@ -293,18 +409,20 @@ int run(int argc, const char* const* argv, bool execute) {
       ->check(CLI::IsMember({"log_decay", "decay_factor", "softplus", "lower_bound"}))->capture_default_str();
   kda_cmd->add_option("--gate-base", kda_args.gate_base, "e | 2 (FlashKDA's exp2 convention)")
       ->check(CLI::IsMember({"e", "2"}))->capture_default_str();
-  kda_cmd->add_option("--lower-bound", kda_args.lower_bound, "Lower bound of the lower_bound gate (negative)");
+  add_finite_option(kda_cmd, "--lower-bound", kda_args.lower_bound, "Lower bound of the lower_bound gate (negative)");
   kda_cmd->add_option("--beta", kda_args.beta, "as_given | sigmoid | two_sigmoid")
       ->check(CLI::IsMember({"as_given", "sigmoid", "two_sigmoid"}))->capture_default_str();
   kda_cmd->add_flag("--l2norm", kda_args.l2norm, "L2-normalise q and k (eps 1e-6)");
-  kda_cmd->add_option("--scale", kda_args.scale, "Query scale (default K^-1/2)");
+  add_finite_option(kda_cmd, "--scale", kda_args.scale, "Query scale (default K^-1/2)");
   kda_cmd->add_option("--state-layout", kda_args.state_layout, "k_first [N,HV,K,V] | v_first [N,HV,V,K]")
       ->check(CLI::IsMember({"k_first", "v_first"}))->capture_default_str();
   kda_cmd->add_flag("--all-states", kda_args.all_states, "Also write the state after every token");
   kda_cmd->add_flag("--no-final-state", kda_args.no_final_state, "Do not write final_state");
   kda_cmd->add_option("--precision", kda_args.precision, "double | mp256 (256-bit, the golden precision)")
       ->check(CLI::IsMember({"double", "mp256"}))->capture_default_str();
-  kda_cmd->add_option("--threads", kda_args.threads, "Threads over (sequence, head)")->check(CLI::PositiveNumber);
+  add_integer_option(kda_cmd, "--threads", kda_args.threads, 1, max_threads, "Threads over (sequence, head)");
+  kda_cmd->add_flag("--force", kda_args.force,
+                    "Write --out even when it is the input, a symlink, a device, a FIFO or not UTF-8");
 
   CompareArgs cmp_args;
   CLI::App* cmp = app.add_subcommand(
@@ -323,15 +441,18 @@ int run(int argc, const char* const* argv, bool execute) {
                   "Judge only these outputs, each then required (default: every golden output; stage tensors "
                   "are optional)")
       ->delimiter(',');
-  cmp->add_option("--window", cmp_args.window, "Also print the error per window of this many tokens");
+  add_integer_option(cmp, "--window", cmp_args.window, std::int64_t{0}, std::numeric_limits<std::int64_t>::max(),
+                     "Also print the error per window of this many tokens (0: no windows)");
   cmp->add_option("--json", cmp_args.json, "Write the verdict and every tensor's figures as JSON to this file");
   cmp->add_option("--junit", cmp_args.junit, "Write the verdict as JUnit XML (one testcase per tensor) to this file");
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? exit_ok : exit_unusable;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    // One line, whatever CLI11 would add ("Run with --help ..."), arguments made printable.
+    std::fprintf(stderr, "k3ref: %s\n", io::printable(e.what()).c_str());
+    return exit_unusable;
   }
   if (!execute) return exit_ok;
   try {
@@ -341,13 +462,18 @@ int run(int argc, const char* const* argv, bool execute) {
     if (*kda_cmd) return kda_command(kda_args);
     if (*cmp) return compare_command(cmp_args);
   } catch (const FileError& e) {
-    std::fprintf(stderr, "k3ref: %s\n", e.what());
+    std::fprintf(stderr, "k3ref: %s\n", io::printable(e.what()).c_str());
     return exit_unusable;
   } catch (const InvalidArgument& e) {
-    std::fprintf(stderr, "k3ref: %s\n", e.what());
+    std::fprintf(stderr, "k3ref: %s\n", io::printable(e.what()).c_str());
+    return exit_unusable;
+  } catch (const std::bad_alloc&) {
+    // Every size is checked against the bytes present or a documented limit first, so
+    // this is the machine's memory, not the input's doing.
+    std::fprintf(stderr, "k3ref: out of memory\n");
     return exit_unusable;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "k3ref: error: %s\n", e.what());
+    std::fprintf(stderr, "k3ref: error: %s\n", io::printable(e.what()).c_str());
     return exit_unusable;
   }
   return exit_unusable;

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "k3ref/error.h"
+#include "k3ref/io/file.h"
 #include "k3ref/io/sha256.h"
 #include "k3ref/num/scalar.h"
 
@@ -21,11 +22,54 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-std::vector<std::uint8_t> read_all(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FileError(path.string() + ": cannot open for reading");
-  return std::vector<std::uint8_t>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+// A golden file: regular files only (a FIFO would block, /dev/zero never ends), bounded.
+std::vector<std::uint8_t> read_all(const fs::path& path) { return io::read_regular_file(path, max_golden_file_bytes); }
+
+// Counts nesting and values while nlohmann parses, and stops the parse at the first value
+// past either limit: the document is built only for manifests within both, so no deep
+// value reaches a recursive copy, comparison, dump or destructor, and a manifest of
+// millions of tiny values is refused before it costs their memory.
+class ManifestLimits final : public json::json_sax_t {
+ public:
+  std::string error;
+
+  bool null() override { return value(); }
+  bool boolean(bool) override { return value(); }
+  bool number_integer(number_integer_t) override { return value(); }
+  bool number_unsigned(number_unsigned_t) override { return value(); }
+  bool number_float(number_float_t, const string_t&) override { return value(); }
+  bool string(string_t&) override { return value(); }
+  bool binary(binary_t&) override { return value(); }
+  bool start_object(std::size_t) override { return open(); }
+  bool start_array(std::size_t) override { return open(); }
+  bool end_object() override { return close(); }
+  bool end_array() override { return close(); }
+  bool key(string_t&) override { return true; }
+  bool parse_error(std::size_t, const std::string&, const json::exception& e) override {
+    error = "not valid JSON (" + io::excerpt(e.what(), 160) + ")";
+    return false;
+  }
+
+ private:
+  bool value() {
+    if (++values_ <= max_manifest_values) return true;
+    error = "more than " + std::to_string(max_manifest_values) + " JSON values (the limit)";
+    return false;
+  }
+  bool open() {
+    if (++depth_ > max_manifest_depth) {
+      error = "values nested more than " + std::to_string(max_manifest_depth) + " deep (the limit)";
+      return false;
+    }
+    return value();
+  }
+  bool close() {
+    --depth_;
+    return true;
+  }
+  int depth_ = 0;
+  std::size_t values_ = 0;
+};
 
 std::string file_name_of(const Case& c) { return c.name + ".safetensors"; }
 
@@ -38,12 +82,20 @@ bool is_safe_file_stem(const std::string& name) {
 
 }  // namespace
 
-Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& file) {
+Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& file_name) {
+  const std::string file = io::printable(file_name);
+  const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  // nlohmann's lexer ends the input at a NUL, which would accept garbage after one.
+  if (const std::size_t nul = text.find('\0'); nul != std::string_view::npos)
+    throw FileError(file + ": holds a NUL byte at byte " + std::to_string(nul) + " (JSON allows none)");
+  ManifestLimits limits;
+  if (!json::sax_parse(text.begin(), text.end(), &limits))
+    throw FileError(file + ": " + (limits.error.empty() ? std::string("not valid JSON") : limits.error));
   json j;
   try {
-    j = json::parse(bytes.begin(), bytes.end());
+    j = json::parse(text.begin(), text.end());
   } catch (const json::exception& e) {
-    throw FileError(file + ": not valid JSON (" + std::string(e.what()).substr(0, 120) + ")");
+    throw FileError(file + ": not valid JSON (" + io::excerpt(e.what(), 160) + ")");
   }
   auto fail = [&](const std::string& where, const std::string& what) -> FileError {
     return FileError(file + ": " + where + (where.empty() ? "" : ": ") + what);
@@ -58,6 +110,10 @@ Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& 
   Manifest m;
   m.suite = string_field(j, "suite", "");
   m.generator_version = string_field(j, "generator_version", "");
+  if (auto subset = j.find("subset"); subset != j.end()) {
+    if (!subset->is_boolean()) throw fail("", "field 'subset' is not a boolean");
+    m.subset = subset->get<bool>();
+  }
   auto cases = j.find("cases");
   if (cases == j.end() || !cases->is_array()) throw fail("", "field 'cases' missing or not an array");
   std::set<std::string> names;
@@ -67,7 +123,8 @@ Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& 
     if (!c.is_object()) throw fail(where, "not a JSON object");
     ManifestEntry e;
     e.name = string_field(c, "name", where);
-    if (!is_safe_file_stem(e.name)) throw fail(where, "name is not a plain file stem ([A-Za-z0-9_.-], at most 200)");
+    if (!is_safe_file_stem(e.name))
+      throw fail(where, "field 'name' " + io::excerpt(e.name) + " is not a plain file stem ([A-Za-z0-9_.-], at most 200)");
     where = "case '" + e.name + "'";
     if (!names.insert(e.name).second) throw fail(where, "listed twice");
     e.op = string_field(c, "op", where);
@@ -79,6 +136,10 @@ Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& 
     auto seed = c.find("seed");
     if (seed == c.end() || !seed->is_number_unsigned()) throw fail(where, "field 'seed' missing or not an unsigned integer");
     e.seed = seed->get<std::uint64_t>();
+    if (auto size = c.find("bytes"); size != c.end()) {
+      if (!size->is_number_unsigned()) throw fail(where, "field 'bytes' is not an unsigned integer");
+      e.bytes = size->get<std::uint64_t>();
+    }
     auto params = c.find("params");
     if (params == c.end() || !params->is_object()) throw fail(where, "field 'params' missing or not an object");
     e.params = *params;
@@ -122,7 +183,9 @@ std::vector<GeneratedCase> generate_cases(const std::vector<Case>& cases, int jo
   return out;
 }
 
-std::string manifest_text(const std::string& suite_name, const std::vector<GeneratedCase>& generated) {
+Manifest read_manifest(const fs::path& path) { return parse_manifest(io::read_regular_file(path, max_manifest_bytes), path.string()); }
+
+std::string manifest_text(const std::string& suite_name, const std::vector<GeneratedCase>& generated, bool subset) {
   json cases = json::array();
   for (const GeneratedCase& g : generated) {
     const io::SafetensorsFile parsed = io::parse_safetensors(g.bytes, file_name_of(g.c));
@@ -140,25 +203,91 @@ std::string manifest_text(const std::string& suite_name, const std::vector<Gener
                      {"bytes", g.bytes.size()},
                      {"tensors", tensors}});
   }
-  const json manifest = {{"format", "k3ref-golden-manifest"},
-                         {"suite", suite_name},
-                         {"generator_version", generator_version},
-                         {"cases", cases}};
+  json manifest = {{"format", "k3ref-golden-manifest"},
+                   {"suite", suite_name},
+                   {"generator_version", generator_version},
+                   {"cases", cases}};
+  if (subset) manifest["subset"] = true;  // only then: a full suite's manifest is unchanged
   return manifest.dump(2) + "\n";
 }
 
-void write_suite(const fs::path& dir, const std::string& suite_name, const std::vector<GeneratedCase>& generated) {
+void check_suite_output(const fs::path& dir, const std::vector<Case>& cases, bool subset, bool force) {
+  const std::string where = "golden generate: --out " + io::printable(dir.string());
+  auto refuse = [&](const std::string& rule) { throw FileError(where + ": " + rule); };
+  if (!force && !io::is_valid_utf8(dir.string()))
+    refuse("the name is not valid UTF-8 (--force writes it anyway)");
+  std::error_code ec;
+  const fs::file_status status = fs::symlink_status(dir, ec);
+  if (status.type() == fs::file_type::not_found) return;  // a fresh directory
+  if (ec) refuse("cannot stat: " + ec.message());
+  if (status.type() == fs::file_type::symlink && !force) refuse("is a symbolic link (--force writes through it)");
+  if (!fs::is_directory(dir, ec)) refuse("exists and is not a directory");
+
+  // What k3ref wrote there: the existing manifest and the files it lists.
+  const fs::path manifest_path = dir / "MANIFEST.json";
+  std::optional<Manifest> existing;
+  const fs::file_status manifest_status = fs::symlink_status(manifest_path, ec);
+  if (manifest_status.type() == fs::file_type::regular) {
+    try {
+      existing = read_manifest(manifest_path);
+    } catch (const FileError& e) {
+      if (!force) refuse("MANIFEST.json is not a k3ref manifest (" + std::string(e.what()) + "); --force overwrites it");
+    }
+  } else if (manifest_status.type() != fs::file_type::not_found && !force) {
+    refuse("MANIFEST.json is not a regular file (a symlink, FIFO or device); --force replaces it");
+  }
+  std::set<std::string> generating;
+  for (const Case& c : cases) generating.insert(c.name);
+  if (subset && existing) {
+    // Never, not even with --force: writing would drop cases from a fuller manifest.
+    for (const ManifestEntry& e : existing->cases)
+      if (!generating.count(e.name))
+        refuse("--only writes a subset suite of " + std::to_string(cases.size()) + " case(s), but MANIFEST.json there lists " +
+               std::to_string(existing->cases.size()) + " (" + io::excerpt(e.name) +
+               " among them); give --out a fresh directory");
+  }
+  if (force) return;
+  std::map<std::string, const ManifestEntry*> listed;
+  if (existing)
+    for (const ManifestEntry& e : existing->cases) listed[e.file] = &e;
+  for (const auto& item : fs::directory_iterator(dir)) {
+    const std::string name = item.path().filename().string();
+    if (name == "MANIFEST.json") continue;
+    // A temporary file of an interrupted k3ref write: "<file>.tmp.<pid>".
+    const std::size_t tmp = name.rfind(".tmp.");
+    if (tmp != std::string::npos && tmp + 5 < name.size() &&
+        name.find_first_not_of("0123456789", tmp + 5) == std::string::npos && listed.count(name.substr(0, tmp)))
+      continue;
+    const auto it = listed.find(name);
+    const std::string file = io::excerpt(name);
+    if (it == listed.end())
+      refuse("holds " + file + ", which k3ref did not write (not in its MANIFEST.json); --force writes anyway");
+    if (!item.is_regular_file(ec) || item.is_symlink(ec))
+      refuse(file + " is not a regular file; --force replaces it");
+    std::vector<std::uint8_t> bytes;
+    try {
+      bytes = read_all(item.path());
+    } catch (const FileError& e) {
+      refuse(std::string(e.what()) + "; --force overwrites it");
+    }
+    if (io::sha256_hex(bytes) != it->second->sha256)
+      refuse(file + " differs from the sha256 in MANIFEST.json (edited since k3ref wrote it); --force overwrites it");
+  }
+}
+
+void write_suite(const fs::path& dir, const std::string& suite_name, const std::vector<GeneratedCase>& generated,
+                 bool subset) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw FileError(dir.string() + ": cannot create directory: " + ec.message());
   for (const GeneratedCase& g : generated) io::write_file_atomic(dir / file_name_of(g.c), g.bytes);
-  const std::string text = manifest_text(suite_name, generated);
+  const std::string text = manifest_text(suite_name, generated, subset);
   io::write_file_atomic(dir / "MANIFEST.json",
                         std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
 }
 
 std::vector<VerifyProblem> explain_difference(const std::string& file, const std::vector<std::uint8_t>& committed,
-                                              const std::vector<std::uint8_t>& fresh) {
+                                              const std::vector<std::uint8_t>& fresh, const std::string& fresh_file) {
   std::vector<VerifyProblem> problems;
   io::SafetensorsFile a, b;
   try {
@@ -166,7 +295,12 @@ std::vector<VerifyProblem> explain_difference(const std::string& file, const std
   } catch (const std::exception& e) {
     return {{file, "", std::string("committed file is unreadable: ") + e.what()}};
   }
-  b = io::parse_safetensors(fresh, file + " (regenerated)");
+  const std::string fresh_name = fresh_file.empty() ? file + " (regenerated)" : fresh_file;
+  try {
+    b = io::parse_safetensors(fresh, fresh_name);
+  } catch (const std::exception& e) {
+    return {{fresh_file.empty() ? file : fresh_file, "", std::string("regenerated file is unreadable: ") + e.what()}};
+  }
   if (a.metadata != b.metadata) problems.push_back({file, "__metadata__", "metadata differs from the regenerated file"});
   std::set<std::string> seen;
   for (const auto& [name, fresh_tensor] : b.tensors) {
@@ -209,7 +343,7 @@ std::vector<VerifyProblem> verify_suite(const fs::path& dir, const VerifyOptions
   const fs::path manifest_path = dir / "MANIFEST.json";
   Manifest manifest;
   try {
-    manifest = parse_manifest(read_all(manifest_path), manifest_path.string());
+    manifest = read_manifest(manifest_path);
   } catch (const std::exception& e) {
     return {{manifest_path.string(), "", e.what()}};
   }
@@ -220,6 +354,11 @@ std::vector<VerifyProblem> verify_suite(const fs::path& dir, const VerifyOptions
     return {{manifest_path.string(), "", e.what()}};
   }
   const std::string& suite_name = manifest.suite;
+  // A subset suite (generate --only) is verified case by case for the cases it lists.
+  if (manifest.subset)
+    std::erase_if(cases, [&](const Case& c) {
+      return std::none_of(manifest.cases.begin(), manifest.cases.end(), [&](const ManifestEntry& e) { return e.name == c.name; });
+    });
   if (manifest.generator_version != generator_version)
     problems.push_back({manifest_path.string(), "",
                         "generator version " + manifest.generator_version + ", this build writes " +
@@ -250,6 +389,13 @@ std::vector<VerifyProblem> verify_suite(const fs::path& dir, const VerifyOptions
   for (const Case& c : cases) {
     const fs::path path = dir / file_name_of(c);
     auto it = listed.find(c.name);
+    std::error_code ec;
+    if (it != listed.end() && it->second.bytes && fs::is_regular_file(path, ec) && fs::file_size(path, ec) != *it->second.bytes) {
+      problems.push_back({path.string(), "", "file has " + std::to_string(fs::file_size(path, ec)) +
+                                                 " bytes, the manifest lists " + std::to_string(*it->second.bytes) +
+                                                 " (file altered, truncated or replaced)"});
+      continue;
+    }
     try {
       committed[c.name] = read_all(path);
     } catch (const std::exception& e) {
@@ -278,14 +424,16 @@ std::vector<VerifyProblem> verify_suite(const fs::path& dir, const VerifyOptions
     auto it = committed.find(g.c.name);
     if (it == committed.end() || g.bytes.empty()) continue;
     if (it->second != g.bytes) {
-      auto explained = explain_difference((dir / file_name_of(g.c)).string(), it->second, g.bytes);
+      const std::string fresh_file =
+          options.generated_dir ? (*options.generated_dir / file_name_of(g.c)).string() : std::string();
+      auto explained = explain_difference((dir / file_name_of(g.c)).string(), it->second, g.bytes, fresh_file);
       problems.insert(problems.end(), explained.begin(), explained.end());
     }
   }
   // The manifest text itself must be what this build writes (catches edited metadata).
   if (problems.empty()) {
-    const auto bytes = read_all(manifest_path);
-    const std::string expected = manifest_text(suite_name, fresh);
+    const auto bytes = io::read_regular_file(manifest_path, max_manifest_bytes);
+    const std::string expected = manifest_text(suite_name, fresh, manifest.subset);
     if (std::string(bytes.begin(), bytes.end()) != expected)
       problems.push_back({manifest_path.string(), "", "manifest text differs from the regenerated manifest"});
   }

@@ -75,6 +75,9 @@ Dims validate(const InputShapes& s) {
   require_shape("v", {d.B, d.T, d.HV, d.V}, s.v);
   require_shape("g", {d.B, d.T, d.HV, d.K}, s.g);
   require_shape("beta", {d.B, d.T, d.HV}, s.beta);
+  // With T = 0 no tensor has elements, so the shapes bound nothing: the products the
+  // recurrence forms (state offsets, sequence x head counts) must be checked here.
+  checked_numel({d.B, d.HV, d.K, d.V}, "kda: state size [B, HV, K, V]");
 
   if (s.cu_seqlens) {
     const auto& cu = *s.cu_seqlens;
@@ -92,6 +95,7 @@ Dims validate(const InputShapes& s) {
       throw InvalidArgument("kda: argument 'cu_seqlens': must end at T = " + std::to_string(d.T) + ", ends at " +
                             std::to_string(cu.back()));
     d.N = static_cast<std::int64_t>(cu.size()) - 1;
+    checked_numel({d.N, d.HV, d.K, d.V}, "kda: state size [N, HV, K, V]");
     for (std::int64_t n = 0; n < d.N; ++n) {
       d.seq_batch.push_back(0);
       d.seq_begin.push_back(cu[n]);
