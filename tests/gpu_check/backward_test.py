@@ -19,7 +19,8 @@ except ImportError:
     print("skipped: PyTorch is not importable")
     sys.exit(77)
 
-from k3ref.gpu_check import backward, golden, reference  # noqa: E402
+from k3ref.gpu_check import backward, reference  # noqa: E402
+from k3ref import goldens  # noqa: E402
 
 
 class ReferenceAdapter:
@@ -30,7 +31,7 @@ class ReferenceAdapter:
 
 
 def main():
-    cases = golden.load_suite(root / "goldens", ops=("kda.backward",))
+    cases = goldens.load_suite(root / "goldens", ops=("kda.backward",))
     assert len(cases) >= 14, f"expected the 14 gradient goldens, found {len(cases)}"
     worst, checked = 0.0, 0
     for case in cases:

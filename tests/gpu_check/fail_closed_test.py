@@ -144,9 +144,10 @@ class FailClosed(unittest.TestCase):
                     code=2, message="entry 0: missing reason")
 
     def test_the_package_known_limitations_file_is_valid_and_names_real_cases(self):
-        from k3ref.gpu_check import collection, golden
+        from k3ref import goldens
+        from k3ref.gpu_check import collection
 
-        names = {c.name for c in golden.load_suite(ROOT / "goldens", ops=("kda.recurrent", "attnres.full",
+        names = {c.name for c in goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent", "attnres.full",
                                                                            "attnres.block", "attnres.phase1"))}
         entries = collection.load_limitations()
         self.assertGreater(len(entries), 0)

@@ -22,10 +22,11 @@ except ImportError:
     sys.exit(77)
 sys.path.insert(0, str(ROOT / "python"))
 from k3ref.gpu_check import attnres_check as AC  # noqa: E402
-from k3ref.gpu_check import checks, golden, qb_check  # noqa: E402
+from k3ref.gpu_check import checks, qb_check  # noqa: E402
+from k3ref import goldens  # noqa: E402
 
-ATTNRES = golden.load_suite(ROOT / "goldens", ops=("attnres.full", "attnres.block", "attnres.phase1"))
-QB = golden.load_suite(ROOT / "goldens", ops=("qb.solver", "qb.online"))
+ATTNRES = goldens.load_suite(ROOT / "goldens", ops=("attnres.full", "attnres.block", "attnres.phase1"))
+QB = goldens.load_suite(ROOT / "goldens", ops=("qb.solver", "qb.online"))
 TORCHTITAN = Path(os.environ.get("K3GC_TORCHTITAN_PATH", ROOT / ".thirdparty" / "torchtitan"))
 HAVE_TORCHTITAN = (TORCHTITAN / qb_check.TorchtitanQbAdapter.RELATIVE).exists()
 

@@ -23,9 +23,10 @@ except ImportError as e:
     print(f"{e}: skipped")
     sys.exit(77)
 sys.path.insert(0, str(ROOT / "python"))
-# The extension k3ref._core lives in BUILD/python/k3ref/ (found through the package's path).
-if MODULE_DIR and (Path(MODULE_DIR) / "k3ref").is_dir():
-    sys.path.append(MODULE_DIR)
+# The extension k3ref._core is BUILD/python/_core*.so: the package finds it through
+# K3REF_CORE_PATH (and the printed replay commands pass that on).
+if MODULE_DIR and list(Path(MODULE_DIR).glob("_core*.so")):
+    os.environ["K3REF_CORE_PATH"] = str(Path(MODULE_DIR).resolve())
 sys.path.insert(0, str(ROOT / "tests"))
 
 from golden_crosscheck import kda_reference, load, rel_rms  # noqa: E402

@@ -70,7 +70,7 @@ def main():
         try:
             if msg.get("case_path"):
                 if msg["case_path"] not in cases:
-                    from .golden import load_case
+                    from ..goldens import load_case
 
                     cases[msg["case_path"]] = load_case(msg["case_path"])
                 case = cases[msg["case_path"]]

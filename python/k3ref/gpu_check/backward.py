@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import golden
+from .. import goldens
 from .adapters import FlaAdapter, _add_path
 
 THRESHOLDS = {"dq": 0.008, "dk": 0.008, "dv": 0.008, "d_initial_state": 0.008,
@@ -102,7 +102,7 @@ def check_single(golden_dir, only=None):
     adapters = [FlaAdapter("chunk_kda"), FlaAdapter("chunk_kda", safe_gate=True)]
     device = torch.device("cuda")
     rows = []
-    for case in golden.load_suite(golden_dir, ops=("kda.backward",)):
+    for case in goldens.load_suite(golden_dir, ops=("kda.backward",)):
         if not _selected(case, only):
             continue
         params = case.params["kda"]
@@ -141,7 +141,7 @@ def check_context_parallel(golden_dir, only=None):
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
     rows = []
-    for case in golden.load_suite(golden_dir, ops=("kda.backward",)):
+    for case in goldens.load_suite(golden_dir, ops=("kda.backward",)):
         if case.params.get("final_state_gradient", True) or not _selected(case, only):
             continue
         splits = [int(x) for x in case.tensors["splits"]]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import collection, golden, report
+from . import collection, report
 from .registry import AdapterSpecError, discover
 
 DEFAULT_GOLDENS = Path(__file__).resolve().parents[3] / "goldens"
@@ -108,7 +108,7 @@ def load_suite(goldens, adapters):
     ops = sorted({op for a in adapters for op in a.golden_ops})
     if not Path(goldens).is_dir():
         raise UsageError(f"--goldens {goldens}: not a directory")
-    return golden.load_suite(goldens, ops=tuple(ops)) if ops else []
+    return collection.load_suite(goldens, ops) if ops else []
 
 
 def execute(tests, runner, requested):

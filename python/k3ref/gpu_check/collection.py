@@ -47,6 +47,18 @@ class MutantTest:
     case = "zoo"
 
 
+def load_suite(directory, ops):
+    """The golden cases of `directory` whose operator is in `ops`, read by k3ref.goldens: the
+    cases its MANIFEST.json lists, or every *.safetensors file of a directory without one."""
+    from .. import goldens
+
+    directory = Path(directory)
+    if (directory / "MANIFEST.json").is_file():
+        return goldens.load_suite(directory, ops=tuple(ops))
+    cases = [goldens.load_case(p) for p in sorted(directory.glob("*.safetensors"))]
+    return [c for c in cases if c.op in ops]
+
+
 def load_limitations(path=None):
     """The entries of a known-limitations file: a JSON object with "entries", a list of
     {"adapter", "check", "case" (default "*"), "reason", "evidence"}; adapter and case may be

@@ -295,12 +295,13 @@ class Runner:
         loaded = self._in_process_load(a)
         if not loaded["available"]:
             return self._unavailable(test, loaded)
-        from . import golden, timing
+        from .. import goldens
+        from . import timing
 
         before = timing.COUNTERS.snapshot()
         t0 = time.perf_counter()
         try:
-            case = golden.load_case(test.case_path) if test.case_path else None
+            case = goldens.load_case(test.case_path) if test.case_path else None
             res = a.run_check(test.check, case, self.device)
         except Exception as e:
             import traceback

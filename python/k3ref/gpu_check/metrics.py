@@ -128,21 +128,12 @@ class Policy:
     name: str
 
 
-ALIASES = {
-    # Measured on an H200 (FACTS.md): FLA fused recurrent 1.0x, chunk 2.0x-2.7x, FlashKDA 3.4x-3.5x.
-    "recurrent": ("floor", 1.5),
-    "chunk": ("floor", 4.0),
-    "flashkda": ("floor", 5.0),
-    "fla-test": ("rel-rms", 0.005),
-}
-
-
-def parse_policy(name):
+def parse_policy(name, op="kda.recurrent", tensor="o"):
+    """The policy `name` as (kind, bound) for one tensor: "exact", "floor:<m>", "rel-rms:<r>",
+    or a named policy of the one policy table (k3ref.policy, policy/policies.json), whose rule
+    for `tensor` of `op` gives the metric and the multiple or bound."""
     if name == "exact":
         return Policy("exact", 0.0, name)
-    if name in ALIASES:
-        kind, bound = ALIASES[name]
-        return Policy(kind, bound, name)
     for prefix, kind in (("floor:", "floor"), ("rel-rms:", "rel-rms")):
         if name.startswith(prefix):
             try:
@@ -152,7 +143,19 @@ def parse_policy(name):
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"tolerance policy '{name}': '{name[len(prefix):]}' is not a positive number")
             return Policy(kind, value, name)
-    raise ValueError(f"unknown tolerance policy '{name}' (exact, floor:<m>, rel-rms:<r>, {', '.join(ALIASES)})")
+    from .. import policy as table_policy
+
+    table = table_policy.load_table()
+    try:
+        rule = table.rules(name, op)[tensor]
+    except KeyError:
+        raise ValueError(f"unknown tolerance policy '{name}' for {op} (exact, floor:<m>, rel-rms:<r>, "
+                         f"{', '.join(table.policy_names())})") from None
+    if rule.metric == "floor":
+        return Policy("floor", rule.multiple, name)
+    if rule.metric == "rel-rms":
+        return Policy("rel-rms", rule.bound, name)
+    return Policy("exact", 0.0, name)
 
 
 def judge(m, policy):

@@ -13,7 +13,7 @@ minimal one, which is written as a golden file (the layout of goldens/kda_*.safe
 reference at 256 bits when the module is available) and printed with the one command that
 replays it. The seed printed at the start replays the whole run.
 
-Judging: the policy of the adapter (metrics.ALIASES). For floor policies the floor is the
+Judging: the policy of the adapter (its rule for o in the policy table, k3ref.policy). For floor policies the floor is the
 larger of the measured rounding floor and the nominal one (metrics.nominal_floor): on the
 few elements of a shrunk case the measured floor can be near zero by chance (reference
 values that happen to lie near bf16 numbers), and a correct kernel must not fail for that.
@@ -21,14 +21,17 @@ values that happen to lie near bf16 numbers), and a correct kernel must not fail
 import hashlib
 import json
 import math
+import os
 import random
+import struct
 import time
 from pathlib import Path
 
 import torch
 
 from . import adapters as A
-from . import golden, lib, metrics as M, reference
+from .. import goldens
+from . import lib, metrics as M, reference
 
 GENERATOR_VERSION = "k3gc.prop/1"
 LONG_CASE_ELEMENTS = 1 << 22  # T * HV * K * V above which the GPU fp64 reference is used, when present
@@ -37,32 +40,24 @@ LONG_CASE_ELEMENTS = 1 << 22  # T * HV * K * V above which the GPU fp64 referenc
 
 
 def _module():
-    """The k3ref extension (k3ref._core), or None when it is not built or not importable."""
-    try:
-        from k3ref import _core
+    """The k3ref package when its compiled references (k3ref._core) import, else None."""
+    import k3ref
 
-        return _core
+    try:
+        k3ref._compiled()
     except ImportError:
         return None
-
-
-def _np(t):
-    return None if t is None else t.detach().cpu().to(torch.float64).numpy()
+    return k3ref
 
 
 def module_reference(inputs, params, precision="double"):
-    """(o, final_state) as float64 torch tensors from the k3ref module."""
+    """(o, final_state) as float64 torch tensors from k3ref.kda (public API)."""
     k3ref = _module()
-    cu = inputs.get("cu_seqlens")
-    out = k3ref.kda_recurrent(
-        _np(inputs["q"]), _np(inputs["k"]), _np(inputs["v"]), _np(inputs["g"]), _np(inputs["beta"]),
-        initial_state=_np(inputs.get("initial_state")), A_log=_np(inputs.get("A_log")),
-        dt_bias=_np(inputs.get("dt_bias")), cu_seqlens=None if cu is None else cu.cpu().numpy(),
-        scale=params.get("scale"), qk_l2norm=bool(params.get("qk_l2norm")), gate=params.get("gate", "log_decay"),
-        gate_base=params.get("gate_base", "e"), lower_bound=params.get("lower_bound"),
-        beta_mode=params.get("beta", "as_given"), state_layout=params.get("state_layout", "k_first"),
-        precision=precision, num_threads=2)
-    return torch.from_numpy(out["o"]), torch.from_numpy(out["final_state"])
+    out = k3ref.kda({n: t.cpu() for n, t in inputs.items()}, gate=params.get("gate", "log_decay"),
+                    gate_base=params.get("gate_base", "e"), lower_bound=params.get("lower_bound"),
+                    beta=params.get("beta", "as_given"), l2norm=bool(params.get("qk_l2norm")), scale=params.get("scale"),
+                    state_layout=params.get("state_layout", "k_first"), precision=precision, threads=2)
+    return out["o"], out["final_state"]
 
 
 def compute_reference(inputs, params, device):
@@ -86,13 +81,13 @@ def compute_reference(inputs, params, device):
 
 def judge_outputs(adapter, o, final, ref_o, ref_final):
     """(passed, reason) of a kernel's outputs against the reference, under its policy."""
-    policy = M.parse_policy(adapter.policy)
     fmt = adapter.output_dtype
     reasons = []
     ok_all = True
     for what, x, r in (("o", o, ref_o), ("final_state", final, ref_final)):
+        policy = M.parse_policy(adapter.policy, tensor=what)
         if x is None:
-            continue
+            return False, f"{what}: the kernel returned None"
         x = x.detach().cpu()
         if x.numel() != r.numel():
             return False, f"{what}: {x.numel()} elements, reference {r.numel()}"
@@ -236,12 +231,12 @@ def fixed_for(adapter):
 
 def write_failure(case, adapter, reason, out_dir, device):
     """Writes the case as a golden file; returns its path. The expected outputs are the
-    reference at 256 bits (the k3ref module's 'high') rounded once to double when the module
+    reference at 256 bits (k3ref.kda at precision 'mp256') rounded once to double when the extension
     is present, else the fp64 reference used for judging (named in the metadata)."""
     inputs = make_inputs(case)
     params = params_of(case)
     if _module() is not None:
-        o, final = module_reference(inputs, params, precision="high")
+        o, final = module_reference(inputs, params, precision="mp256")
         precision = "256-bit binary float"
     else:
         o, final, src = compute_reference(inputs, params, device)
@@ -258,7 +253,7 @@ def write_failure(case, adapter, reason, out_dir, device):
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.safetensors"
-    golden.write_safetensors(path, tensors, {
+    write_safetensors(path, tensors, {
         "k3ref.case": name,
         "k3ref.op": "kda.recurrent",
         "k3ref.seed": str(case["seed"]),
@@ -273,20 +268,54 @@ def write_failure(case, adapter, reason, out_dir, device):
 
 
 def python_path():
-    """PYTHONPATH for the printed commands: the directory holding the k3ref package, and the
-    one holding the extension when it is elsewhere (a build directory), so that a replayed run
-    computes its reference the same way."""
-    parts = [str(Path(__file__).resolve().parents[2])]
-    core = _module()
-    if core is not None and getattr(core, "__file__", None):
-        where = str(Path(core.__file__).resolve().parents[1])
-        if where not in parts:
-            parts.append(where)
-    return ":".join(parts)
+    """PYTHONPATH for the printed commands: the directory holding the k3ref package; and
+    K3REF_CORE_PATH, when the extension comes from a build directory, is printed too."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def _env_prefix():
+    core = os.environ.get("K3REF_CORE_PATH")
+    return f"PYTHONPATH={python_path()}" + (f" K3REF_CORE_PATH={core}" if core else "")
 
 
 def replay_command(path, adapter_name, extra=""):
-    return f"PYTHONPATH={python_path()} python3 -m k3ref.gpu_check prop --kernel '{adapter_name}' --replay {path}{extra}"
+    return f"{_env_prefix()} python3 -m k3ref.gpu_check prop --kernel '{adapter_name}' --replay {path}{extra}"
+
+
+# --------------------------------------------------------------------------- golden files
+
+# The reader is k3ref.goldens; this is the one Python writer, used for the shrunk failures.
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+def write_safetensors(path, tensors, metadata):
+    """Writes tensors (name -> torch tensor, in the given order) and string metadata in the
+    layout of k3ref's writer (docs/golden-format.md): contiguous data in order, the JSON
+    header padded with spaces to a multiple of 8 bytes, written to a temporary file renamed
+    into place."""
+    header = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
+    blobs = []
+    offset = 0
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        raw = t.view(_BITS[t.dtype]) if t.dtype in _BITS else t
+        data = raw.numpy().astype(raw.numpy().dtype.newbyteorder("<"), copy=False).tobytes() if t.numel() else b""
+        header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for b in blobs:
+            f.write(b)
+    tmp.replace(path)
 
 
 # --------------------------------------------------------------------------- runs
@@ -353,7 +382,7 @@ def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failu
 def replay(adapter, path, device):
     """Runs the kernel on one golden file (the written failure, or any KDA golden) and judges
     it as the property does. Returns (passed, reason)."""
-    case = golden.load_case(path)
+    case = goldens.load_case(path)
     if case.op != "kda.recurrent":
         raise ValueError(f"{path}: op {case.op}, not kda.recurrent")
     if not adapter.available():
@@ -393,7 +422,7 @@ def main(args):
         f" --flashkda-path {args.flashkda_path}" if args.flashkda_path else "") + "".join(
         f" --adapter {spec}" for spec in args.adapter)
     print(f"prop: kernel {adapter.name}, {args.examples} examples, T <= {args.max_T}, seed {seed}", flush=True)
-    print(f"replay the whole run: PYTHONPATH={python_path()} python3 -m k3ref.gpu_check prop "
+    print(f"replay the whole run: {_env_prefix()} python3 -m k3ref.gpu_check prop "
           f"--kernel '{adapter.name}' --examples {args.examples} --max-T {args.max_T} --seed {seed}{flags}", flush=True)
     res = property_run(adapter, args.examples, seed, args.max_T, args.out, args.device)
     if res["passed"] is None:
