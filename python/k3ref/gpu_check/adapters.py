@@ -437,12 +437,12 @@ class TorchKernelAdapter(KdaAdapter):
 def builtin_adapters():
     """The adapters of the kernels k3ref knows (the package's own `k3ref.adapters` entry
     point): libk3gc's fp64 reference and fp32 kernel and its mutants, FLA, FlashKDA, Liger's
-    AttnRes, torchtitan's Quantile Balancing."""
-    from . import attnres_check, qb_check
+    AttnRes, torchtitan's Quantile Balancing, and FLA's serving paths (serving_check.py)."""
+    from . import attnres_check, qb_check, serving_check
 
     return kda_adapters(include_mutants=True) + [
         attnres_check.LigerAttnResAdapter(), qb_check.TorchtitanQbAdapter(),
-        qb_check.TorchtitanQbAdapter(histogram=True)]
+        qb_check.TorchtitanQbAdapter(histogram=True)] + serving_check.serving_adapters()
 
 
 def kda_adapters(include_mutants=True):
