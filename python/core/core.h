@@ -170,6 +170,7 @@ void put_outputs(py::dict& r, const kda::Outputs<S>& out) {
 
 void register_kda_forward(py::module_& m);
 void register_kda_backward(py::module_& m);
+void register_kda_contract(py::module_& m);
 void register_kcp(py::module_& m);
 void register_attnres_qb(py::module_& m);
 

@@ -78,6 +78,7 @@ PYBIND11_MODULE(_core, m) {
   pybind11::register_exception<k3ref::InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
   kp::register_kda_forward(m);
   kp::register_kda_backward(m);
+  kp::register_kda_contract(m);
   kp::register_kcp(m);
   kp::register_attnres_qb(m);
 }

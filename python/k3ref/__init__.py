@@ -238,6 +238,38 @@ def kda_chunkwise(inputs, *, chunk_form="flashkda", chunk_size=0, sub_chunk=16, 
                  _flag(fn, "stages", stages), _choice(fn, "precision", precision, PRECISIONS))
 
 
+KDA_CONTRACTS = ("fla_recurrent", "fla_chunk", "fla_chunk_safe_gate", "flashkda")
+
+
+def kda_contract(inputs, contract, *, exact=False, sites=None, gate="log_decay", gate_base="e", lower_bound=None,
+                 beta="as_given", l2norm=False, scale=None, state_layout="k_first", no_final_state=False,
+                 threads=None):
+    """The precision contract of a real KDA kernel evaluated on the inputs it received
+    (docs/contracts.md): "fla_recurrent", "fla_chunk", "fla_chunk_safe_gate" or "flashkda".
+    Options as for kda. Returns o and final_state (float64), the values the kernel's declared
+    roundings give; exact=True: the same algorithm rounding nowhere (the chunk form itself).
+    sites: {site name: precision} overrides ("exact", "fp32", "tf32", "tf32_rz", "fp16", "bf16"),
+    for measuring which rounding explains an error; kda_contract_sites(contract) lists them."""
+    fn = "kda_contract"
+    t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
+    opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, no_final_state,
+                       threads)
+    if sites is not None and not (hasattr(sites, "items") and all(isinstance(a, str) and isinstance(b, str)
+                                                                for a, b in sites.items())):
+        _fail(fn, TypeError, f"option 'sites' must map site names to precision names, not {sites!r}")
+    return _call(fn, _compiled().kda_contract, t, opt, _choice(fn, "contract", contract, KDA_CONTRACTS),
+                 _flag(fn, "exact", exact), dict(sites or {}))
+
+
+def kda_contract_sites(contract):
+    """{rounding site: precision} of a kernel contract (docs/contracts.md)."""
+    fn = "kda_contract_sites"
+    try:
+        return dict(_compiled().kda_contract_sites(_choice(fn, "contract", contract, KDA_CONTRACTS)))
+    except ValueError as e:
+        raise ValueError(f"k3ref.{fn}: {str(e).splitlines()[0]}") from None
+
+
 def kda_backward(inputs, cotangents=None, *, method="adjoint", chunk_size=0, gate="log_decay", gate_base="e",
                  lower_bound=None, beta="as_given", l2norm=False, scale=None, state_layout="k_first",
                  precision="double", threads=None):

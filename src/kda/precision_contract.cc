@@ -1,0 +1,131 @@
+// The declared contracts of the real KDA kernels (kda/kernel_contracts.h): for each kernel,
+// the precision of every rounding site, read from the kernel's source at the commits named
+// in docs/contracts.md (FLA bc3b101d, FlashKDA 1ce47ea).
+#include "k3ref/kda/kernel_contracts.h"
+
+namespace k3ref::kda::contract {
+
+std::string_view to_string(Kernel k) {
+  switch (k) {
+    case Kernel::fla_recurrent: return "fla_recurrent";
+    case Kernel::fla_chunk: return "fla_chunk";
+    case Kernel::fla_chunk_safe_gate: return "fla_chunk_safe_gate";
+    case Kernel::flashkda: return "flashkda";
+  }
+  return "?";
+}
+
+std::optional<Kernel> kernel_from_string(std::string_view name) {
+  for (Kernel k : all_kernels)
+    if (to_string(k) == name) return k;
+  return std::nullopt;
+}
+
+std::string_view to_string(Precision p) {
+  switch (p) {
+    case Precision::exact: return "exact";
+    case Precision::fp32: return "fp32";
+    case Precision::tf32: return "tf32";
+    case Precision::tf32_rz: return "tf32_rz";
+    case Precision::fp16: return "fp16";
+    case Precision::bf16: return "bf16";
+  }
+  return "?";
+}
+
+std::optional<Precision> precision_from_string(std::string_view name) {
+  for (Precision p : {Precision::exact, Precision::fp32, Precision::tf32, Precision::tf32_rz, Precision::fp16,
+                      Precision::bf16})
+    if (to_string(p) == name) return p;
+  return std::nullopt;
+}
+
+std::optional<Site> site_from_string(std::string_view name) {
+  for (std::size_t s = 0; s < site_count; ++s)
+    if (to_string(static_cast<Site>(s)) == name) return static_cast<Site>(s);
+  return std::nullopt;
+}
+
+std::string_view to_string(Site s) {
+  static constexpr std::string_view names[site_count] = {
+      "input",     "scale",     "decay",       "decay_operand", "intra_operand", "intra_accumulate",
+      "aqk",       "akk",       "beta_l",      "L",             "inv_accumulate", "inv",         "inv_operand",
+      "inv_store", "k_beta",    "w_operand",   "w",             "u_pre",          "q_decay",
+      "k_decay",   "k_inv",     "k_restore",   "state_operand", "state_product",  "u_input",
+      "beta_u",    "u",         "chunk_accumulate", "output",   "state"};
+  return names[static_cast<std::size_t>(s)];
+}
+
+KernelContract exact_contract(Kernel k) {
+  KernelContract c;
+  c.kernel = k;
+  c.recurrence_precision = Precision::exact;
+  return c;
+}
+
+KernelContract kernel_contract(Kernel k) {
+  using P = Precision;
+  KernelContract c;
+  c.kernel = k;
+  switch (k) {
+    case Kernel::fla_recurrent:
+      // fp32 loads, state, gate and sums; o stored in the dtype of v.
+      c.recurrence_precision = P::fp32;
+      c.set(Site::output, P::bf16);
+      break;
+    case Kernel::fla_chunk:
+    case Kernel::fla_chunk_safe_gate:
+      c.set(Site::input, P::bf16)              // q, k (its L2 norm writes q.dtype), v
+          .set(Site::decay, P::fp32)           // exp2 of fp32 cumulative log2 decays
+          .set(Site::intra_operand, P::tf32)   // fp32 operands of tl.dot: tf32 on sm80+
+          .set(Site::intra_accumulate, P::fp32)
+          .set(Site::aqk, P::bf16)             // Aqk stored in k.dtype
+          .set(Site::akk, P::fp32)             // diagonal blocks in an fp32 buffer, the rest in registers
+          .set(Site::L, P::fp32)
+          .set(Site::inv_accumulate, P::fp32)
+          .set(Site::inv, P::fp32)
+          .set(Site::inv_operand, P::tf32)     // the merges' tl.dot(input_precision="tf32")
+          .set(Site::inv_store, P::bf16)       // Akk (the inverse) stored in k.dtype
+          .set(Site::k_beta, P::bf16)          // k * beta, (v * beta).to(v.dtype)
+          .set(Site::w_operand, P::bf16)       // (k beta exp2(g)).to(k.dtype)
+          .set(Site::w, P::bf16)
+          .set(Site::u_pre, P::bf16)
+          .set(Site::q_decay, P::bf16)         // (q exp2(g)).to(q.dtype); scale applied after the product
+          .set(Site::k_restore, P::bf16)       // kg stored in k.dtype
+          .set(Site::state_operand, P::bf16)   // h.to(w.dtype), h stored in k.dtype for the output
+          .set(Site::u, P::bf16)               // v_new stored in u.dtype
+          .set(Site::chunk_accumulate, P::fp32)
+          .set(Site::output, P::bf16)
+          .set(Site::state, P::fp32);
+      break;
+    case Kernel::flashkda:
+      c.flush_decay_subnormals = true;         // ex2.approx.ftz.f32
+      c.set(Site::input, P::bf16)              // L2-normalised q, k written back as bf16
+          .set(Site::scale, P::bf16)
+          .set(Site::decay, P::fp32)
+          .set(Site::decay_operand, P::bf16)   // exp2(g cumsum).to(bf16) before each product
+          .set(Site::intra_accumulate, P::fp32)
+          .set(Site::aqk, P::bf16)             // M_qk
+          .set(Site::akk, P::fp16)             // K_decay K_inv^T to fp16
+          .set(Site::beta_l, P::fp16)
+          .set(Site::L, P::fp16)
+          .set(Site::inv_accumulate, P::fp16)  // fp16-accumulating MMA
+          .set(Site::inv, P::fp16)
+          .set(Site::inv_store, P::bf16)
+          .set(Site::q_decay, P::bf16)
+          .set(Site::k_decay, P::bf16)
+          .set(Site::k_inv, P::bf16)
+          .set(Site::k_restore, P::bf16)
+          .set(Site::state_product, P::bf16)
+          .set(Site::u_input, P::bf16)
+          .set(Site::beta_u, P::bf16)
+          .set(Site::u, P::bf16)
+          .set(Site::chunk_accumulate, P::fp32)
+          .set(Site::output, P::bf16)
+          .set(Site::state, P::bf16);
+      break;
+  }
+  return c;
+}
+
+}  // namespace k3ref::kda::contract
