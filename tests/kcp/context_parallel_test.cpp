@@ -64,7 +64,7 @@ void check_split_equals_unsplit(Merge merge) {
   auto all_opt = exact_options();
   all_opt.output_all_states = true;
   auto in_k_first = in;
-  if (v_first && in.initial_state) in_k_first.initial_state = detail::swap_last_two(*in.initial_state);
+  if (v_first && in.initial_state) in_k_first.initial_state = kda::transpose_last_two(*in.initial_state);
   const auto states = *kda::recurrent_forward(in_k_first, all_opt).all_states;
   for (const RankSlice& r : cp.plan.ranks) {
     if (r.empty() || !r.continues) continue;

@@ -123,7 +123,7 @@ StateBackwardResult<S> context_parallel_state_backward(const kda::Inputs<S>& in,
   if (d_final) {
     if (d_final->shape() != (v_first ? Shape{d.N, d.HV, d.V, d.K} : Shape{d.N, d.HV, d.K, d.V}))
       throw InvalidArgument("kcp::context_parallel_state_backward: argument 'd_final': expected the final state's shape");
-    dF = v_first ? detail::swap_last_two(*d_final) : *d_final;
+    dF = kda::to_k_first(*d_final, opt.state_layout);
   }
   auto final_grad = [&](std::int64_t n) { return detail::initial_of(dF, n, d); };
   const std::int64_t P = plan.num_ranks();
@@ -177,7 +177,7 @@ StateBackwardResult<S> context_parallel_state_backward(const kda::Inputs<S>& in,
       }
     }
   }
-  res.initial_state_gradient = v_first ? detail::swap_last_two(dh0) : dh0;
+  res.initial_state_gradient = kda::from_k_first(std::move(dh0), opt.state_layout);
   return res;
 }
 
@@ -209,9 +209,7 @@ ContextParallelBackwardResult<S> context_parallel_backward(const kda::Inputs<S>&
   res.entering_states = context_parallel_forward(in, opt, splits, merge).entering_states;
   const Plan& plan = res.state.plan;
   const auto& cu = plan.cu_seqlens;
-  std::optional<Tensor<S>> dF;
-  if (cot.d_final_state)
-    dF = opt.state_layout == kda::StateLayout::v_first ? detail::swap_last_two(*cot.d_final_state) : *cot.d_final_state;
+  const std::optional<Tensor<S>> dF = kda::to_k_first(cot.d_final_state, opt.state_layout);
 
   kda::PreparedGradients<S> pg = kda::zero_prepared_gradients<S>(d);  // B = 1 here
   const std::int64_t P = plan.num_ranks();

@@ -55,8 +55,7 @@ SplitSetup<S> setup_split(const kda::Inputs<S>& in, const kda::Options<S>& opt, 
   if (s.d.B != 1)
     throw InvalidArgument(std::string(who) + ": argument 'q': context parallelism splits one packed sequence, B must be 1 (pack with cu_seqlens)");
   s.p = kda::prepare(in, opt, s.d);
-  if (in.initial_state)
-    s.h0 = opt.state_layout == kda::StateLayout::v_first ? swap_last_two(*in.initial_state) : *in.initial_state;
+  s.h0 = kda::to_k_first(in.initial_state, opt.state_layout);
   const std::vector<std::int64_t> cu = in.cu_seqlens ? *in.cu_seqlens : std::vector<std::int64_t>{0, s.d.T};
   s.plan = plan_split(cu, splits);
   return s;
@@ -147,20 +146,8 @@ ContextParallelResult<S> context_parallel_forward(const kda::Inputs<S>& in, cons
         detail::set_block(final_state, n, detail::block(*local.final_state, j));
     }
   });
-  const bool v_first = opt.state_layout == kda::StateLayout::v_first;
-  if (opt.output_final_state) out.final_state = v_first ? detail::swap_last_two(final_state) : final_state;
-  if (all_states) {
-    if (v_first) {
-      Tensor<S> t({1, d.T, d.HV, d.V, d.K});
-      for (std::int64_t x = 0; x < d.T; ++x)
-        for (std::int64_t h = 0; h < d.HV; ++h)
-          for (std::int64_t i = 0; i < d.K; ++i)
-            for (std::int64_t j = 0; j < d.V; ++j) t(0, x, h, j, i) = (*all_states)(0, x, h, i, j);
-      out.all_states = std::move(t);
-    } else {
-      out.all_states = std::move(all_states);
-    }
-  }
+  if (opt.output_final_state) out.final_state = kda::from_k_first(std::move(final_state), opt.state_layout);
+  out.all_states = kda::from_k_first(std::move(all_states), opt.state_layout);
   res.out = std::move(out);
   return res;
 }

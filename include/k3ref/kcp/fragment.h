@@ -219,18 +219,6 @@ void set_block(Tensor<S>& t, std::int64_t n, const Tensor<S>& value) {
   std::copy(value.data(), value.data() + value.numel(), t.data() + n * value.numel());
 }
 
-// [N, HV, A, B] -> [N, HV, B, A] (state layout conversion).
-template <class S>
-Tensor<S> swap_last_two(const Tensor<S>& t) {
-  const std::int64_t N = t.dim(0), HV = t.dim(1), A = t.dim(2), B = t.dim(3);
-  Tensor<S> out({N, HV, B, A});
-  for (std::int64_t n = 0; n < N; ++n)
-    for (std::int64_t h = 0; h < HV; ++h)
-      for (std::int64_t i = 0; i < A; ++i)
-        for (std::int64_t j = 0; j < B; ++j) out(n, h, j, i) = t(n, h, i, j);
-  return out;
-}
-
 }  // namespace detail
 
 // The fragment (M, S~) of tokens [t0, t1) of a prepared B = 1 sequence, all tokens one

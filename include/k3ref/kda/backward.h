@@ -163,19 +163,15 @@ void adjoint_span(const PreparedInputs<S>& p, const Dims& d, std::int64_t b, std
 }
 
 // The adjoint of recurrent_core: gradients with respect to the prepared inputs.
-// `initial_state` and `d_final_state` in the layout of `opt`.
+// `initial_state` and `cot.d_final_state` K-first ([N, HV, K, V]); recurrent_backward converts.
 template <class S>
 PreparedGradients<S> recurrent_adjoint(const PreparedInputs<S>& p, const std::optional<Tensor<S>>& initial_state,
                                        const Cotangents<S>& cot, const Options<S>& opt, const Dims& d) {
-  const bool v_first = opt.state_layout == StateLayout::v_first;
   const std::int64_t K = d.K, V = d.V;
   PreparedGradients<S> g = zero_prepared_gradients<S>(d);
-  auto load = [&](const Tensor<S>& slots, std::int64_t n, std::int64_t hv) {
-    std::vector<S> st(static_cast<std::size_t>(K * V), S(0));
-    const S* src = slots.data() + slots.offset(n, hv, 0, 0);
-    for (std::int64_t i = 0; i < K; ++i)
-      for (std::int64_t j = 0; j < V; ++j) st[i * V + j] = src[v_first ? j * K + i : i * V + j];
-    return st;
+  auto load = [&](const Tensor<S>& states, std::int64_t n, std::int64_t hv) {
+    const S* src = states.data() + states.offset(n, hv, 0, 0);
+    return std::vector<S>(src, src + K * V);
   };
   // Items (sequence, value head) write disjoint slices, so threads never change a result.
   exec::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
@@ -228,7 +224,7 @@ Tensor<S> sum_groups(const Tensor<S>& per_value_head, std::int64_t H) {
 }  // namespace detail
 
 // Maps prepared gradients back through the stages (grouped heads, L2 norm, gate, beta
-// activation, state layout) to gradients of the inputs as given.
+// activation) to gradients of the inputs as given; d_initial_state stays K-first.
 template <class S>
 Gradients<S> stage_backward(const Inputs<S>& in, const Options<S>& opt, const PreparedInputs<S>& p,
                             PreparedGradients<S> pg, const Dims& d) {
@@ -293,15 +289,7 @@ Gradients<S> stage_backward(const Inputs<S>& in, const Options<S>& opt, const Pr
     }
   }
 
-  if (opt.state_layout == StateLayout::v_first) {
-    g.d_initial_state = Tensor<S>({d.N, d.HV, d.V, d.K});
-    for (std::int64_t n = 0; n < d.N; ++n)
-      for (std::int64_t hv = 0; hv < d.HV; ++hv)
-        for (std::int64_t i = 0; i < d.K; ++i)
-          for (std::int64_t j = 0; j < d.V; ++j) g.d_initial_state(n, hv, j, i) = pg.d_initial_state(n, hv, i, j);
-  } else {
-    g.d_initial_state = std::move(pg.d_initial_state);
-  }
+  g.d_initial_state = std::move(pg.d_initial_state);  // K-first; the callers convert
   return g;
 }
 
@@ -318,7 +306,11 @@ Gradients<S> recurrent_backward(const Inputs<S>& in, const Options<S>& opt, cons
                       cot.d_final_state ? std::optional<Shape>(cot.d_final_state->shape()) : std::nullopt,
                       opt.state_layout);
   const PreparedInputs<S> p = prepare(in, opt, d);
-  return stage_backward(in, opt, p, recurrent_adjoint(p, in.initial_state, cot, opt, d), d);
+  const Cotangents<S> cot_k_first{cot.d_o, to_k_first(cot.d_final_state, opt.state_layout)};
+  Gradients<S> g =
+      stage_backward(in, opt, p, recurrent_adjoint(p, to_k_first(in.initial_state, opt.state_layout), cot_k_first, opt, d), d);
+  g.d_initial_state = from_k_first(std::move(g.d_initial_state), opt.state_layout);
+  return g;
 }
 
 }  // namespace k3ref::kda

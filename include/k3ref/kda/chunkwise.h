@@ -82,7 +82,7 @@ struct ChunkStages {
   Tensor<S> w;           // [B, T, HV, K] FLA form only: INV Diag(beta) K_decay
   Tensor<S> u_pre;       // [B, T, HV, V] FLA form only: INV Diag(beta) V
   Tensor<S> u;           // [B, T, HV, V] U of each chunk
-  Tensor<S> chunk_states;  // [chunks, HV, K, V] (V-first if the options say so): state entering each chunk
+  Tensor<S> chunk_states;  // [chunks, HV, K, V] (V-first from chunkwise_forward if the options say so): state entering each chunk
   Tensor<std::int64_t> chunk_starts;  // [chunks, 3]: batch row, first token, length
 };
 
@@ -250,307 +250,424 @@ std::vector<S> inverse_by_forward_substitution(const Policy& pol, const std::vec
 
 }  // namespace detail
 
-// The chunkwise forward over prepared inputs (the chunk algorithm proper).
+namespace detail {
+
+// Scratch of one (sequence, value head) item: allocated once, reused by every chunk.
+// Blocks are row-major, c x K, c x V or c x c for the c <= C tokens of a chunk.
+template <class S>
+struct ChunkScratch {
+  // The chunk's inputs, gathered: scale q_t, k_t, v_t, beta_t, the per-token decay a_t / a_{t-1}.
+  std::vector<S> q_scaled, k, v, beta, step_decay;
+  std::vector<S> decay;  // a_t: the cumulative decay from the chunk's first token, inclusive
+  // The two operands that multiply the entering state, stacked so that one product gives
+  // both (each row of a product is computed on its own, so stacking changes no operation):
+  // rows 0..c-1 hold K_decay (FlashKDA) or W (FLA), rows c..2c-1 Q_decay.
+  std::vector<S> state_operands;
+  std::vector<S> k_decay_fla;  // FLA: K_decay, kept apart (rows 0..c-1 of state_operands hold W)
+  std::vector<S> inv_decay, k_inv;  // FlashKDA: 1 / a and K / a
+  std::vector<S> k_restore;  // (a_last / a) K
+  std::vector<S> gram;       // [G; M]: G[t, s] = sum_i k_t k_s a_t / a_s (s < t), M the same with q_t (s <= t)
+  std::vector<S> L;          // StrictTril(Diag(beta) G)
+  std::vector<S> inv, inv_work;  // INV = (I + L)^-1; the Neumann doubling's three c x c work matrices
+  std::vector<S> beta_k_decay, u_pre;  // FLA: Diag(beta) K_decay; U' = INV Diag(beta) V
+  std::vector<S> rhs;        // FlashKDA: Diag(beta) (V - K_decay S_in); FLA: Diag(beta) V
+  std::vector<S> u;          // U
+  std::vector<S> state_products;  // [K_decay S_in (or W S_in); Q_decay S_in], rows c..2c-1 then O
+  // FLA's decay ratios: a running per-channel ratio, the operands and result of the product of
+  // a sub-chunk against the earlier rows, and the pairwise ratios inside a diagonal sub-chunk
+  // ([channel][column] so that a row's columns advance together).
+  std::vector<S> ratio, offdiag_rows, offdiag_cols, offdiag_gram, diag_ratio, diag_k, diag_g, diag_m;
+
+  ChunkScratch(std::int64_t C, std::int64_t K, std::int64_t V, std::int64_t sub)
+      : q_scaled(C * K), k(C * K), v(C * V), beta(C), step_decay(C * K), decay(C * K), state_operands(2 * C * K),
+        k_decay_fla(C * K), inv_decay(C * K), k_inv(C * K), k_restore(C * K), gram(2 * C * C), L(C * C),
+        inv(C * C), inv_work(3 * C * C), beta_k_decay(C * K), u_pre(C * V), rhs(C * V), u(C * V),
+        state_products(2 * C * V), ratio(K), offdiag_rows(2 * sub * K), offdiag_cols(C * K),
+        offdiag_gram(2 * sub * C), diag_ratio(K * sub), diag_k(K * sub), diag_g(sub), diag_m(sub) {}
+};
+
+// Where a chunk lies: batch row, q/k head, value head, first token, length, chunk number.
+struct ChunkAt {
+  std::int64_t b, h, hv, t0, c, chunk;
+};
+
+// What the chunk stages read and write besides the scratch.
+template <class S>
+struct ChunkIo {
+  const PreparedInputs<S>& p;
+  std::int64_t K, V;
+  Tensor<S>& o;
+  ChunkStages<S>* stages;  // null unless recorded
+};
+
+// Stage 1 (both forms): gather the chunk's inputs; a, Q_decay = a ⊙ Q, K_decay = a ⊙ K.
+// (Separate loops over restrict pointers, so that each is one vector loop.)
+template <class S, class Policy>
+void gather_chunk(const Policy& pol, const ChunkIo<S>& io, const ChunkAt& at, ChunkScratch<S>& x, S* k_decay) {
+  using contract::Point;
+  const PreparedInputs<S>& p = io.p;
+  const std::int64_t K = io.K, V = io.V, c = at.c;
+  for (std::int64_t t = 0; t < c; ++t) {
+    const S* __restrict q = p.q.data() + p.q.offset(at.b, at.t0 + t, at.h, 0);
+    const S* __restrict k = p.k.data() + p.k.offset(at.b, at.t0 + t, at.h, 0);
+    const S* __restrict v = p.v.data() + p.v.offset(at.b, at.t0 + t, at.hv, 0);
+    const S* __restrict g = p.decay.data() + p.decay.offset(at.b, at.t0 + t, at.hv, 0);
+    S* __restrict qs_t = x.q_scaled.data() + t * K;
+    S* __restrict a_t = x.decay.data() + t * K;
+    const S scale = p.scale;
+    for (std::int64_t i = 0; i < K; ++i) qs_t[i] = scale * q[i];
+    std::copy(k, k + K, x.k.begin() + t * K);
+    std::copy(g, g + K, x.step_decay.begin() + t * K);
+    if (t == 0) {
+      for (std::int64_t i = 0; i < K; ++i) a_t[i] = pol.round(Point::decay, g[i]);
+    } else {
+      const S* __restrict a_prev = a_t - K;
+      for (std::int64_t i = 0; i < K; ++i) a_t[i] = pol.round(Point::decay, a_prev[i] * g[i]);
+    }
+    std::copy(v, v + V, x.v.begin() + t * V);
+    x.beta[t] = p.beta(at.b, at.t0 + t, at.hv);
+  }
+  S* __restrict qd = x.state_operands.data() + c * K;
+  S* __restrict kd = k_decay;
+  const S* __restrict aa = x.decay.data();
+  const S* __restrict qq = x.q_scaled.data();
+  const S* __restrict kq = x.k.data();
+  for (std::int64_t i = 0; i < c * K; ++i) {
+    qd[i] = pol.round(Point::q_decay, aa[i] * qq[i]);
+    kd[i] = pol.round(Point::k_decay, aa[i] * kq[i]);
+  }
+}
+
+// Stage 2, FlashKDA: K_inv = K / a (inverse decays), K_restore = a_last ⊙ K_inv, and
+// [G; M] = [K_decay; Q_decay] K_inv^T in one product.
+template <class S, class Policy>
+void gram_by_inverse_decays(const Policy& pol, std::int64_t K, std::int64_t c, ChunkScratch<S>& x) {
+  using contract::Point;
+  S* __restrict ai = x.inv_decay.data();
+  S* __restrict ki = x.k_inv.data();
+  const S* __restrict aa = x.decay.data();
+  const S* __restrict kq = x.k.data();
+  for (std::int64_t i = 0; i < c * K; ++i) {
+    ai[i] = pol.round(Point::decay, S(1) / aa[i]);
+    ki[i] = pol.round(Point::k_inv, kq[i] * ai[i]);
+  }
+  S* __restrict kr = x.k_restore.data();
+  const S* __restrict a_last = x.decay.data() + (c - 1) * K;
+  for (std::int64_t t = 0; t < c; ++t)
+    for (std::int64_t i = 0; i < K; ++i) kr[t * K + i] = pol.round(Point::k_restore, a_last[i] * ki[t * K + i]);
+  gemm(pol, Point::intra_accumulate, 2 * c, c, K, x.state_operands.data(), false, x.k_inv.data(), true,
+       x.gram.data(), false);
+}
+
+// Stage 2, FLA, the diagonal sub-chunk [f, e): pairwise ratios, the product of the decays
+// s+1..t. For each row t all columns s = f..t advance together (x = s - f is the inner,
+// vectorisable index); for each pair (s, t) the ratio is still multiplied by the decays in
+// order s+1..t and the sums run over i in order, as in the pairwise definition.
+template <class S, class Policy>
+void gram_diagonal_block(const Policy& pol, std::int64_t K, std::int64_t c, std::int64_t sub, std::int64_t f,
+                         std::int64_t e, ChunkScratch<S>& x) {
+  using contract::Point;
+  S* const G = x.gram.data();
+  S* const M = x.gram.data() + c * c;
+  for (std::int64_t i = 0; i < K; ++i)
+    for (std::int64_t col = 0; col < e - f; ++col) {
+      x.diag_ratio[i * sub + col] = S(1);
+      x.diag_k[i * sub + col] = x.k[(f + col) * K + i];
+    }
+  for (std::int64_t t = f; t < e; ++t) {
+    const std::int64_t xt = t - f;
+    for (std::int64_t i = 0; i < K; ++i) {
+      S* __restrict r = x.diag_ratio.data() + i * sub;
+      const S dt = x.step_decay[t * K + i];
+      for (std::int64_t col = 0; col < xt; ++col) r[col] = pol.round(Point::decay, r[col] * dt);
+    }
+    for (std::int64_t col = 0; col <= xt; ++col) x.diag_g[col] = x.diag_m[col] = S(0);
+    for (std::int64_t i = 0; i < K; ++i) {
+      const S* __restrict r = x.diag_ratio.data() + i * sub;
+      const S* __restrict ks = x.diag_k.data() + i * sub;
+      S* __restrict gk = x.diag_g.data();
+      S* __restrict mq = x.diag_m.data();
+      const S kt = x.k[t * K + i], qt = x.q_scaled[t * K + i];
+      for (std::int64_t col = 0; col <= xt; ++col) {
+        const S kr = ks[col] * r[col];
+        gk[col] = pol.round(Point::intra_accumulate, gk[col] + kt * kr);
+        mq[col] = pol.round(Point::intra_accumulate, mq[col] + qt * kr);
+      }
+    }
+    for (std::int64_t col = 0; col <= xt; ++col) {
+      if (col < xt) G[t * c + f + col] = x.diag_g[col];
+      M[t * c + f + col] = x.diag_m[col];
+    }
+  }
+}
+
+// Stage 2, FLA, sub-chunk [f, e) against all earlier rows [0, f): the ratio split at row f,
+// (a_t / a_f)(a_f / a_s), both factors <= 1. The k and q operands are stacked (rows
+// 0..rows-1 and rows..2 rows-1 of offdiag_rows) so that one product gives both blocks.
+template <class S, class Policy>
+void gram_block_against_earlier_rows(const Policy& pol, std::int64_t K, std::int64_t c, std::int64_t f,
+                                     std::int64_t e, ChunkScratch<S>& x) {
+  using contract::Point;
+  S* const G = x.gram.data();
+  S* const M = x.gram.data() + c * c;
+  const std::int64_t rows = e - f;
+  S* k_rows = x.offdiag_rows.data();
+  S* q_rows = x.offdiag_rows.data() + rows * K;
+  for (std::int64_t i = 0; i < K; ++i) x.ratio[i] = S(1);
+  for (std::int64_t t = f; t < e; ++t)
+    for (std::int64_t i = 0; i < K; ++i) {
+      if (t > f) x.ratio[i] = pol.round(Point::decay, x.ratio[i] * x.step_decay[t * K + i]);
+      k_rows[(t - f) * K + i] = pol.round(Point::k_decay, x.k[t * K + i] * x.ratio[i]);
+      q_rows[(t - f) * K + i] = pol.round(Point::q_decay, x.q_scaled[t * K + i] * x.ratio[i]);
+    }
+  for (std::int64_t i = 0; i < K; ++i) x.ratio[i] = S(1);
+  for (std::int64_t s = f - 1; s >= 0; --s)
+    for (std::int64_t i = 0; i < K; ++i) {
+      x.ratio[i] = pol.round(Point::decay, x.ratio[i] * x.step_decay[(s + 1) * K + i]);
+      x.offdiag_cols[s * K + i] = pol.round(Point::k_inv, x.k[s * K + i] * x.ratio[i]);
+    }
+  gemm(pol, Point::intra_accumulate, 2 * rows, f, K, x.offdiag_rows.data(), false, x.offdiag_cols.data(), true,
+       x.offdiag_gram.data(), false);
+  for (std::int64_t t = f; t < e; ++t)
+    for (std::int64_t s = 0; s < f; ++s) {
+      G[t * c + s] = x.offdiag_gram[(t - f) * f + s];
+      M[t * c + s] = x.offdiag_gram[(rows + t - f) * f + s];
+    }
+}
+
+// Stage 2, FLA: [G; M] by decay ratios, sub-chunk by sub-chunk, never forming 1 / a; then
+// K_restore by the ratio to the last row, formed backwards.
+template <class S, class Policy>
+void gram_by_decay_ratios(const Policy& pol, std::int64_t K, std::int64_t c, std::int64_t sub, ChunkScratch<S>& x) {
+  using contract::Point;
+  for (std::int64_t i = 0; i < 2 * c * c; ++i) x.gram[i] = S(0);
+  for (std::int64_t f = 0; f < c; f += sub) {
+    const std::int64_t e = std::min(c, f + sub);
+    gram_diagonal_block(pol, K, c, sub, f, e, x);
+    if (f > 0) gram_block_against_earlier_rows(pol, K, c, f, e, x);
+  }
+  for (std::int64_t i = 0; i < K; ++i) x.ratio[i] = S(1);
+  for (std::int64_t s = c - 1; s >= 0; --s)
+    for (std::int64_t i = 0; i < K; ++i) {
+      if (s < c - 1) x.ratio[i] = pol.round(Point::decay, x.ratio[i] * x.step_decay[(s + 1) * K + i]);
+      x.k_restore[s * K + i] = pol.round(Point::k_restore, x.k[s * K + i] * x.ratio[i]);
+    }
+}
+
+// Stage 3 (both forms): L = StrictTril(Diag(beta) G); M_qk = tril(M).
+template <class S, class Policy>
+void lower_and_mask(const Policy& pol, std::int64_t c, ChunkScratch<S>& x) {
+  using contract::Point;
+  const S* const G = x.gram.data();
+  S* const M = x.gram.data() + c * c;
+  for (std::int64_t i = 0; i < c * c; ++i) x.L[i] = S(0);
+  for (std::int64_t t = 0; t < c; ++t)
+    for (std::int64_t s = 0; s < c; ++s) {
+      if (s < t) x.L[t * c + s] = pol.round(Point::L, x.beta[t] * G[t * c + s]);
+      M[t * c + s] = s <= t ? pol.round(Point::m_qk, M[t * c + s]) : S(0);
+    }
+}
+
+// Stage 4, FLA: the state-independent parts W = INV Diag(beta) K_decay (into rows 0..c-1 of
+// state_operands) and U' = INV Diag(beta) V.
+template <class S, class Policy>
+void w_and_u_pre(const Policy& pol, std::int64_t K, std::int64_t V, std::int64_t c, ChunkScratch<S>& x) {
+  using contract::Point;
+  S* const W = x.state_operands.data();
+  for (std::int64_t t = 0; t < c; ++t) {
+    for (std::int64_t i = 0; i < K; ++i)
+      x.beta_k_decay[t * K + i] = pol.round(Point::k_decay, x.beta[t] * x.k_decay_fla[t * K + i]);
+    for (std::int64_t j = 0; j < V; ++j) x.rhs[t * V + j] = pol.round(Point::wu_pre, x.beta[t] * x.v[t * V + j]);
+  }
+  gemm(pol, Point::chunk_accumulate, c, K, c, x.inv.data(), false, x.beta_k_decay.data(), false, W, false);
+  gemm(pol, Point::chunk_accumulate, c, V, c, x.inv.data(), false, x.rhs.data(), false, x.u_pre.data(), false);
+  for (std::int64_t i = 0; i < c * K; ++i) W[i] = pol.round(Point::wu_pre, W[i]);
+  for (std::int64_t i = 0; i < c * V; ++i) x.u_pre[i] = pol.round(Point::wu_pre, x.u_pre[i]);
+}
+
+// Stage 5 (both forms, FlashKDA's second kernel begins): record the entering state, then
+// [K_decay S_in (or W S_in); Q_decay S_in] in one product.
+template <class S, class Policy>
+void multiply_entering_state(const Policy& pol, const ChunkIo<S>& io, const ChunkAt& at, const std::vector<S>& state,
+                             ChunkScratch<S>& x) {
+  using contract::Point;
+  if (io.stages)
+    std::copy(state.begin(), state.end(),
+              io.stages->chunk_states.data() + io.stages->chunk_states.offset(at.chunk, at.hv, 0, 0));
+  gemm(pol, Point::chunk_accumulate, 2 * at.c, io.V, io.K, x.state_operands.data(), false, state.data(), false,
+       x.state_products.data(), false);
+}
+
+// Stage 6, FlashKDA: U = INV Diag(beta) (V - K_decay S_in).
+template <class S, class Policy>
+void u_from_entering_state(const Policy& pol, std::int64_t V, std::int64_t c, ChunkScratch<S>& x) {
+  using contract::Point;
+  const S* k_decay_state = x.state_products.data();
+  for (std::int64_t t = 0; t < c; ++t)
+    for (std::int64_t j = 0; j < V; ++j)
+      x.rhs[t * V + j] =
+          pol.round(Point::chunk_accumulate, x.beta[t] * (x.v[t * V + j] - k_decay_state[t * V + j]));
+  gemm(pol, Point::chunk_accumulate, c, V, c, x.inv.data(), false, x.rhs.data(), false, x.u.data(), false);
+  for (std::int64_t i = 0; i < c * V; ++i) x.u[i] = pol.round(Point::u, x.u[i]);
+}
+
+// Stage 6, FLA: U = U' - W S_in.
+template <class S, class Policy>
+void u_from_u_pre(const Policy& pol, std::int64_t V, std::int64_t c, ChunkScratch<S>& x) {
+  using contract::Point;
+  const S* w_state = x.state_products.data();
+  for (std::int64_t i = 0; i < c * V; ++i) x.u[i] = x.u_pre[i] - w_state[i];
+  for (std::int64_t i = 0; i < c * V; ++i) x.u[i] = pol.round(Point::u, x.u[i]);
+}
+
+// Stage 7 (both forms): O = Q_decay S_in + M_qk U into the output; S_out = Diag(a_last)
+// S_in + K_restore^T U.
+template <class S, class Policy>
+void output_and_next_state(const Policy& pol, const ChunkIo<S>& io, const ChunkAt& at, std::vector<S>& state,
+                           ChunkScratch<S>& x) {
+  using contract::Point;
+  const std::int64_t K = io.K, V = io.V, c = at.c;
+  S* const O = x.state_products.data() + c * V;  // holds Q_decay S_in
+  gemm(pol, Point::chunk_accumulate, c, V, c, x.gram.data() + c * c, false, x.u.data(), false, O, true);
+  for (std::int64_t t = 0; t < c; ++t) {
+    S* o = io.o.data() + io.o.offset(at.b, at.t0 + t, at.hv, 0);
+    for (std::int64_t j = 0; j < V; ++j) o[j] = pol.round(Point::output, O[t * V + j]);
+  }
+  const S* a_last = x.decay.data() + (c - 1) * K;
+  for (std::int64_t i = 0; i < K; ++i) {
+    S* __restrict row = state.data() + i * V;
+    const S ai = a_last[i];
+    for (std::int64_t j = 0; j < V; ++j) row[j] = pol.round(Point::chunk_accumulate, ai * row[j]);
+  }
+  gemm(pol, Point::chunk_accumulate, K, V, c, x.k_restore.data(), true, x.u.data(), false, state.data(), true);
+  round_all(pol, Point::state, state);
+}
+
+// Stage tensors of one chunk into ChunkStages (when recorded).
+template <class S>
+void record_chunk_stages(const ChunkIo<S>& io, const ChunkAt& at, const ChunkScratch<S>& x, const S* k_decay,
+                         bool fla) {
+  ChunkStages<S>& st = *io.stages;
+  const std::int64_t K = io.K, V = io.V, c = at.c;
+  auto rows = [&](Tensor<S>& dst, const S* src, std::int64_t width) {
+    for (std::int64_t t = 0; t < c; ++t)
+      for (std::int64_t w = 0; w < width; ++w) dst(at.b, at.t0 + t, at.hv, w) = src[t * width + w];
+  };
+  rows(st.decay, x.decay.data(), K);
+  rows(st.q_decay, x.state_operands.data() + c * K, K);
+  rows(st.k_decay, k_decay, K);
+  if (!fla) rows(st.k_inv, x.k_inv.data(), K);
+  rows(st.k_restore, x.k_restore.data(), K);
+  rows(st.L, x.L.data(), c);
+  rows(st.m_qk, x.gram.data() + c * c, c);
+  rows(st.inv, x.inv.data(), c);
+  if (fla) {
+    rows(st.w, x.state_operands.data(), K);
+    rows(st.u_pre, x.u_pre.data(), V);
+  }
+  rows(st.u, x.u.data(), V);
+}
+
+// One chunk in FlashKDA's form (C = 16): its first kernel (stages 1-4: inverse decays,
+// [G; M], L, INV by Neumann doubling), then its second (stages 5-7: U, O, S).
+template <class S, class Policy>
+void flashkda_chunk(const Policy& pol, const ChunkIo<S>& io, const ChunkAt& at, int neumann_factors,
+                    std::vector<S>& state, ChunkScratch<S>& x) {
+  S* const k_decay = x.state_operands.data();  // rows 0..c-1: K_decay multiplies the state
+  gather_chunk(pol, io, at, x, k_decay);
+  gram_by_inverse_decays(pol, io.K, at.c, x);
+  lower_and_mask(pol, at.c, x);
+  inverse_by_neumann_doubling_into(pol, x.L.data(), at.c, neumann_factors, x.inv.data(), x.inv_work.data());
+  multiply_entering_state(pol, io, at, state, x);
+  u_from_entering_state(pol, io.V, at.c, x);
+  output_and_next_state(pol, io, at, state, x);
+  if (io.stages) record_chunk_stages(io, at, x, k_decay, false);
+}
+
+// One chunk in FLA's form (C = 64): [G; M] by decay ratios, INV by forward substitution,
+// W and U' before the state is read, then U = U' - W S_in, O, S.
+template <class S, class Policy>
+void fla_chunk(const Policy& pol, const ChunkIo<S>& io, const ChunkAt& at, std::int64_t sub, std::vector<S>& state,
+               ChunkScratch<S>& x) {
+  S* const k_decay = x.k_decay_fla.data();  // rows 0..c-1 of state_operands receive W
+  gather_chunk(pol, io, at, x, k_decay);
+  gram_by_decay_ratios(pol, io.K, at.c, sub, x);
+  lower_and_mask(pol, at.c, x);
+  inverse_by_forward_substitution_into(pol, x.L.data(), at.c, x.inv.data());
+  w_and_u_pre(pol, io.K, io.V, at.c, x);
+  multiply_entering_state(pol, io, at, state, x);
+  u_from_u_pre(pol, io.V, at.c, x);
+  output_and_next_state(pol, io, at, state, x);
+  if (io.stages) record_chunk_stages(io, at, x, k_decay, true);
+}
+
+}  // namespace detail
+
+// The chunkwise forward over prepared inputs: every (sequence, value head) chunk by chunk
+// in the form of `copt`. States are K-first (initial_state, final_state, the stages'
+// chunk_states); chunkwise_forward converts.
 template <class S, class Policy = contract::Exact>
 ChunkwiseOutputs<S> chunkwise_core(const PreparedInputs<S>& p, const std::optional<Tensor<S>>& initial_state,
                                    const Options<S>& opt, const Dims& d, const ChunkwiseOptions& copt,
                                    const Policy& pol = {}) {
-  using contract::Point;
   const std::int64_t C = effective_chunk_size(copt);
   const bool fla = copt.form == ChunkForm::fla;
   const std::int64_t sub = fla ? copt.sub_chunk : C;
   const int factors = neumann_factor_count(C);
   const std::int64_t K = d.K, V = d.V, group = d.HV / d.H;
-  const bool v_first = opt.state_layout == StateLayout::v_first;
 
   ChunkwiseOutputs<S> result;
   Outputs<S>& out = result.out;
   out.o = Tensor<S>({d.B, d.T, d.HV, V});
-  const Shape state_shape = v_first ? Shape{d.N, d.HV, V, K} : Shape{d.N, d.HV, K, V};
-  if (opt.output_final_state) out.final_state = Tensor<S>(state_shape);
+  if (opt.output_final_state) out.final_state = Tensor<S>({d.N, d.HV, K, V});
 
   // Chunks of each sequence, numbered in sequence order.
   std::vector<std::int64_t> first_chunk(d.N + 1, 0);
   for (std::int64_t n = 0; n < d.N; ++n)
     first_chunk[n + 1] = first_chunk[n] + (d.seq_end[n] - d.seq_begin[n] + C - 1) / C;
-  ChunkStages<S>* st = nullptr;
   if (copt.record_stages) {
-    result.stages.emplace();
-    st = &*result.stages;
-    st->chunk_size = C;
+    ChunkStages<S>& st = result.stages.emplace();
+    st.chunk_size = C;
     const Shape tk{d.B, d.T, d.HV, K}, tv{d.B, d.T, d.HV, V}, tc{d.B, d.T, d.HV, C};
-    st->decay = Tensor<S>(tk);
-    st->q_decay = Tensor<S>(tk);
-    st->k_decay = Tensor<S>(tk);
-    if (!fla) st->k_inv = Tensor<S>(tk);
-    st->k_restore = Tensor<S>(tk);
-    st->L = Tensor<S>(tc);
-    st->inv = Tensor<S>(tc);
-    st->m_qk = Tensor<S>(tc);
+    st.decay = st.q_decay = st.k_decay = st.k_restore = Tensor<S>(tk);
+    if (!fla) st.k_inv = Tensor<S>(tk);
+    st.L = st.inv = st.m_qk = Tensor<S>(tc);
     if (fla) {
-      st->w = Tensor<S>(tk);
-      st->u_pre = Tensor<S>(tv);
+      st.w = Tensor<S>(tk);
+      st.u_pre = Tensor<S>(tv);
     }
-    st->u = Tensor<S>(tv);
+    st.u = Tensor<S>(tv);
     const std::int64_t chunks = first_chunk[d.N];
-    st->chunk_states = Tensor<S>(v_first ? Shape{chunks, d.HV, V, K} : Shape{chunks, d.HV, K, V});
-    st->chunk_starts = Tensor<std::int64_t>({chunks, 3});
+    st.chunk_states = Tensor<S>({chunks, d.HV, K, V});
+    st.chunk_starts = Tensor<std::int64_t>({chunks, 3});
     for (std::int64_t n = 0; n < d.N; ++n)
       for (std::int64_t ci = first_chunk[n]; ci < first_chunk[n + 1]; ++ci) {
         const std::int64_t t0 = d.seq_begin[n] + (ci - first_chunk[n]) * C;
-        st->chunk_starts(ci, 0) = d.seq_batch[n];
-        st->chunk_starts(ci, 1) = t0;
-        st->chunk_starts(ci, 2) = std::min(C, d.seq_end[n] - t0);
+        st.chunk_starts(ci, 0) = d.seq_batch[n];
+        st.chunk_starts(ci, 1) = t0;
+        st.chunk_starts(ci, 2) = std::min(C, d.seq_end[n] - t0);
       }
   }
+  const detail::ChunkIo<S> io{p, K, V, out.o, result.stages ? &*result.stages : nullptr};
 
   exec::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
-    const std::int64_t n = item / d.HV, hv = item % d.HV, h = hv / group;
-    const std::int64_t b = d.seq_batch[n];
-    // Working state, K-first row-major.
-    std::vector<S> state(K * V, S(0));
+    const std::int64_t n = item / d.HV, hv = item % d.HV;
+    std::vector<S> state(K * V, S(0));  // K-first row-major
     if (initial_state) {
       const S* src = initial_state->data() + initial_state->offset(n, hv, 0, 0);
-      for (std::int64_t i = 0; i < K; ++i)
-        for (std::int64_t j = 0; j < V; ++j) state[i * V + j] = src[v_first ? j * K + i : i * V + j];
-      detail::round_all(pol, Point::state, state);
+      std::copy(src, src + K * V, state.begin());
+      detail::round_all(pol, contract::Point::state, state);
     }
-    // Every buffer is allocated once per item. `lhs` stacks the two operands that multiply
-    // the entering state, [K_decay; Q_decay] (FlashKDA) or [W; Q_decay] (FLA), so that one
-    // product gives [K_decay S_in; Q_decay S_in] in `lhs_state`: each row of a product is
-    // computed on its own, so stacking changes no operation.
-    std::vector<S> qs(C * K), kk(C * K), vv(C * V), beta(C), dd(C * K), a(C * K), a_inv(C * K), k_dec_fla(C * K),
-        lhs(2 * C * K), k_inv(C * K), k_rest(C * K), GM(2 * C * C), Lm(C * C), Upre(C * V), Bm(C * V), bk(C * K),
-        U(C * V), lhs_state(2 * C * V), ratio(K), row_ops(2 * sub * K), col_op(C * K), block_gm(2 * sub * C),
-        inv(C * C), inv_work(3 * C * C), diag_ratio(K * sub), diag_k(K * sub), diag_g(sub), diag_m(sub);
-    auto store_rows = [&](Tensor<S>& dst, const S* src, std::int64_t t0, std::int64_t c, std::int64_t width) {
-      for (std::int64_t t = 0; t < c; ++t)
-        for (std::int64_t x = 0; x < width; ++x) dst(b, t0 + t, hv, x) = src[t * width + x];
-    };
-    auto store_matrix = [&](Tensor<S>& dst, const S* src, std::int64_t t0, std::int64_t c) {
-      for (std::int64_t t = 0; t < c; ++t)
-        for (std::int64_t s = 0; s < c; ++s) dst(b, t0 + t, hv, s) = src[t * c + s];
-    };
-
-    const std::int64_t begin = d.seq_begin[n], end = d.seq_end[n];
-    for (std::int64_t t0 = begin, chunk = first_chunk[n]; t0 < end; t0 += C, ++chunk) {
-      const std::int64_t c = std::min(C, end - t0);
-      S* const q_dec = lhs.data() + c * K;                       // rows c..2c-1 of lhs
-      S* const k_dec = fla ? k_dec_fla.data() : lhs.data();      // FlashKDA: rows 0..c-1 of lhs
-      S* const W = lhs.data();                                   // FLA: rows 0..c-1 of lhs
-      S* const G = GM.data();                                    // c x c
-      S* const M = GM.data() + c * c;                            // c x c
-      // ---- prepare stage (FlashKDA's first kernel): everything that does not read the state
-      // (Separate loops over restrict pointers, so that each is one vector loop.)
-      for (std::int64_t t = 0; t < c; ++t) {
-        const S* __restrict q = p.q.data() + p.q.offset(b, t0 + t, h, 0);
-        const S* __restrict k = p.k.data() + p.k.offset(b, t0 + t, h, 0);
-        const S* __restrict v = p.v.data() + p.v.offset(b, t0 + t, hv, 0);
-        const S* __restrict g = p.decay.data() + p.decay.offset(b, t0 + t, hv, 0);
-        S* __restrict qs_t = qs.data() + t * K;
-        S* __restrict kk_t = kk.data() + t * K;
-        S* __restrict dd_t = dd.data() + t * K;
-        S* __restrict a_t = a.data() + t * K;
-        S* __restrict vv_t = vv.data() + t * V;
-        const S scale = p.scale;
-        for (std::int64_t i = 0; i < K; ++i) qs_t[i] = scale * q[i];
-        std::copy(k, k + K, kk_t);
-        std::copy(g, g + K, dd_t);
-        if (t == 0) {
-          for (std::int64_t i = 0; i < K; ++i) a_t[i] = pol.round(Point::decay, g[i]);
-        } else {
-          const S* __restrict a_prev = a_t - K;
-          for (std::int64_t i = 0; i < K; ++i) a_t[i] = pol.round(Point::decay, a_prev[i] * g[i]);
-        }
-        std::copy(v, v + V, vv_t);
-        beta[t] = p.beta(b, t0 + t, hv);
-      }
-      const S* a_last = a.data() + (c - 1) * K;
-      {
-        S* __restrict qd = q_dec;
-        S* __restrict kd = k_dec;
-        const S* __restrict aa = a.data();
-        const S* __restrict qq = qs.data();
-        const S* __restrict kq = kk.data();
-        for (std::int64_t x = 0; x < c * K; ++x) {
-          qd[x] = pol.round(Point::q_decay, aa[x] * qq[x]);
-          kd[x] = pol.round(Point::k_decay, aa[x] * kq[x]);
-        }
-      }
-      // G[t, s] = sum_i k_t[i] k_s[i] a_t[i] / a_s[i] (s < t), M[t, s] the same with q_t (s <= t).
-      if (!fla) {
-        {
-          S* __restrict ai = a_inv.data();
-          S* __restrict ki = k_inv.data();
-          const S* __restrict aa = a.data();
-          const S* __restrict kq = kk.data();
-          for (std::int64_t x = 0; x < c * K; ++x) {
-            ai[x] = pol.round(Point::decay, S(1) / aa[x]);
-            ki[x] = pol.round(Point::k_inv, kq[x] * ai[x]);
-          }
-          S* __restrict kr = k_rest.data();
-          const S* __restrict al = a_last;
-          for (std::int64_t t = 0; t < c; ++t)
-            for (std::int64_t i = 0; i < K; ++i) kr[t * K + i] = pol.round(Point::k_restore, al[i] * ki[t * K + i]);
-        }
-        // [G; M] = [K_decay; Q_decay] K_inv^T in one product (G and M are adjacent c x c blocks of GM).
-        detail::gemm(pol, Point::intra_accumulate, 2 * c, c, K, lhs.data(), false, k_inv.data(), true, GM.data(), false);
-      } else {
-        for (std::int64_t i = 0; i < c * c; ++i) G[i] = M[i] = S(0);
-        for (std::int64_t f = 0; f < c; f += sub) {
-          const std::int64_t e = std::min(c, f + sub), rows = e - f;
-          // Sub-chunks on the diagonal: pairwise ratios, the product of decays s+1..t. For
-          // each row t all columns s = f..t advance together (x = s - f is the inner,
-          // vectorisable index; diag_ratio and diag_k are [i][x]); for each pair (s, t) the
-          // ratio is still multiplied by the decays in order s+1..t and the sums run over
-          // i in order, as in the pairwise definition.
-          for (std::int64_t i = 0; i < K; ++i)
-            for (std::int64_t x = 0; x < rows; ++x) {
-              diag_ratio[i * sub + x] = S(1);
-              diag_k[i * sub + x] = kk[(f + x) * K + i];
-            }
-          for (std::int64_t t = f; t < e; ++t) {
-            const std::int64_t xt = t - f;
-            for (std::int64_t i = 0; i < K; ++i) {
-              S* __restrict r = diag_ratio.data() + i * sub;
-              const S dt = dd[t * K + i];
-              for (std::int64_t x = 0; x < xt; ++x) r[x] = pol.round(Point::decay, r[x] * dt);
-            }
-            for (std::int64_t x = 0; x <= xt; ++x) diag_g[x] = diag_m[x] = S(0);
-            for (std::int64_t i = 0; i < K; ++i) {
-              const S* __restrict r = diag_ratio.data() + i * sub;
-              const S* __restrict ks = diag_k.data() + i * sub;
-              S* __restrict gk = diag_g.data();
-              S* __restrict mq = diag_m.data();
-              const S kt = kk[t * K + i], qt = qs[t * K + i];
-              for (std::int64_t x = 0; x <= xt; ++x) {
-                const S kr = ks[x] * r[x];
-                gk[x] = pol.round(Point::intra_accumulate, gk[x] + kt * kr);
-                mq[x] = pol.round(Point::intra_accumulate, mq[x] + qt * kr);
-              }
-            }
-            for (std::int64_t x = 0; x <= xt; ++x) {
-              if (x < xt) G[t * c + f + x] = diag_g[x];
-              M[t * c + f + x] = diag_m[x];
-            }
-          }
-          if (f == 0) continue;
-          // Sub-chunk [f, e) against all earlier rows [0, f): split the ratio at row f. The
-          // k and q operands are stacked (rows 0..rows-1 and rows..2 rows-1 of row_ops) so
-          // one product gives both blocks.
-          S* row_op = row_ops.data();
-          S* qrow_op = row_ops.data() + rows * K;
-          for (std::int64_t i = 0; i < K; ++i) ratio[i] = S(1);
-          for (std::int64_t t = f; t < e; ++t)
-            for (std::int64_t i = 0; i < K; ++i) {
-              if (t > f) ratio[i] = pol.round(Point::decay, ratio[i] * dd[t * K + i]);
-              row_op[(t - f) * K + i] = pol.round(Point::k_decay, kk[t * K + i] * ratio[i]);
-              qrow_op[(t - f) * K + i] = pol.round(Point::q_decay, qs[t * K + i] * ratio[i]);
-            }
-          for (std::int64_t i = 0; i < K; ++i) ratio[i] = S(1);
-          for (std::int64_t s = f - 1; s >= 0; --s)
-            for (std::int64_t i = 0; i < K; ++i) {
-              ratio[i] = pol.round(Point::decay, ratio[i] * dd[(s + 1) * K + i]);
-              col_op[s * K + i] = pol.round(Point::k_inv, kk[s * K + i] * ratio[i]);
-            }
-          detail::gemm(pol, Point::intra_accumulate, 2 * rows, f, K, row_ops.data(), false, col_op.data(), true,
-                       block_gm.data(), false);
-          for (std::int64_t t = f; t < e; ++t)
-            for (std::int64_t s = 0; s < f; ++s) {
-              G[t * c + s] = block_gm[(t - f) * f + s];
-              M[t * c + s] = block_gm[(rows + t - f) * f + s];
-            }
-        }
-        // K_restore by the ratio to the last row, formed backwards.
-        for (std::int64_t i = 0; i < K; ++i) ratio[i] = S(1);
-        for (std::int64_t s = c - 1; s >= 0; --s)
-          for (std::int64_t i = 0; i < K; ++i) {
-            if (s < c - 1) ratio[i] = pol.round(Point::decay, ratio[i] * dd[(s + 1) * K + i]);
-            k_rest[s * K + i] = pol.round(Point::k_restore, kk[s * K + i] * ratio[i]);
-          }
-      }
-      for (std::int64_t i = 0; i < c * c; ++i) Lm[i] = S(0);
-      for (std::int64_t t = 0; t < c; ++t)
-        for (std::int64_t s = 0; s < c; ++s) {
-          if (s < t) Lm[t * c + s] = pol.round(Point::L, beta[t] * G[t * c + s]);
-          M[t * c + s] = s <= t ? pol.round(Point::m_qk, M[t * c + s]) : S(0);
-        }
-      if (!fla) {
-        detail::inverse_by_neumann_doubling_into(pol, Lm.data(), c, factors, inv.data(), inv_work.data());
-      } else {
-        detail::inverse_by_forward_substitution_into(pol, Lm.data(), c, inv.data());
-        // W = INV Diag(beta) K_decay and U' = INV Diag(beta) V (bk, Bm hold the scaled operands first).
-        for (std::int64_t t = 0; t < c; ++t) {
-          for (std::int64_t i = 0; i < K; ++i) bk[t * K + i] = pol.round(Point::k_decay, beta[t] * k_dec[t * K + i]);
-          for (std::int64_t j = 0; j < V; ++j) Bm[t * V + j] = pol.round(Point::wu_pre, beta[t] * vv[t * V + j]);
-        }
-        detail::gemm(pol, Point::chunk_accumulate, c, K, c, inv.data(), false, bk.data(), false, W, false);
-        detail::gemm(pol, Point::chunk_accumulate, c, V, c, inv.data(), false, Bm.data(), false, Upre.data(), false);
-        for (std::int64_t i = 0; i < c * K; ++i) W[i] = pol.round(Point::wu_pre, W[i]);
-        for (std::int64_t i = 0; i < c * V; ++i) Upre[i] = pol.round(Point::wu_pre, Upre[i]);
-      }
-
-      // ---- recurrence stage (FlashKDA's second kernel): reads and updates the state
-      if (st) {
-        S* dst = st->chunk_states.data() + st->chunk_states.offset(chunk, hv, 0, 0);
-        for (std::int64_t i = 0; i < K; ++i)
-          for (std::int64_t j = 0; j < V; ++j) dst[v_first ? j * K + i : i * V + j] = state[i * V + j];
-      }
-      // [K_decay S_in; Q_decay S_in] (FlashKDA) or [W S_in; Q_decay S_in] (FLA) in one product.
-      detail::gemm(pol, Point::chunk_accumulate, 2 * c, V, K, lhs.data(), false, state.data(), false, lhs_state.data(),
-                   false);
-      const S* ks_in = lhs_state.data();  // K_decay S_in or W S_in
-      S* const O = lhs_state.data() + c * V;  // Q_decay S_in, then O
-      if (!fla) {
-        // B = Diag(beta) (V - K_decay S_in); U = INV B.
-        for (std::int64_t t = 0; t < c; ++t)
-          for (std::int64_t j = 0; j < V; ++j)
-            Bm[t * V + j] = pol.round(Point::chunk_accumulate, beta[t] * (vv[t * V + j] - ks_in[t * V + j]));
-        detail::gemm(pol, Point::chunk_accumulate, c, V, c, inv.data(), false, Bm.data(), false, U.data(), false);
-      } else {
-        // U = U' - W S_in.
-        for (std::int64_t i = 0; i < c * V; ++i) U[i] = Upre[i] - ks_in[i];
-      }
-      for (std::int64_t i = 0; i < c * V; ++i) U[i] = pol.round(Point::u, U[i]);
-      // O = Q_decay S_in + M_qk U.
-      detail::gemm(pol, Point::chunk_accumulate, c, V, c, M, false, U.data(), false, O, true);
-      for (std::int64_t t = 0; t < c; ++t) {
-        S* o = out.o.data() + out.o.offset(b, t0 + t, hv, 0);
-        for (std::int64_t j = 0; j < V; ++j) o[j] = pol.round(Point::output, O[t * V + j]);
-      }
-      // S_out = Diag(a_last) S_in + K_restore^T U.
-      for (std::int64_t i = 0; i < K; ++i) {
-        S* __restrict row = state.data() + i * V;
-        const S ai = a_last[i];
-        for (std::int64_t j = 0; j < V; ++j) row[j] = pol.round(Point::chunk_accumulate, ai * row[j]);
-      }
-      detail::gemm(pol, Point::chunk_accumulate, K, V, c, k_rest.data(), true, U.data(), false, state.data(), true);
-      detail::round_all(pol, Point::state, state);
-
-      if (st) {
-        store_rows(st->decay, a.data(), t0, c, K);
-        store_rows(st->q_decay, q_dec, t0, c, K);
-        store_rows(st->k_decay, k_dec, t0, c, K);
-        if (!fla) store_rows(st->k_inv, k_inv.data(), t0, c, K);
-        store_rows(st->k_restore, k_rest.data(), t0, c, K);
-        for (std::int64_t t = 0; t < c; ++t)
-          for (std::int64_t s = 0; s < c; ++s) {
-            st->L(b, t0 + t, hv, s) = Lm[t * c + s];
-            st->m_qk(b, t0 + t, hv, s) = M[t * c + s];
-          }
-        store_matrix(st->inv, inv.data(), t0, c);
-        if (fla) {
-          store_rows(st->w, W, t0, c, K);
-          store_rows(st->u_pre, Upre.data(), t0, c, V);
-        }
-        store_rows(st->u, U.data(), t0, c, V);
-      }
+    detail::ChunkScratch<S> scratch(C, K, V, sub);
+    for (std::int64_t t0 = d.seq_begin[n], chunk = first_chunk[n]; t0 < d.seq_end[n]; t0 += C, ++chunk) {
+      const detail::ChunkAt at{d.seq_batch[n], hv / group, hv, t0, std::min(C, d.seq_end[n] - t0), chunk};
+      if (fla)
+        detail::fla_chunk(pol, io, at, sub, state, scratch);
+      else
+        detail::flashkda_chunk(pol, io, at, factors, state, scratch);
     }
-    if (out.final_state) {
-      S* dst = out.final_state->data() + out.final_state->offset(n, hv, 0, 0);
-      for (std::int64_t i = 0; i < K; ++i)
-        for (std::int64_t j = 0; j < V; ++j) dst[v_first ? j * K + i : i * V + j] = state[i * V + j];
-    }
+    if (out.final_state)
+      std::copy(state.begin(), state.end(), out.final_state->data() + out.final_state->offset(n, hv, 0, 0));
   });
   return result;
 }
@@ -565,7 +682,10 @@ ChunkwiseOutputs<S> chunkwise_forward(const Inputs<S>& in, const Options<S>& opt
                                       const ChunkwiseOptions& copt = {}, const Policy& pol = {}) {
   const Dims d = validated_dims(in, opt);
   validate_chunkwise(copt, opt.output_all_states);
-  return chunkwise_core(prepare(in, opt, d), in.initial_state, opt, d, copt, pol);
+  ChunkwiseOutputs<S> r = chunkwise_core(prepare(in, opt, d), to_k_first(in.initial_state, opt.state_layout), opt, d, copt, pol);
+  r.out.final_state = from_k_first(std::move(r.out.final_state), opt.state_layout);
+  if (r.stages) r.stages->chunk_states = from_k_first(std::move(r.stages->chunk_states), opt.state_layout);
+  return r;
 }
 
 }  // namespace k3ref::kda

@@ -46,6 +46,7 @@ struct ChunkwiseBackwardResult {
 };
 
 // The chunkwise backward over prepared inputs: prepared gradients and the stage tensors.
+// `initial_state` and `cot.d_final_state` K-first; chunkwise_backward converts.
 template <class S>
 std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
     const PreparedInputs<S>& p, const std::optional<Tensor<S>>& initial_state, const Cotangents<S>& cot,
@@ -62,18 +63,12 @@ std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
   fopt.output_all_states = false;
   const ChunkStages<S> st = *chunkwise_core(p, initial_state, fopt, d, copt).stages;
   const std::int64_t C = st.chunk_size, K = d.K, V = d.V;
-  const bool v_first = opt.state_layout == StateLayout::v_first;
   const std::int64_t chunks = st.chunk_starts.dim(0);
 
   ChunkBackwardStages<S> bs;
   bs.chunk_size = C;
   bs.chunk_starts = st.chunk_starts;
-  bs.chunk_states = Tensor<S>({chunks, d.HV, K, V});
-  for (std::int64_t c = 0; c < chunks; ++c)
-    for (std::int64_t hv = 0; hv < d.HV; ++hv)
-      for (std::int64_t i = 0; i < K; ++i)
-        for (std::int64_t j = 0; j < V; ++j)
-          bs.chunk_states(c, hv, i, j) = v_first ? st.chunk_states(c, hv, j, i) : st.chunk_states(c, hv, i, j);
+  bs.chunk_states = st.chunk_states;
   bs.chunk_state_gradients = Tensor<S>({chunks, d.HV, K, V});
   bs.du = Tensor<S>({d.B, d.T, d.HV, V});
   bs.dg_cumulative = Tensor<S>({d.B, d.T, d.HV, K});
@@ -87,12 +82,9 @@ std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
 
   // dS_out of a chunk: dF for a sequence's last chunk, else dh of the next chunk.
   auto final_gradient = [&](std::int64_t n, std::int64_t hv) {
-    std::vector<S> G(static_cast<std::size_t>(K * V), S(0));
-    if (cot.d_final_state)
-      for (std::int64_t i = 0; i < K; ++i)
-        for (std::int64_t j = 0; j < V; ++j)
-          G[i * V + j] = v_first ? (*cot.d_final_state)(n, hv, j, i) : (*cot.d_final_state)(n, hv, i, j);
-    return G;
+    if (!cot.d_final_state) return std::vector<S>(static_cast<std::size_t>(K * V), S(0));
+    const S* src = cot.d_final_state->data() + cot.d_final_state->offset(n, hv, 0, 0);
+    return std::vector<S>(src, src + K * V);
   };
 
   exec::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
@@ -218,8 +210,11 @@ ChunkwiseBackwardResult<S> chunkwise_backward(const Inputs<S>& in, const Options
                       cot.d_final_state ? std::optional<Shape>(cot.d_final_state->shape()) : std::nullopt,
                       opt.state_layout);
   const PreparedInputs<S> p = prepare(in, opt, d);
-  auto [pg, stages] = chunkwise_adjoint(p, in.initial_state, cot, opt, d, chunk_size);
-  return {stage_backward(in, opt, p, std::move(pg), d), std::move(stages)};
+  const Cotangents<S> cot_k_first{cot.d_o, to_k_first(cot.d_final_state, opt.state_layout)};
+  auto [pg, stages] = chunkwise_adjoint(p, to_k_first(in.initial_state, opt.state_layout), cot_k_first, opt, d, chunk_size);
+  Gradients<S> g = stage_backward(in, opt, p, std::move(pg), d);
+  g.d_initial_state = from_k_first(std::move(g.d_initial_state), opt.state_layout);
+  return {std::move(g), std::move(stages)};
 }
 
 }  // namespace k3ref::kda

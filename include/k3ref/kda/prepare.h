@@ -3,6 +3,8 @@
 // into what the recurrence consumes.
 #pragma once
 
+#include <algorithm>
+#include <optional>
 #include <string>
 
 #include "k3ref/exec/parallel.h"
@@ -50,6 +52,46 @@ Dims validated_dims(const Inputs<S>& in, const Options<S>& opt, const std::strin
     throw InvalidArgument(who + ": argument 'lower_bound': must be negative");
   if (opt.num_threads < 1) throw InvalidArgument(who + ": argument 'num_threads': must be at least 1");
   return d;
+}
+
+// The state layout (Options::state_layout) is an I/O convention: every algorithm works on
+// K-first states [..., K, V]. The public forms convert the states they are given on entry
+// and the states they return on exit with these two, and nowhere else.
+template <class S>
+Tensor<S> transpose_last_two(const Tensor<S>& t) {
+  const std::size_t r = t.rank();
+  const std::int64_t A = t.dim(r - 2), B = t.dim(r - 1), outer = A * B == 0 ? 0 : t.numel() / (A * B);
+  Shape shape = t.shape();
+  std::swap(shape[r - 2], shape[r - 1]);
+  Tensor<S> out(shape);
+  for (std::int64_t o = 0; o < outer; ++o)
+    for (std::int64_t i = 0; i < A; ++i)
+      for (std::int64_t j = 0; j < B; ++j) out.data()[(o * B + j) * A + i] = t.data()[(o * A + i) * B + j];
+  return out;
+}
+
+// A state (or state gradient) as given, in `layout`, to the K-first layout of the algorithms.
+template <class S>
+Tensor<S> to_k_first(Tensor<S> state, StateLayout layout) {
+  if (layout == StateLayout::k_first) return state;
+  return transpose_last_two(state);
+}
+template <class S>
+std::optional<Tensor<S>> to_k_first(std::optional<Tensor<S>> state, StateLayout layout) {
+  if (state) state = to_k_first(std::move(*state), layout);
+  return state;
+}
+
+// A K-first state computed by an algorithm, to the `layout` the caller asked for.
+template <class S>
+Tensor<S> from_k_first(Tensor<S> state, StateLayout layout) {
+  if (layout == StateLayout::k_first) return state;
+  return transpose_last_two(state);
+}
+template <class S>
+std::optional<Tensor<S>> from_k_first(std::optional<Tensor<S>> state, StateLayout layout) {
+  if (state) state = from_k_first(std::move(*state), layout);
+  return state;
 }
 
 // Runs the optional stages (L2 norm, gate, beta activation, default scale).

@@ -112,25 +112,25 @@ void carry_block(S* __restrict block, std::int64_t K, std::int64_t Vp, std::int6
 
 }  // namespace detail
 
-// The recurrence over prepared inputs. `initial_state` in the layout of `opt`.
+// The recurrence over prepared inputs. States are K-first: initial_state [N, HV, K, V],
+// final_state likewise, all_states [B, T, HV, K, V] (opt.state_layout is not read here;
+// recurrent_forward converts at the boundary).
 template <class S>
 Outputs<S> recurrent_core(const PreparedInputs<S>& p, const std::optional<Tensor<S>>& initial_state,
                           const Options<S>& opt, const Dims& d) {
   constexpr int N = detail::recurrence_lanes<S>;
   Outputs<S> out;
   out.o = Tensor<S>({d.B, d.T, d.HV, d.V});
-  const bool v_first = opt.state_layout == StateLayout::v_first;
-  const Shape state_shape = v_first ? Shape{d.N, d.HV, d.V, d.K} : Shape{d.N, d.HV, d.K, d.V};
-  if (opt.output_final_state) out.final_state = Tensor<S>(state_shape);
+  if (opt.output_final_state) out.final_state = Tensor<S>({d.N, d.HV, d.K, d.V});
   if (opt.output_all_states)
-    out.all_states = Tensor<S>(v_first ? Shape{d.B, d.T, d.HV, d.V, d.K} : Shape{d.B, d.T, d.HV, d.K, d.V});
+    out.all_states = Tensor<S>({d.B, d.T, d.HV, d.K, d.V});
   const std::int64_t group = d.HV / d.H;
   const std::int64_t K = d.K, V = d.V;
   // The working state: column blocks of N, each K x N row-major, padded with zero columns
   // up to Vp (padding columns never reach an output).
   const std::int64_t Vp = (V + N - 1) / N * N;
   auto at = [&](std::int64_t i, std::int64_t j) { return (j / N) * K * N + i * N + j % N; };
-  auto slot = [&](std::int64_t i, std::int64_t j) { return v_first ? j * K + i : i * V + j; };
+  auto slot = [&](std::int64_t i, std::int64_t j) { return i * V + j; };  // K-first state tensors
 
   exec::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
     const std::int64_t n = item / d.HV, hv = item % d.HV, h = hv / group;
@@ -190,7 +190,10 @@ Outputs<S> recurrent_core(const PreparedInputs<S>& p, const std::optional<Tensor
 template <class S>
 Outputs<S> recurrent_forward(const Inputs<S>& in, const Options<S>& opt = {}) {
   const Dims d = validated_dims(in, opt);
-  return recurrent_core(prepare(in, opt, d), in.initial_state, opt, d);
+  Outputs<S> out = recurrent_core(prepare(in, opt, d), to_k_first(in.initial_state, opt.state_layout), opt, d);
+  out.final_state = from_k_first(std::move(out.final_state), opt.state_layout);
+  out.all_states = from_k_first(std::move(out.all_states), opt.state_layout);
+  return out;
 }
 
 }  // namespace k3ref::kda
