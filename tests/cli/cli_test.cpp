@@ -5,9 +5,11 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "k3ref/golden/suite.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/num/float_format.h"
 
@@ -142,6 +144,149 @@ TEST(Cli, GoldenListNamesEveryCase) {
   const CommandResult r = k3ref("golden list");
   EXPECT_EQ(r.code, 0);
   EXPECT_NE(r.out.find("kda_varlen"), std::string::npos);
+}
+
+// ---- hostile arguments, paths and files (the corpus in tests/hostile/ runs many more)
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// A fresh directory per test under the scratch directory.
+fs::path fresh_dir(const std::string& name) {
+  const fs::path dir = scratch() / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+void expect_one_line_exit_two(const std::string& args, std::initializer_list<std::string_view> parts) {
+  const CommandResult r = k3ref(args);
+  EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+  EXPECT_EQ(line_count(r.out), 1u) << args << "\n" << r.out;
+  for (std::string_view part : parts) EXPECT_NE(r.out.find(part), std::string::npos) << "missing '" << part << "' in: " << r.out;
+}
+
+TEST(CliHostile, NonFiniteAndOutOfRangeNumbersAreRefusedNotClampedOrAccepted) {
+  const std::string kda = "kda --in " + golden("kda_t1").string() + " --out " + (scratch() / "o.safetensors").string();
+  for (const char* value : {"nan", "NaN", "inf", "-inf", "1e999", "0x1p3", "1.5x"})
+    expect_one_line_exit_two(kda + " --scale " + value, {"--scale"});
+  expect_one_line_exit_two(kda + " --gate lower_bound --lower-bound nan", {"--lower-bound", "not finite"});
+  expect_one_line_exit_two(kda + " --threads 4294967297", {"--threads", "outside [1, 1024]"});
+  expect_one_line_exit_two(kda + " --threads 0", {"--threads", "outside"});
+  const std::string g = golden("kda_b2_t37").string();
+  const std::string cmp = "compare --golden " + g + " --candidate " + g;
+  // 2^63 was clamped to 2^63 - 1 by CLI11; 2^63 - 1 itself overflowed the window count.
+  expect_one_line_exit_two(cmp + " --window 9223372036854775808", {"--window", "outside [0, 9223372036854775807]"});
+  expect_one_line_exit_two(cmp + " --window -1", {"--window"});
+  const CommandResult huge = k3ref(cmp + " --window 9223372036854775807");
+  EXPECT_EQ(huge.code, 0) << huge.out;
+  EXPECT_NE(huge.out.find("rel RMS by token window of 9223372036854775807: 0.00e+00\n"), std::string::npos) << huge.out;
+  expect_one_line_exit_two("golden verify -j 9223372036854775808", {"-j"});
+}
+
+TEST(CliHostile, KdaChecksItsOutputBeforeComputingAndNeverDestroysAnother) {
+  const fs::path dir = fresh_dir("kda_out");
+  const fs::path in = dir / "in.safetensors";
+  fs::copy_file(golden("kda_t1"), in);
+  const std::string original = slurp(in);
+  const std::string kda = "kda --in " + in.string() + " --out ";
+  expect_one_line_exit_two(kda + in.string(), {"--out", "is the input"});
+  fs::create_hard_link(in, dir / "hard_link");
+  expect_one_line_exit_two(kda + (dir / "hard_link").string(), {"is the input"});
+  fs::create_symlink("in.safetensors", dir / "link");
+  expect_one_line_exit_two(kda + (dir / "link").string(), {"symbolic link"});
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  expect_one_line_exit_two(kda + (dir / "fifo").string(), {"not a regular file"});
+  expect_one_line_exit_two(kda + "/dev/null", {"not a regular file"});
+  expect_one_line_exit_two(kda + (dir / "missing" / "o.safetensors").string(), {"missing"});
+  expect_one_line_exit_two(kda + "\"" + dir.string() + "/$(printf 'o\\377')\"", {"not valid UTF-8"});
+  EXPECT_EQ(slurp(in), original);
+  EXPECT_TRUE(fs::is_symlink(dir / "link"));
+  EXPECT_TRUE(fs::is_fifo(dir / "fifo"));
+  // --force: the input is read whole first, so overwriting it is safe when asked for.
+  const CommandResult forced = k3ref(kda + in.string() + " --force");
+  EXPECT_EQ(forced.code, 0) << forced.out;
+  EXPECT_NE(io::read_safetensors(in).find("o"), nullptr);
+  EXPECT_EQ(io::read_safetensors(in).find("q"), nullptr);
+}
+
+TEST(CliHostile, KdaBoundsTheWorkOfInputsWithoutTokens) {
+  // T = 0 and 2^36 value heads in 336 bytes: looped for hours (--no-final-state) or
+  // allocated 2^36 states; B = 2^40 sequences allocated per-sequence tables.
+  const fs::path dir = fresh_dir("kda_work");
+  for (const auto& [B, HV] : {std::pair<std::int64_t, std::int64_t>{1, std::int64_t{1} << 36}, {std::int64_t{1} << 40, 1}}) {
+    io::SafetensorsFile file;
+    for (const char* name : {"q", "k"}) file.tensors.emplace_back(name, io::RawTensor{DType::F64, {B, 0, 1, 1}, {}});
+    for (const char* name : {"v", "g"}) file.tensors.emplace_back(name, io::RawTensor{DType::F64, {B, 0, HV, 1}, {}});
+    file.tensors.emplace_back("beta", io::RawTensor{DType::F64, {B, 0, HV}, {}});
+    const fs::path in = dir / "no_tokens.safetensors";
+    io::write_safetensors_atomic(in, file);
+    for (const char* flags : {"", " --no-final-state"})
+      expect_one_line_exit_two("kda --in " + in.string() + " --out " + (dir / "o.safetensors").string() + flags,
+                               {"no_tokens.safetensors", "sequence-heads, over the limit of 1048576"});
+  }
+  EXPECT_FALSE(fs::exists(dir / "o.safetensors"));
+}
+
+TEST(CliHostile, GoldenGenerateNeverDestroysFilesItDidNotWrite) {
+  const fs::path dir = fresh_dir("generate");
+  // --only into a directory whose manifest lists more cases: refused, even with --force
+  // (it rewrote the committed 69-case MANIFEST.json as a 1-case one).
+  fs::create_directories(dir / "suite");
+  const fs::path committed_manifest = golden("kda_t1").parent_path() / "MANIFEST.json";
+  fs::copy_file(committed_manifest, dir / "suite" / "MANIFEST.json");
+  for (const char* force : {"", " --force"})
+    expect_one_line_exit_two("golden generate -q --only kda_t1 --out " + (dir / "suite").string() + force,
+                             {"--only writes a subset suite of 1 case(s)", "give --out a fresh directory"});
+  EXPECT_EQ(slurp(dir / "suite" / "MANIFEST.json"), slurp(committed_manifest));
+  // A user's files: a name colliding with a case, or any other file, is not overwritten.
+  fs::create_directories(dir / "mine");
+  std::ofstream(dir / "mine" / "kda_t1.safetensors") << "my notes";
+  expect_one_line_exit_two("golden generate -q --only kda_t1 --out " + (dir / "mine").string(),
+                           {"'kda_t1.safetensors'", "k3ref did not write"});
+  EXPECT_EQ(slurp(dir / "mine" / "kda_t1.safetensors"), "my notes");
+  // --only X --only X: one case, a manifest its own verifier accepts; regenerating into
+  // k3ref's own subset suite is allowed.
+  const std::string twice = "golden generate -q --only kda_t1 --only kda_t1 --out " + (dir / "subset").string();
+  ASSERT_EQ(k3ref(twice).code, 0);
+  ASSERT_EQ(k3ref(twice).code, 0);
+  const golden::Manifest subset = golden::read_manifest(dir / "subset" / "MANIFEST.json");
+  EXPECT_TRUE(subset.subset);
+  ASSERT_EQ(subset.cases.size(), 1u);
+  const CommandResult verify = k3ref("golden verify -q --dir " + (dir / "subset").string());
+  EXPECT_EQ(verify.code, 0) << verify.out;
+  // With --force the user's directory is written.
+  EXPECT_EQ(k3ref("golden generate -q --only kda_t1 --force --out " + (dir / "mine").string()).code, 0);
+  EXPECT_EQ(slurp(dir / "mine" / "kda_t1.safetensors"), slurp(golden("kda_t1")));
+}
+
+TEST(CliHostile, GoldenVerifyNamesFilesByTheirOwnPathAndRefusesAnUnreadableManifest) {
+  const fs::path dir = fresh_dir("verify");
+  fs::create_directories(dir / "suite");
+  fs::create_directories(dir / "generated");
+  const std::string args = "golden verify -q --dir " + (dir / "suite").string() + " --generated " + (dir / "generated").string();
+  ASSERT_EQ(k3ref("golden generate -q --only kda_t1 --out " + (dir / "suite").string()).code, 0);
+  std::ofstream(dir / "generated" / "kda_t1.safetensors") << std::string("\x10\0\0\0\0\0\0\0{\"o\":[1]}       ", 24);
+  const CommandResult bad = k3ref(args);
+  EXPECT_EQ(bad.code, 1) << bad.out;
+  EXPECT_NE(bad.out.find("DIFFERENT " + (dir / "generated" / "kda_t1.safetensors").string() +
+                         ": regenerated file is unreadable"),
+            std::string::npos)
+      << bad.out;
+  // The manifest: a FIFO, /dev/zero, deep params: one line, exit 2, at once.
+  fs::remove(dir / "suite" / "MANIFEST.json");
+  ASSERT_EQ(::mkfifo((dir / "suite" / "MANIFEST.json").c_str(), 0600), 0);
+  expect_one_line_exit_two(args, {"MANIFEST.json", "is a FIFO"});
+  fs::remove(dir / "suite" / "MANIFEST.json");
+  fs::create_symlink("/dev/zero", dir / "suite" / "MANIFEST.json");
+  expect_one_line_exit_two(args, {"MANIFEST.json", "is a character device"});
+  fs::remove(dir / "suite" / "MANIFEST.json");
+  std::ofstream(dir / "suite" / "MANIFEST.json")
+      << R"({"format":"k3ref-golden-manifest","suite":"default","generator_version":"1","cases":[{"params":)"
+      << std::string(100000, '[') << std::string(100000, ']') << "}]}";
+  expect_one_line_exit_two(args, {"MANIFEST.json", "nested more than 64 deep"});
 }
 
 }  // namespace
