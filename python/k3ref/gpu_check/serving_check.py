@@ -463,6 +463,7 @@ class TorchServingAdapter(ServingAdapter):
     MUTATIONS = (None, "accepted_off_by_one", "write_unnamed_slot", "layout_swap", "checkpoint_late",
                  "verify_writes_committed")
     modes = ("decode", "verify", "per_token", "pad", "multi_token_decode", "prefill", "intermediate")
+    golden_ops = POOL_OPS + CHECKPOINT_OPS
     # fp64 arithmetic and an fp64 pool against the 256-bit goldens: everything to 1e-12.
     o_bound = Bound(torch.float64, 1.0)
     state_bound = Bound(torch.float64, 1.0)
