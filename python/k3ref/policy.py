@@ -91,7 +91,7 @@ def table_path():
 
 def _positive(value, where):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-        raise PolicyTableError(f"{where}: must be a positive number, not {value!r}")
+        raise PolicyTableError(f"{where}: must be a positive number")
     return float(value)
 
 

@@ -227,5 +227,42 @@ class FailClosed(unittest.TestCase):
         self.assertEqual(json.loads(out.read_text())["verdict"], "unusable")
 
 
+class TableParity(unittest.TestCase):
+    """Both readers refuse the same malformed tables, naming the same entry in the same words."""
+
+    MUTATIONS = {
+        "version": lambda t: t.update(version=2),
+        "unknown_key": lambda t: t.update(extra=1),
+        "missing_rule": lambda t: t["policies"]["chunk"]["rules"]["kda.backward"].pop("dq"),
+        "int_floor": lambda t: t["policies"]["qb-exact"]["rules"]["qb.solver"].update(loads={"metric": "floor", "multiple": 2}),
+        "negative": lambda t: t["policies"]["recurrent"]["rules"]["kda.recurrent"]["output"].update(multiple=-1),
+        "misplaced_bound": lambda t: t["policies"]["recurrent"]["rules"]["kda.recurrent"]["output"].update(bound=1),
+        "metric": lambda t: t["policies"]["recurrent"]["rules"]["kda.recurrent"]["output"].update(metric="close"),
+        "reserved": lambda t: t["policies"].update({"floor:3": {"rules": {}}}),
+        "operator": lambda t: t["policies"]["recurrent"]["rules"].update({"kda.nothing": {}}),
+        "dtype": lambda t: t["operators"]["kda.recurrent"]["outputs"]["o"].update(dtype="fp8"),
+        "role": lambda t: t["operators"]["kda.recurrent"]["outputs"]["o"].update(role="result"),
+    }
+
+    def test_malformed_tables(self):
+        base = json.loads(policy.table_path().read_text())
+        for label, mutate in self.MUTATIONS.items():
+            data = json.loads(json.dumps(base))
+            mutate(data)
+            path = TMP / f"table_{label}.json"
+            path.write_text(json.dumps(data))
+            with self.assertRaises(policy.PolicyTableError, msg=label) as ctx:
+                policy.PolicyTable.load(path)
+            run = subprocess.run([EXE, "compare", "--golden", str(g("kda_t1")), "--candidate", str(g("kda_t1")),
+                                  "--policy-table", str(path)], capture_output=True, text=True)
+            self.assertEqual(run.returncode, 2, label)
+            self.assertEqual(run.stderr.count("\n"), 1, run.stderr)
+            # The same entry and words; C++ prefixes "k3ref: ".
+            self.assertEqual(run.stderr.strip().removeprefix("k3ref: "), str(ctx.exception), label)
+        # The shipped table itself: both read it, and the C++ built-in copy is this file.
+        self.assertEqual(subprocess.run([EXE, "compare", "--golden", str(g("kda_t1")), "--candidate", str(g("kda_t1")),
+                                         "--policy-table", str(policy.table_path()), "--policy", "exact"]).returncode, 0)
+
+
 if __name__ == "__main__":
     unittest.main(argv=[sys.argv[0]], verbosity=1)
