@@ -162,6 +162,7 @@ def main():
     work = args.keep or tempfile.mkdtemp(prefix="k3ref_hostile_")
     os.makedirs(work, exist_ok=True)
     outcomes = {}
+    by_class = {}
     failures = 0
     started = time.monotonic()
     try:
@@ -184,6 +185,8 @@ def main():
             outcome = "killed" if code is None else f"exit {code}"
             verdict = "handled" if not problems else "NOT HANDLED"
             outcomes[(outcome, verdict)] = outcomes.get((outcome, verdict), 0) + 1
+            per_class = by_class.setdefault(case.klass.split(":")[0], {})
+            per_class[outcome] = per_class.get(outcome, 0) + 1
             first_line = (stdout + stderr).decode(errors="replace").split("\n")[0][:160]
             print(f"{verdict:11} {outcome:7} {seconds:6.2f} s {rss >> 20:5} MiB  {case.name}  [{case.klass}]  {first_line}")
             for p in problems:
@@ -192,6 +195,8 @@ def main():
             if not args.keep:
                 shutil.rmtree(case.directory, ignore_errors=True)
         total = time.monotonic() - started
+        print("\nby class: " + "; ".join(f"{k} {sum(v.values())} (" + ", ".join(f"{n} {o}" for o, n in sorted(v.items())) + ")"
+                                       for k, v in sorted(by_class.items())))
         summary = ", ".join(f"{n} {verdict} with {outcome}" for (outcome, verdict), n in sorted(outcomes.items()))
         print(f"\n{len(selected)} hostile cases ({summary}); corpus generated in {generation_seconds:.1f} s, "
               f"all run in {total:.1f} s, slowest {slowest[0]:.2f} s ({slowest[1]})")
