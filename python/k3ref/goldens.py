@@ -41,6 +41,9 @@ INPUT_NAMES = {
     "qb.solver": ("scores",),
     "qb.online": ("affinities",),
 }
+# The operators goldens.reference() computes.
+REFERENCE_OPS = ("kda.recurrent", "kda.chunkwise_fla", "kda.chunkwise_flashkda", "kda.backward",
+                 "kcp.context_parallel", "attnres.full", "attnres.block", "attnres.phase1", "qb.solver")
 # The chunk size of the chunkwise backward whose stage tensors (chunk_states,
 # chunk_state_gradients) the kda.backward goldens hold (docs/backward.md: C = 64).
 BACKWARD_GOLDEN_CHUNK_SIZE = 64
