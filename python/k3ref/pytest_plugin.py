@@ -35,6 +35,8 @@ def pytest_addoption(parser):
     g.addoption("--k3ref-known-limitations", metavar="FILE", help="known-limitations file (default: the package's)")
     g.addoption("--k3ref-check-timeout", type=float, default=900.0, metavar="S",
                 help="seconds one check may take before its child process is killed (default 900)")
+    g.addoption("--k3ref-load-timeout", type=float, default=900.0, metavar="S",
+                help="seconds starting a child process and loading its kernel may take (default 900)")
     g.addoption("--k3ref-no-isolation", action="store_true", help="run the checks in the pytest process")
 
 
@@ -131,6 +133,7 @@ def pytest_collection_modifyitems(session, config, items):
     device = config.getoption("k3ref_device") or ("cuda" if torch.cuda.is_available() else "cpu")
     _STATE["requested"] = requested
     _STATE["runner"] = Runner(device, check_timeout=config.getoption("k3ref_check_timeout"),
+                              load_timeout=config.getoption("k3ref_load_timeout"),
                               isolate=not config.getoption("k3ref_no_isolation"))
     for t in tests:
         items.append(K3refItem.from_parent(session, name=t.id, nodeid=f"k3ref::{t.id}", test=t))

@@ -160,7 +160,7 @@ class Isolation(unittest.TestCase):
     def test_abort_segfault_and_hang_each_fail_one_check_and_the_run_goes_on(self):
         with tempfile.TemporaryDirectory() as d:
             r = gpu_check("run", "--no-builtin", "--adapter", "test_adapters:Crashing", "--cases",
-                          "kda_t1,kda_t64_no_initial_state,kda_scale_half,kda_t100", "--check-timeout", "2",
+                          "kda_t1,kda_t64_no_initial_state,kda_scale_half,kda_t100", "--check-timeout", "3",
                           "--out", d)
             self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
             rep = json.loads((Path(d) / "report.json").read_text())
@@ -168,7 +168,7 @@ class Isolation(unittest.TestCase):
             self.assertIn("killed by SIGABRT", by_case[("golden", "kda_t1")]["reason"])
             self.assertIn("Fatal Python error: Aborted", by_case[("golden", "kda_t1")]["reason"])
             self.assertIn("killed by SIGSEGV", by_case[("golden", "kda_t64_no_initial_state")]["reason"])
-            self.assertIn("no answer within 2 s", by_case[("golden", "kda_scale_half")]["reason"])
+            self.assertIn("no answer within 3 s", by_case[("golden", "kda_scale_half")]["reason"])
             for key in (("golden", "kda_t1"), ("golden", "kda_t64_no_initial_state")):
                 self.assertIn("Current thread", by_case[key]["extra"]["stderr_tail"])  # the last lines of stderr
             # Every other check ran after the crashes and passed; the whole report was written.

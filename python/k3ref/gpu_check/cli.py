@@ -63,7 +63,9 @@ def parser():
     r.add_argument("--known-limitations", help="known-limitations file (default: the package's known_limitations.json)")
     r.add_argument("--budget", type=float, default=0, help="seconds per kernel; later checks are skipped (0: none)")
     r.add_argument("--check-timeout", type=float, default=900.0,
-                   help="seconds one check (or loading a kernel) may take before its child is killed (default 900)")
+                   help="seconds one check may take before its child is killed (default 900)")
+    r.add_argument("--load-timeout", type=float, default=900.0,
+                   help="seconds starting a child and loading its kernel may take (default 900)")
     r.add_argument("--no-isolation", action="store_true", help="run every check in this process (a crash ends the run)")
     r.add_argument("--list", action="store_true", help="print the collected test ids and exit")
     p = sub.add_parser("prop", help="property-based testing of one KDA kernel against the reference (Hypothesis)")
@@ -156,7 +158,8 @@ def run_command(args):
     from .isolation import Runner
 
     t0 = time.time()
-    with Runner(args.device, check_timeout=args.check_timeout, isolate=not args.no_isolation, budget_s=args.budget,
+    with Runner(args.device, check_timeout=args.check_timeout, load_timeout=args.load_timeout,
+                isolate=not args.no_isolation, budget_s=args.budget,
                 progress=lambda line: print(line, flush=True)) as runner:
         rows, results = execute(tests, runner, requested)
     passed, failures = verdict_of(rows, results)

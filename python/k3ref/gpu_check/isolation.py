@@ -171,11 +171,11 @@ class Runner:
     when isolate=False). Keeps per-adapter timing: child start-up and import, Triton
     compilation, autotune benchmarking, checking."""
 
-    def __init__(self, device="cpu", check_timeout=900.0, load_timeout=None, isolate=True, budget_s=0.0,
+    def __init__(self, device="cpu", check_timeout=900.0, load_timeout=900.0, isolate=True, budget_s=0.0,
                  env=None, progress=None):
         self.device = device
         self.check_timeout = float(check_timeout)
-        self.load_timeout = float(load_timeout or check_timeout)
+        self.load_timeout = float(load_timeout)
         self.isolate = isolate
         self.budget_s = budget_s
         self.env = env or {}
