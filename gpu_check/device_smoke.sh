@@ -10,7 +10,8 @@
 #        PROP_KERNELS (real kernels for `prop`; default "fla.fused_recurrent_kda fla.chunk_kda flashkda.fwd",
 #        empty to skip), SKIP_RUN=1 (no CI harness run),
 #        BENCH_ELEMENTS (default 2^31), BENCH_TOKENS (default 10^6), PROP_EXAMPLES (default 200),
-#        RUN_ARGS (extra arguments for `k3ref.gpu_check run`, e.g. "--budget 240 --only k3gc.fp32,fla.chunk_kda")
+#        RUN_ARGS (extra arguments for `k3ref.gpu_check run`, e.g. "--budget 240 --only k3gc.fp32,fla.chunk_kda"),
+#        CACHE_DIR (Triton's cache for the run; default OUT_DIR/cache), GPU_CHECK_ARCH (default 90)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -29,24 +30,25 @@ step() { echo "== $*" | tee -a "$OUT/steps.log"; }
 step "nvidia-smi"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 
-step "build libk3gc.so (sm_90, as gpu_check/meson.build does)"
+ARCH=${GPU_CHECK_ARCH:-90}
+step "build libk3gc.so (sm_$ARCH, --fmad=false, as gpu_check/meson.build does)"
 mkdir -p "$OUT/lib"
-"$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode='arch=compute_90,code=[sm_90,compute_90]' \
+"$NVCC" -O3 -std=c++17 --fmad=false -shared -Xcompiler -fPIC -gencode="arch=compute_$ARCH,code=[sm_$ARCH,compute_$ARCH]" \
   -Xptxas -v -Igpu_check/include -o "$OUT/lib/libk3gc.so" gpu_check/src/*.cu 2> "$OUT/ptxas.txt" || { cat "$OUT/ptxas.txt"; exit 1; }
 grep -E "spill stores" "$OUT/ptxas.txt" | sort | uniq -c
 export K3GC_LIB=$OUT/lib/libk3gc.so
 
-step "k3ref Python module (pybind11 from PyTorch when pybind11-dev is absent; MPFR optional)"
+step "k3ref's extension k3ref._core (pybind11 from PyTorch when pybind11-dev is absent; MPFR optional)"
 if command -v meson >/dev/null && command -v ninja >/dev/null; then
   MPFR_OPT=-Dmpfr=auto
   rm -rf "$OUT/build"
   meson setup "$OUT/build" -Dtests=disabled -Dbenchmarks=disabled -Dgpu_check=disabled -Dpython=enabled \
     $MPFR_OPT > "$OUT/meson.txt" 2>&1 || { rm -rf "$OUT/build"; meson setup "$OUT/build" -Dtests=disabled -Dbenchmarks=disabled \
     -Dgpu_check=disabled -Dpython=enabled -Dmpfr=disabled > "$OUT/meson.txt" 2>&1; }
-  ninja -C "$OUT/build" > "$OUT/ninja.txt" 2>&1 && export PYTHONPATH=$OUT/build/python:${PYTHONPATH:-} \
+  ninja -C "$OUT/build" > "$OUT/ninja.txt" 2>&1 && export K3REF_CORE_PATH=$OUT/build/python \
     || { echo "module not built (see $OUT/ninja.txt): prop falls back to the fp64 references"; tail -5 "$OUT/ninja.txt"; }
 else
-  echo "meson/ninja missing: no k3ref module; prop uses libk3gc's and PyTorch's fp64 references"
+  echo "meson/ninja missing: no k3ref._core; prop uses libk3gc's and PyTorch's fp64 references"
 fi
 export PYTHONPATH=$ROOT/python:${PYTHONPATH:-}
 
@@ -73,7 +75,8 @@ done
 if [ "${SKIP_RUN:-0}" != 1 ]; then
 step "CI harness (JUnit, JSON, HTML in $OUT/report)"
 $PY -m k3ref.gpu_check run --out "$OUT/report" --fla-path "$FLA_PATH" --flashkda-path "$FLASHKDA_PATH" \
-  --liger-path "$LIGER_PATH" --torchtitan-path "$TORCHTITAN_PATH" ${RUN_ARGS:-} 2>&1 | tail -60 | tee "$OUT/run.txt"
+  --liger-path "$LIGER_PATH" --torchtitan-path "$TORCHTITAN_PATH" --cache-dir "${CACHE_DIR:-$OUT/cache}" \
+  ${RUN_ARGS:-} 2>&1 | tail -80 | tee "$OUT/run.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 echo "exit $status; outputs in $OUT"

@@ -40,6 +40,9 @@ def _kernel_options(p):
     p.add_argument("--lib", help="path of libk3gc.so (default: $K3GC_LIB or build*/gpu_check/)")
     for dest, env, text in PATH_OPTIONS:
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, help=f"{text} (sets ${env})")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="keep Triton's compiled kernels in DIR/triton (sets $TRITON_CACHE_DIR for every child); "
+                        "save and restore DIR between CI runs")
     p.add_argument("--adapter", action="append", default=[], metavar="MODULE:NAME",
                    help="an adapter of your own (a class, instance, or function returning adapters; repeatable); "
                         "MODULE may be a file.py")
@@ -88,6 +91,10 @@ def apply_kernel_options(args):
         value = getattr(args, dest, None)
         if value:
             os.environ[env] = str(Path(value).resolve())
+    if getattr(args, "cache_dir", None):
+        triton_cache = Path(args.cache_dir).resolve() / "triton"
+        triton_cache.mkdir(parents=True, exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = str(triton_cache)
 
 
 def select(args):

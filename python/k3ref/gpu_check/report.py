@@ -109,7 +109,8 @@ def _checks_present(results):
 def versions():
     """Versions the verdict depends on: Python, PyTorch, Triton, the CUDA driver, the GPU."""
     v = {"python": platform.python_version(), "torch": torch_version(), "triton": None, "cuda_driver": None,
-         "cuda_runtime": None, "gpu": None, "host": platform.node()}
+         "cuda_runtime": None, "gpu": None, "host": platform.node(),
+         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR", "(Triton's default, ~/.triton/cache)")}
     try:
         from importlib.metadata import version
 
