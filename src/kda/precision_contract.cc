@@ -60,6 +60,7 @@ KernelContract exact_contract(Kernel k) {
   KernelContract c;
   c.kernel = k;
   c.recurrence_precision = Precision::exact;
+  c.chunk_size = k == Kernel::flashkda ? 16 : 64;
   return c;
 }
 
@@ -99,6 +100,7 @@ KernelContract kernel_contract(Kernel k) {
           .set(Site::state, P::fp32);
       break;
     case Kernel::flashkda:
+      c.chunk_size = 16;
       c.flush_decay_subnormals = true;         // ex2.approx.ftz.f32
       c.set(Site::input, P::bf16)              // L2-normalised q, k written back as bf16
           .set(Site::scale, P::bf16)

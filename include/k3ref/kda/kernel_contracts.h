@@ -109,6 +109,9 @@ struct KernelContract {
   std::array<Precision, site_count> at{};  // default: exact everywhere
   bool flush_decay_subnormals = false;
   Precision recurrence_precision = Precision::fp32;  // fla_recurrent: the recurrence's scalar (fp32 or exact)
+  // The kernel's chunk (FLA 64, FlashKDA 16) and FLA's sub-chunk (16); tests shrink them
+  // to reach several chunks and sub-chunks in rationals.
+  std::int64_t chunk_size = 64, sub_chunk = 16;
 
   KernelContract& set(Site s, Precision p) {
     at[static_cast<std::size_t>(s)] = p;
@@ -276,7 +279,7 @@ std::vector<S> fla_block_inverse(const KernelContract& c, const std::vector<S>& 
 template <class S>
 void fla_chunk_item(const KernelContract& c, const PreparedInputs<S>& p, const Dims& d, std::int64_t n,
                     std::int64_t hv, std::vector<S>& state, Tensor<S>& o) {
-  const std::int64_t C = 64, BC = 16, K = d.K, V = d.V, h = hv / (d.HV / d.H), b = d.seq_batch[n];
+  const std::int64_t C = c.chunk_size, BC = c.sub_chunk, K = d.K, V = d.V, h = hv / (d.HV / d.H), b = d.seq_batch[n];
   const bool safe = c.kernel == Kernel::fla_chunk_safe_gate;
   const S scale = c.round(Site::scale, p.scale);
   for (std::int64_t t0 = d.seq_begin[n]; t0 < d.seq_end[n]; t0 += C) {
@@ -421,7 +424,7 @@ void fla_chunk_item(const KernelContract& c, const PreparedInputs<S>& p, const D
 template <class S>
 void flashkda_item(const KernelContract& c, const PreparedInputs<S>& p, const Dims& d, std::int64_t n,
                    std::int64_t hv, std::vector<S>& state, Tensor<S>& o) {
-  const std::int64_t C = 16, K = d.K, V = d.V, h = hv / (d.HV / d.H), b = d.seq_batch[n];
+  const std::int64_t C = c.chunk_size, K = d.K, V = d.V, h = hv / (d.HV / d.H), b = d.seq_batch[n];
   const int factors = neumann_factor_count(C);
   const S scale = c.round(Site::scale, p.scale);
   for (std::int64_t t0 = d.seq_begin[n]; t0 < d.seq_end[n]; t0 += C) {
@@ -561,6 +564,8 @@ Outputs<S> evaluate_contract(const KernelContract& c, const Inputs<S>& in, const
     }
   }
   const Dims d = validated_dims(in, opt, "kda contract");
+  if (c.chunk_size < 1 || c.sub_chunk < 1 || c.chunk_size % c.sub_chunk != 0)
+    throw InvalidArgument("kda contract: chunk_size and sub_chunk must be positive, sub_chunk dividing chunk_size");
   const PreparedInputs<S> p = prepare(in, opt, d);
   const std::optional<Tensor<S>> h0 = to_k_first(in.initial_state, opt.state_layout);
   Outputs<S> out;

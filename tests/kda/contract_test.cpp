@@ -1,0 +1,241 @@
+// Tests of the kernel precision contracts (kda/kernel_contracts.h).
+//  * Rounding nowhere, each contract is the chunk form: == in rationals against
+//    chunkwise_forward and the recurrence (chunk and sub-chunk sizes shrunk so that small
+//    cases span several chunks and sub-chunks), bitwise in double for fla_recurrent.
+//  * With the kernel's roundings, the error on fixed random bf16 inputs lies in a committed
+//    range around the value measured when the contract was written (Boost.Math style: a
+//    change of the model moves it out of the range and must be re-measured and explained in
+//    docs/contracts.md).
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "k3ref/check/metrics.h"
+#include "k3ref/kda/kernel_contracts.h"
+#include "k3ref/num/random.h"
+#include "kda_test_util.h"
+
+namespace k3ref::kda {
+namespace {
+
+using contract::Kernel;
+using contract::Precision;
+using contract::Site;
+using Q = num::rational;
+using test_util::random_decays;
+using test_util::random_tensor;
+
+struct Case {
+  Inputs<Q> in;
+  Options<Q> opt;
+};
+
+// Random rational inputs: batch or varlen (empty sequences too), GVA, nonzero initial state.
+Case random_case(std::int64_t max_t) {
+  Case c;
+  const std::int64_t H = *rc::gen::inRange(1, 3), HV = H * *rc::gen::inRange(1, 3);
+  const std::int64_t K = *rc::gen::inRange(1, 4), V = *rc::gen::inRange(1, 4);
+  std::int64_t B = *rc::gen::inRange(1, 3), T = *rc::gen::inRange<std::int64_t>(0, max_t + 1), N = B;
+  if (*rc::gen::arbitrary<bool>()) {
+    B = 1;
+    N = *rc::gen::inRange(1, 4);
+    std::vector<std::int64_t> cu{0};
+    for (std::int64_t n = 0; n < N; ++n) cu.push_back(cu.back() + *rc::gen::inRange<std::int64_t>(0, max_t / 2 + 1));
+    T = cu.back();
+    c.in.cu_seqlens = cu;
+  }
+  c.in.q = random_tensor({B, T, H, K}, -4, 4);
+  c.in.k = random_tensor({B, T, H, K}, -2, 2);
+  c.in.v = random_tensor({B, T, HV, V}, -4, 4);
+  c.in.g = random_decays({B, T, HV, K});
+  c.in.beta = random_tensor({B, T, HV}, 0, 2);
+  c.opt.gate = GateForm::decay_factor;
+  c.opt.scale = Q(1) / Q(2);
+  if (*rc::gen::arbitrary<bool>()) c.opt.state_layout = StateLayout::v_first;
+  const bool v_first = c.opt.state_layout == StateLayout::v_first;
+  c.in.initial_state = random_tensor(v_first ? Shape{N, HV, V, K} : Shape{N, HV, K, V}, -4, 4);
+  return c;
+}
+
+// ---- rounding nowhere: the chunk form, exactly -------------------------------------------
+
+RC_GTEST_PROP(KdaContractExact, FlaChunkAndSafeGateEqualTheChunkFormAndTheRecurrence, ()) {
+  const Case c = random_case(24);
+  const auto r = recurrent_forward(c.in, c.opt);
+  ChunkwiseOptions copt;
+  copt.form = ChunkForm::fla;
+  copt.sub_chunk = *rc::gen::inRange(1, 5);
+  copt.chunk_size = copt.sub_chunk * *rc::gen::inRange(1, 5);
+  const auto w = chunkwise_forward(c.in, c.opt, copt);
+  for (Kernel k : {Kernel::fla_chunk, Kernel::fla_chunk_safe_gate}) {
+    auto con = contract::exact_contract(k);
+    con.chunk_size = copt.chunk_size;
+    con.sub_chunk = copt.sub_chunk;
+    const auto e = contract::evaluate_contract(con, c.in, c.opt);
+    RC_ASSERT(e.o == w.out.o);
+    RC_ASSERT(*e.final_state == *w.out.final_state);
+    RC_ASSERT(e.o == r.o);
+    RC_ASSERT(*e.final_state == *r.final_state);
+  }
+}
+
+RC_GTEST_PROP(KdaContractExact, FlashKdaEqualsTheChunkFormAndTheRecurrence, ()) {
+  const Case c = random_case(24);
+  ChunkwiseOptions copt;
+  copt.form = ChunkForm::flashkda;
+  copt.chunk_size = *rc::gen::element<std::int64_t>(1, 2, 3, 4, 5, 8);
+  auto con = contract::exact_contract(Kernel::flashkda);
+  con.chunk_size = copt.chunk_size;
+  con.sub_chunk = 1;
+  const auto e = contract::evaluate_contract(con, c.in, c.opt);
+  const auto w = chunkwise_forward(c.in, c.opt, copt);
+  RC_ASSERT(e.o == w.out.o);
+  RC_ASSERT(*e.final_state == *w.out.final_state);
+  const auto r = recurrent_forward(c.in, c.opt);
+  RC_ASSERT(e.o == r.o);
+  RC_ASSERT(*e.final_state == *r.final_state);
+}
+
+// At the kernels' own sizes (C = 64 from 16-row sub-chunks; C = 16) over several chunks.
+TEST(KdaContractExact, KernelChunkSizesEqualTheRecurrence) {
+  num::Random rng(5);
+  auto draw = [&](const Shape& shape, int lo, int hi) {
+    Tensor<Q> t(shape);
+    for (Q& x : t.values()) x = Q(rng.between(lo, hi)) / Q(4);
+    return t;
+  };
+  Inputs<Q> in;
+  const std::int64_t T = 140;
+  in.q = draw({1, T, 1, 2}, -4, 4);
+  in.k = draw({1, T, 1, 2}, -2, 2);
+  in.v = draw({1, T, 2, 2}, -4, 4);
+  in.g = Tensor<Q>({1, T, 2, 2});
+  for (Q& x : in.g.values()) x = Q(rng.between(3, 4)) / Q(4);
+  in.beta = draw({1, T, 2}, 0, 4);
+  in.initial_state = draw({2, 2, 2, 2}, -4, 4);
+  in.cu_seqlens = std::vector<std::int64_t>{0, 75, T};
+  Options<Q> opt;
+  opt.gate = GateForm::decay_factor;
+  opt.scale = Q(1) / Q(2);
+  const auto r = recurrent_forward(in, opt);
+  for (Kernel k : {Kernel::fla_chunk, Kernel::fla_chunk_safe_gate, Kernel::flashkda}) {
+    const auto e = contract::evaluate_contract(contract::exact_contract(k), in, opt);
+    EXPECT_EQ(e.o, r.o) << contract::to_string(k);
+    EXPECT_EQ(*e.final_state, *r.final_state) << contract::to_string(k);
+  }
+}
+
+// ---- with the kernels' roundings, on bf16 inputs -----------------------------------------
+
+struct Problem {
+  Inputs<double> in;
+  Options<double> opt;
+};
+
+// bf16 inputs, K = V = 32, T = 80 (two FLA chunks, five FlashKDA chunks), q/k L2-normalised,
+// beta through sigmoid, the lower-bound gate (FlashKDA's) or log decays in [-0.5, 0].
+Problem bf16_problem(std::uint64_t seed, std::int64_t H, std::int64_t HV, bool lower_bound_gate) {
+  const std::int64_t T = 80, K = 32, V = 32;
+  num::Random rng(seed);
+  auto draw = [&](const Shape& shape, double lo, double hi) {
+    Tensor<double> t(shape);
+    for (double& x : t.values()) x = num::round_to(num::Format::bf16, rng.dyadic(lo, hi, 24));
+    return t;
+  };
+  Problem p;
+  p.in.q = draw({1, T, H, K}, -1, 1);
+  p.in.k = draw({1, T, H, K}, -1, 1);
+  p.in.v = draw({1, T, HV, V}, -1, 1);
+  p.in.beta = draw({1, T, HV}, -4, 4);
+  p.opt.qk_l2norm = true;
+  p.opt.beta = BetaForm::sigmoid;
+  if (lower_bound_gate) {
+    p.in.g = draw({1, T, HV, K}, -4, 4);
+    p.in.A_log = draw({HV}, -0.5, 0.5);
+    p.in.dt_bias = draw({HV, K}, -0.5, 0.5);
+    p.opt.gate = GateForm::lower_bound;
+    p.opt.lower_bound = -5.0;
+  } else {
+    p.in.g = draw({1, T, HV, K}, -0.5, 0);
+    p.in.initial_state = draw({1, HV, K, V}, -1, 1);
+  }
+  return p;
+}
+
+struct Measured {
+  double o_rel_rms, floor;
+};
+
+Measured contract_error(Kernel k, const Problem& p) {
+  const auto ref = recurrent_forward(p.in, p.opt);
+  const auto got = contract::evaluate_contract(contract::kernel_contract(k), p.in, p.opt);
+  const auto m = check::compare(got.o.values(), ref.o.values(), num::Format::bf16);
+  return {m.rel_rms, m.floor_rel_rms};
+}
+
+// Committed ranges: the value measured when the model was written (printed by the test),
+// within 25% either way (libm's exp and the thread-independent order keep it reproducible;
+// the margin absorbs a different libm).
+TEST(KdaContractError, EachContractLiesInItsMeasuredRange) {
+  struct Expect {
+    Kernel kernel;
+    std::int64_t H, HV;
+    bool lower_bound_gate;
+    double measured;  // o relative RMS error against the recurrence in double
+  };
+  const Expect expected[] = {
+      // Measured 2026-12-01; the H200 figures of the same kernels on K = V = 128 are 1.00x,
+      // 2.0x-2.7x and 3.4x-3.5x the floor (docs/contracts.md): the contracts reproduce them.
+      {Kernel::fla_recurrent, 1, 2, false, 1.6337e-03},        // 1.00x the bf16 floor
+      {Kernel::fla_chunk, 1, 2, false, 3.7849e-03},            // 2.32x
+      {Kernel::fla_chunk_safe_gate, 1, 2, false, 3.8425e-03},  // 2.35x
+      {Kernel::flashkda, 2, 2, true, 6.1347e-03},              // 3.59x
+  };
+  for (const Expect& e : expected) {
+    const Measured m = contract_error(e.kernel, bf16_problem(16, e.H, e.HV, e.lower_bound_gate));
+    std::printf("%-20s o rel RMS %.4e  bf16 floor %.4e  (%.2fx)\n", std::string(contract::to_string(e.kernel)).c_str(),
+                m.o_rel_rms, m.floor, m.o_rel_rms / m.floor);
+    EXPECT_GE(m.o_rel_rms, e.measured / 1.25) << contract::to_string(e.kernel);
+    EXPECT_LE(m.o_rel_rms, e.measured * 1.25) << contract::to_string(e.kernel);
+  }
+}
+
+// fla_recurrent rounding nowhere is the recurrence in double, bit for bit; with its contract
+// o is the float recurrence's o rounded once to bf16 and the final state is fp32.
+TEST(KdaContractExact, FlaRecurrentIsTheRecurrence) {
+  const Problem p = bf16_problem(7, 1, 2, false);
+  const auto r = recurrent_forward(p.in, p.opt);
+  const auto e = contract::evaluate_contract(contract::exact_contract(Kernel::fla_recurrent), p.in, p.opt);
+  EXPECT_EQ(e.o, r.o);
+  EXPECT_EQ(*e.final_state, *r.final_state);
+  const auto f = contract::evaluate_contract(contract::kernel_contract(Kernel::fla_recurrent), p.in, p.opt);
+  for (double x : f.o.values()) EXPECT_EQ(x, num::round_to(num::Format::bf16, x));
+  for (double x : f.final_state->values()) EXPECT_EQ(x, static_cast<double>(static_cast<float>(x)));
+}
+
+// Every site of a contract rounds to what its table says: the FLA chunk contract's stored
+// tensors are bf16 values, FlashKDA's state is bf16.
+TEST(KdaContractTable, OutputsAndStatesHaveTheDeclaredFormats) {
+  const Problem p = bf16_problem(9, 1, 1, false);
+  for (Kernel k : {Kernel::fla_chunk, Kernel::flashkda}) {
+    const auto e = contract::evaluate_contract(contract::kernel_contract(k), p.in, p.opt);
+    for (double x : e.o.values()) ASSERT_EQ(x, num::round_to(num::Format::bf16, x)) << contract::to_string(k);
+    const num::Format state = k == Kernel::flashkda ? num::Format::bf16 : num::Format::fp32;
+    for (double x : e.final_state->values()) ASSERT_EQ(x, num::round_to(state, x)) << contract::to_string(k);
+  }
+  EXPECT_EQ(contract::round_tf32(1.0 + std::ldexp(1.0, -11)), 1.0);                    // tie to even
+  EXPECT_EQ(contract::round_tf32(1.0 + 3 * std::ldexp(1.0, -11)), 1.0 + std::ldexp(1.0, -9));
+  EXPECT_EQ(contract::round_tf32(1.0 + 3 * std::ldexp(1.0, -11), true), 1.0 + std::ldexp(1.0, -10));
+}
+
+TEST(KdaContractNames, RoundTrip) {
+  for (Kernel k : contract::all_kernels) EXPECT_EQ(contract::kernel_from_string(contract::to_string(k)), k);
+  for (std::size_t s = 0; s < contract::site_count; ++s)
+    EXPECT_EQ(contract::site_from_string(contract::to_string(static_cast<Site>(s))), static_cast<Site>(s));
+  EXPECT_FALSE(contract::kernel_from_string("fla"));
+}
+
+}  // namespace
+}  // namespace k3ref::kda
