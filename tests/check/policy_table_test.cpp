@@ -2,6 +2,7 @@
 // hand-derived inputs; the committed goldens are checked to be covered by the table. The
 // same verdicts from the Python judge on real files: policy_parity_test.py.
 #include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include "k3ref/check/policy_table.h"
 #include "k3ref/error.h"
 #include "k3ref/io/safetensors.h"
+#include "k3ref/num/float_format.h"
 
 namespace k3ref::check {
 namespace {
@@ -346,6 +348,33 @@ TEST(Judgement, ReportsCarryEveryTensor) {
   const std::string bad = judgement_junit(unusable("kda.recurrent", "floor:2", "x: cannot open"), "c");
   EXPECT_NE(bad.find("tests=\"1\" failures=\"0\" errors=\"1\""), std::string::npos) << bad;
   EXPECT_EQ(nlohmann::json::parse(judgement_json(unusable("", "p", "why"), "g", "c"))["verdict"], "unusable");
+}
+
+RC_GTEST_PROP(Judgement, TheGoldenRoundedToTheContractDtypeIsExactlyAtTheFloor, (std::vector<std::int32_t> raw)) {
+  // A kernel that rounds the exact result once to the contract dtype (bf16 for o and the
+  // state) sits at the floor: its error IS the floor, summed in the same order, so the ratio
+  // is exactly 1 (or both are 0), every element within half an ulp, whatever dtype stores it.
+  RC_PRE(!raw.empty());
+  std::vector<double> ref, rounded;
+  for (std::int32_t v : raw) {
+    ref.push_back((v % 100000) / 7.0);
+    rounded.push_back(num::round_to(num::Format::bf16, ref.back()));
+  }
+  const Shape shape{1, static_cast<std::int64_t>(ref.size()), 1, 1};
+  Case c;
+  c.q.op = "kda.recurrent";
+  c.q.expected = {{"o", values(shape, ref)}, {"final_state", values(shape, ref)}};
+  c.candidate = {{"o", values(shape, rounded, "BF16")}, {"final_state", values(shape, rounded, "F32")}};
+  for (const char* p : {"floor:1", "recurrent", "chunk"}) {
+    c.q.policy = p;
+    const CaseJudgement j = c.judge();
+    RC_ASSERT(j.exit_code == 0);
+    for (const auto& t : j.tensors) {
+      RC_ASSERT(t.rel_rms == t.floor);
+      RC_ASSERT(t.ratio == (t.floor > 0 ? 1.0 : 0.0));
+      RC_ASSERT(t.max_ulp <= 0.5);
+    }
+  }
 }
 
 }  // namespace
