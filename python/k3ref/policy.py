@@ -461,6 +461,9 @@ def _unravel(index, shape):
 
 def judge(expected, candidate, op, policy="floor:2", *, tensors=None, known=(), table=None):
     """Judges every golden output of one case under `policy` (see the module docstring)."""
+    if not isinstance(policy, str) or not isinstance(op, str):
+        return Verdict(str(op), str(policy), EXIT_UNUSABLE, f"policy and op must be names (str), not "
+                       f"{type(policy).__name__} and {type(op).__name__}", [])
     if not isinstance(table, PolicyTable):
         try:
             table = load_table(table)
@@ -498,6 +501,8 @@ def judge(expected, candidate, op, policy="floor:2", *, tensors=None, known=(), 
         rule = rules[name]
         role = table.role(op, name)
         ref = expected[name]
+        if not isinstance(ref, torch.Tensor):
+            ref = torch.as_tensor(ref)
         res = TensorResult(name, role=role, required=tensors is not None or role in REQUIRED_ROLES,
                            metric=rule.metric, floor_dtype=rule.floor_dtype, rule=rule.source,
                            shape=list(ref.shape))
@@ -511,6 +516,8 @@ def judge(expected, candidate, op, policy="floor:2", *, tensors=None, known=(), 
                 res.reason = f"not in the candidate (an optional {role} tensor)"
             continue
         cand = candidate[name]
+        if not isinstance(cand, torch.Tensor):  # NumPy arrays, lists: taken as they are
+            cand = torch.as_tensor(cand)
         res.candidate_dtype = _TORCH_NAMES.get(cand.dtype, str(cand.dtype))
         if list(cand.shape) != list(ref.shape):
             res.status = "error"
