@@ -30,7 +30,7 @@ def pytest_addoption(parser):
                      "repeatable")
     g.addoption("--k3ref-builtin", action="store_true",
                 help="also collect the built-in adapters and installed entry points (not asked for: unavailable ones skip)")
-    g.addoption("--k3ref-goldens", metavar="DIR", help="golden directory (default: the checkout's goldens/)")
+    g.addoption("--k3ref-goldens", metavar="DIR", help="golden directory (default: $K3REF_GOLDENS, else the checkout's goldens/)")
     g.addoption("--k3ref-device", metavar="DEVICE", help="torch device (default: cuda when available, else cpu)")
     g.addoption("--k3ref-known-limitations", metavar="FILE", help="known-limitations file (default: the package's)")
     g.addoption("--k3ref-check-timeout", type=float, default=900.0, metavar="S",
@@ -112,7 +112,7 @@ def _build(config):
     try:
         adapters, requested = discover(specs=config.getoption("k3ref_adapter"), conftest_specs=_conftest_specs(config),
                                        entry_points=config.getoption("k3ref_builtin"))
-        goldens = config.getoption("k3ref_goldens") or str(cli.DEFAULT_GOLDENS)
+        goldens = config.getoption("k3ref_goldens") or cli.default_goldens()
         suite = cli.load_suite(goldens, adapters)
         limitations = collection.load_limitations(config.getoption("k3ref_known_limitations"))
     except (AdapterSpecError, cli.UsageError, ValueError) as e:

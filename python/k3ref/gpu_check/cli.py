@@ -21,7 +21,6 @@ import torch
 from . import collection, report
 from .registry import AdapterSpecError, discover
 
-DEFAULT_GOLDENS = Path(__file__).resolve().parents[3] / "goldens"
 PATH_OPTIONS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla package"),
                 ("flashkda_path", "K3REF_FLASHKDA_PATH", "directory holding the flash_kda package and its extension"),
                 ("liger_path", "K3REF_LIGER_PATH", "Liger-Kernel checkout (holding src/liger_kernel) for its AttnRes kernel"),
@@ -30,6 +29,17 @@ PATH_OPTIONS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla packag
 
 class UsageError(Exception):
     pass
+
+
+def default_goldens():
+    """The golden directory when none is given: $K3REF_GOLDENS, else the checkout's goldens/
+    (k3ref.goldens.directory); an installed package without either is a usage error."""
+    from .. import goldens
+
+    try:
+        return str(goldens.directory())
+    except FileNotFoundError as e:
+        raise UsageError(f"{e} (or pass --goldens DIR)") from None
 
 
 def _csv(text):
@@ -52,7 +62,7 @@ def parser():
     ap = argparse.ArgumentParser(prog="python3 -m k3ref.gpu_check", description="Real kernels against the k3ref references.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the checks and write the reports")
-    r.add_argument("--goldens", default=str(DEFAULT_GOLDENS), help="golden directory (default: the checkout's goldens/)")
+    r.add_argument("--goldens", help="golden directory (default: $K3REF_GOLDENS, else the checkout's goldens/)")
     r.add_argument("--out", default="gpu_check_report")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     _kernel_options(r)
@@ -150,7 +160,7 @@ def verdict_of(rows, results):
 def run_command(args):
     apply_kernel_options(args)
     adapters, requested = select(args)
-    suite = load_suite(args.goldens, adapters)
+    suite = load_suite(args.goldens or default_goldens(), adapters)
     checks, cases = _csv(args.checks), _csv(args.cases)
     collection.validate(adapters, suite, checks=checks, cases=cases)
     try:
