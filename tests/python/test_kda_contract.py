@@ -1,0 +1,120 @@
+"""k3ref.kda_contract (the kernel precision contracts, docs/contracts.md) and the harness's
+k3ref.gpu_check.contracts: rounding nowhere the contracts are the recurrence; with their
+roundings the FlashKDA contract reproduces FlashKDA's own output bit for bit (kernel data
+captured on an H200, FlashKDA 1ce47ea, T = 1); verdict arithmetic; one-line errors."""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import k3ref
+from k3ref import _safetensors
+from k3ref.gpu_check import contracts
+
+from conftest import needs_core
+
+pytestmark = needs_core
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def rel(a, b):
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+
+def problem(seed, T, H=1, HV=2, K=16, V=8, state=True):
+    g = torch.Generator().manual_seed(seed)
+    bf = lambda *s, lo=-1.0, hi=1.0: (torch.rand(*s, generator=g, dtype=torch.float64) * (hi - lo) + lo).to(torch.bfloat16)
+    x = dict(q=bf(1, T, H, K), k=bf(1, T, H, K), v=bf(1, T, HV, V), g=bf(1, T, HV, K, lo=-0.5, hi=0.0),
+             beta=bf(1, T, HV, lo=-4, hi=4))
+    if state:
+        x["initial_state"] = torch.rand(1, HV, K, V, generator=g, dtype=torch.float64).float()
+    return x
+
+
+OPTS = dict(l2norm=True, beta="sigmoid", threads=1)
+
+
+@settings(max_examples=12, deadline=None, print_blob=True)
+@given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 70), contract=st.sampled_from(k3ref.KDA_CONTRACTS))
+def test_rounding_nowhere_each_contract_is_the_recurrence(seed, T, contract):
+    x = problem(seed, T)
+    ref = k3ref.kda(x, **OPTS)
+    got = k3ref.kda_contract(x, contract, exact=True, **OPTS)
+    for name in ("o", "final_state"):
+        if contract == "fla_recurrent":  # the same template in double: bit for bit
+            assert torch.equal(got[name], ref[name]), name
+        else:  # another operation order in double: agreement to rounding of double
+            assert rel(got[name], ref[name]) < 1e-13, (name, rel(got[name], ref[name]))
+
+
+@pytest.mark.parametrize("contract", k3ref.KDA_CONTRACTS)
+def test_contract_outputs_have_the_declared_formats(contract):
+    x = problem(3, 40)
+    got = k3ref.kda_contract(x, contract, **OPTS)
+    assert torch.equal(got["o"], got["o"].to(torch.bfloat16).double())
+    state = torch.bfloat16 if contract == "flashkda" else torch.float32
+    assert torch.equal(got["final_state"], got["final_state"].to(state).double())
+    sites = k3ref.kda_contract_sites(contract)
+    assert sites["output"] == "bf16" and len(sites) >= 29
+
+
+def test_flashkda_contract_reproduces_the_kernel_bit_for_bit():
+    arrays, _ = _safetensors.load(DATA / "flashkda_1ce47ea_t1.safetensors")
+    for seed in range(4):
+        t = {n: torch.from_numpy(arrays[f"s{seed}.{n}"]) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
+        o_kernel = torch.from_numpy(arrays[f"s{seed}.o_kernel"])
+        got = k3ref.kda_contract(t, "flashkda", gate="lower_bound", lower_bound=-5.0, beta="sigmoid", l2norm=True,
+                                 scale=128 ** -0.5, no_final_state=True, threads=1)
+        assert torch.equal(got["o"], o_kernel), f"seed {seed}: rel RMS {rel(got['o'], o_kernel):.3e}"
+
+
+def test_sites_override_changes_the_arithmetic():
+    x = problem(5, 33)
+    base = k3ref.kda_contract(x, "fla_chunk", **OPTS)["o"]
+    none = k3ref.kda_contract(x, "fla_chunk", sites={s: "exact" for s in k3ref.kda_contract_sites("fla_chunk")}, **OPTS)
+    exact = k3ref.kda_contract(x, "fla_chunk", exact=True, **OPTS)
+    assert torch.equal(none["o"], exact["o"])
+    assert not torch.equal(base, exact["o"])
+
+
+def test_one_line_errors():
+    x = problem(1, 4)
+    with pytest.raises(ValueError, match=r"^k3ref.kda_contract: option 'contract' must be one of"):
+        k3ref.kda_contract(x, "fla")
+    with pytest.raises(ValueError, match=r"^k3ref.kda_contract: .*unknown rounding site 'nowhere'$"):
+        k3ref.kda_contract(x, "fla_chunk", sites={"nowhere": "bf16"})
+    with pytest.raises(ValueError, match=r"^k3ref.kda_contract: .*unknown precision 'fp8'$"):
+        k3ref.kda_contract(x, "fla_chunk", sites={"state": "fp8"})
+    with pytest.raises(TypeError, match=r"^k3ref.kda_contract: option 'sites'"):
+        k3ref.kda_contract(x, "fla_chunk", sites={"state": 3})
+    x32 = dict(x, q=x["q"].float())
+    with pytest.raises(ValueError, match=r"models bf16 q, k, v and o; tensor 'q' is torch.float32"):
+        contracts.contract_outputs("fla_chunk", x32, {})
+
+
+def test_contract_bounds_verdict():
+    x = problem(7, 50)
+    params = dict(qk_l2norm=True, beta="sigmoid")
+    con = contracts.contract_outputs("fla_chunk", x, params)
+    b = contracts.contract_bounds("fla_chunk", x, params, candidate=con)
+    for name in ("o", "final_state"):
+        assert b[name].passed and b[name].error == b[name].contract_error
+        assert b[name].bound == 2.0 * max(b[name].floor, b[name].contract_error)
+        assert b[name].ratio <= 1.0
+    bad = (con[0] * (1 + 3 * b["o"].bound), con[1])
+    assert not contracts.contract_bounds("fla_chunk", x, params, candidate=bad)["o"].passed
+    nan = (con[0].clone(), con[1])
+    nan[0].view(-1)[0] = math.nan
+    v = contracts.contract_bounds("fla_chunk", x, params, candidate=nan)["o"]
+    assert v.passed is False and v.error == math.inf
+
+
+def test_agreement_uses_the_contracts_own_difference():
+    a, b = torch.ones(100, dtype=torch.float64), torch.ones(100, dtype=torch.float64)
+    a[0] = 1.1  # rel RMS 1e-2
+    ok, reason, ratio = contracts.agreement(a, b, a, b, 2.0)
+    assert ok and ratio == pytest.approx(1.0)
+    ok, reason, _ = contracts.agreement(a, b, b, b, 2.0)
+    assert not ok and "the contract's own difference 0.000e+00" in reason
