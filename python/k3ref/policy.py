@@ -451,6 +451,12 @@ def _apply_rule(res, x, r, rule):
     res.reason = why
 
 
+def _name_list(names):
+    """A list of names for a one-line message: the first 8, then how many there are in all."""
+    names = list(names)
+    return ", ".join(names) if len(names) <= 8 else ", ".join(names[:8]) + f", ... ({len(names)} in all)"
+
+
 def _unravel(index, shape):
     out = []
     for extent in reversed(shape):
@@ -485,13 +491,13 @@ def judge(expected, candidate, op, policy="floor:2", *, tensors=None, known=(), 
     selected = outputs if tensors is None else list(tensors)
     for name in selected:
         if name not in expected:
-            note(EXIT_UNUSABLE, f"no output '{name}' in the golden (outputs: {', '.join(outputs)})")
+            note(EXIT_UNUSABLE, f"no output '{name}' in the golden (outputs: {_name_list(outputs)})")
     accepted = set(outputs) | set(known) | set(table.operators[op]["inputs"])
     for name in candidate:
         if name not in accepted:
             results.append(TensorResult(name, required=False, status="unknown", reason=(
                 f"candidate tensor '{name}' is neither an output nor an input of the golden "
-                f"(outputs: {', '.join(outputs)})")))
+                f"(outputs: {_name_list(outputs)})")))
             note(EXIT_UNUSABLE, results[-1].reason)
     if EXIT_UNUSABLE in first:
         return Verdict(op, policy, EXIT_UNUSABLE, first[EXIT_UNUSABLE], results, table.path)

@@ -28,8 +28,10 @@ std::string join(const std::vector<std::string>& v) {
   return s;
 }
 
-bool contains(const std::vector<std::string>& v, const std::string& x) {
-  return std::find(v.begin(), v.end(), x) != v.end();
+// A list of names for a one-line message: the first 8, then how many there are in all.
+std::string name_list(const std::vector<std::string>& v) {
+  if (v.size() <= 8) return join(v);
+  return join(std::vector<std::string>(v.begin(), v.begin() + 8)) + ", ... (" + std::to_string(v.size()) + " in all)";
 }
 
 // Figures and verdict of one tensor under its rule (the Python judge's _apply_rule).
@@ -164,13 +166,14 @@ CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& q) {
   for (const auto& [name, values] : q.expected) outputs.push_back(name);
   for (const auto& name : outputs)
     if (!rules.count(name)) note_unusable("golden output '" + name + "' of operator '" + q.op + "' is not in the policy table");
+  const std::set<std::string> output_set(outputs.begin(), outputs.end());
   const std::vector<std::string> selected = q.tensors ? *q.tensors : outputs;
   for (const auto& name : selected)
-    if (!contains(outputs, name)) note_unusable("no output '" + name + "' in the golden (outputs: " + join(outputs) + ")");
+    if (!output_set.count(name)) note_unusable("no output '" + name + "' in the golden (outputs: " + name_list(outputs) + ")");
   const OperatorSpec& spec = *table.find_operator(q.op);
   // Hash sets: a lookup per candidate tensor in vectors was quadratic (40k tensors: seconds).
   const std::set<std::string> accepted = [&] {
-    std::set<std::string> names(outputs.begin(), outputs.end());
+    std::set<std::string> names = output_set;
     names.insert(q.known.begin(), q.known.end());
     names.insert(spec.inputs.begin(), spec.inputs.end());
     return names;
@@ -182,7 +185,7 @@ CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& q) {
     u.required = false;
     u.status = "unknown";
     u.reason = "candidate tensor '" + name + "' is neither an output nor an input of the golden (outputs: " +
-               join(outputs) + ")";
+               name_list(outputs) + ")";
     note_unusable(u.reason);
     j.tensors.push_back(std::move(u));
   }
@@ -191,12 +194,14 @@ CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& q) {
     return j;
   }
 
+  std::map<std::string, const NamedValues*> expected_by_name;
+  for (const auto& [name, values] : q.expected) expected_by_name.emplace(name, &values);
+  const std::set<std::string> in_candidate(q.candidate_names.begin(), q.candidate_names.end());
   int judged = 0;
   for (const auto& name : selected) {
     const TensorRule& rule = rules.at(name);
     const OutputSpec& out = *spec.find(name);
-    const NamedValues& ref =
-        std::find_if(q.expected.begin(), q.expected.end(), [&](const auto& e) { return e.first == name; })->second;
+    const NamedValues& ref = *expected_by_name.at(name);
     TensorJudgement res;
     res.tensor = name;
     res.role = role_name(out.role);
@@ -205,7 +210,7 @@ CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& q) {
     res.floor_dtype = floor_format_name(rule.floor_format);
     res.rule = rule.source;
     res.shape = ref.shape;
-    if (!contains(q.candidate_names, name)) {
+    if (!in_candidate.count(name)) {
       if (res.required) {
         res.status = "missing";
         res.reason = "missing from the candidate (a required " + res.role + ")";
@@ -294,7 +299,8 @@ std::string judgement_json(const CaseJudgement& j, const std::string& golden, co
     e["reason"] = t.reason;
     out["tensors"].push_back(std::move(e));
   }
-  return out.dump(2) + "\n";
+  // Invalid UTF-8 in a name (the safetensors reader refuses it, a caller may not) is replaced.
+  return out.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
 }
 
 std::string judgement_junit(const CaseJudgement& j, const std::string& case_name) {

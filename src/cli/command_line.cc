@@ -293,31 +293,31 @@ void print_judgement(const CompareArgs& a, const check::CaseJudgement& j, const 
     std::string rule = t.metric;
     if (t.metric == "floor" || t.metric == "rel-rms" || t.metric == "max-abs-ulps") rule += " " + t.floor_dtype;
     if (t.status == "pass" || t.status == "fail") {
-      std::printf("%-28s %-8s %-6s %-16s %10.3e %10.3e %10.3e %10.3g %6lld  %s: %s\n", t.tensor.c_str(), t.role.c_str(),
-                  t.candidate_dtype.c_str(), rule.c_str(), t.rel_rms, t.floor, t.max_abs, t.max_ulp,
-                  static_cast<long long>(t.candidate_nan), t.passed ? "PASS" : "FAIL", t.reason.c_str());
+      std::printf("%-28s %-8s %-6s %-16s %10.3e %10.3e %10.3e %10.3g %6lld  %s: %s\n", io::printable(t.tensor).c_str(),
+                  t.role.c_str(), t.candidate_dtype.c_str(), rule.c_str(), t.rel_rms, t.floor, t.max_abs, t.max_ulp,
+                  static_cast<long long>(t.candidate_nan), t.passed ? "PASS" : "FAIL", io::printable(t.reason).c_str());
     } else {
       std::string status = t.status;
       for (char& c : status) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-      std::printf("%-28s %-8s %-6s %-16s %10s %10s %10s %10s %6s  %s: %s\n", t.tensor.c_str(), t.role.c_str(),
-                  t.candidate_dtype.empty() ? "-" : t.candidate_dtype.c_str(), rule.c_str(), "-", "-", "-", "-", "-",
-                  status.c_str(), t.reason.c_str());
+      std::printf("%-28s %-8s %-6s %-16s %10s %10s %10s %10s %6s  %s: %s\n", io::printable(t.tensor).c_str(),
+                  t.role.c_str(), t.candidate_dtype.empty() ? "-" : t.candidate_dtype.c_str(), rule.c_str(), "-", "-",
+                  "-", "-", "-", status.c_str(), io::printable(t.reason).c_str());
     }
     if (t.status == "fail" && t.max_abs_index >= 0)
       std::printf("%-28s worst element %s (flat %lld): candidate %.9g, golden %.17g\n", "",
                   shape_to_string(Shape(t.worst_index.begin(), t.worst_index.end())).c_str(),
                   static_cast<long long>(t.max_abs_index), t.candidate_value, t.golden_value);
     if (a.window > 0 && t.shape.size() >= 2 && (t.status == "pass" || t.status == "fail")) {
-      const Tensor<double> x = io::to_f64(cand.at(t.tensor, a.candidate), a.candidate);
-      const Tensor<double> y = io::to_f64(ref.at(t.tensor, a.golden), a.golden);
+      const Tensor<double> x = io::to_f64(*cand.find(t.tensor), a.candidate);
+      const Tensor<double> y = io::to_f64(*ref.find(t.tensor), a.golden);
       const auto by_window = check::rel_rms_by_window(x.values(), y.values(), t.shape, 1, a.window);
       std::printf("%-28s rel RMS by token window of %lld:", "", static_cast<long long>(a.window));
       for (double e : by_window) std::printf(" %.2e", e);
       std::printf("\n");
     }
   }
-  std::printf("%s under policy '%s' (%s): %s\n", j.exit_code == 0 ? "PASS" : "FAIL", j.policy.c_str(), j.op.c_str(),
-              j.reason.c_str());
+  std::printf("%s under policy '%s' (%s): %s\n", j.exit_code == 0 ? "PASS" : "FAIL", io::printable(j.policy).c_str(),
+              io::printable(j.op).c_str(), io::printable(j.reason).c_str());
 }
 
 int compare_command(const CompareArgs& a) {
@@ -343,18 +343,28 @@ int compare_command(const CompareArgs& a) {
     check::JudgeRequest q;
     q.op = op;
     q.policy = a.policy;
-    for (const auto& name : check::expand_outputs(*meta("k3ref.outputs")))
-      q.expected.emplace_back(name, named_values(ref.at(name, a.golden), a.golden));
+    // Tensors by name, indexed once: SafetensorsFile::find is a linear scan, and a golden
+    // may list many thousands of outputs.
+    std::unordered_map<std::string, const io::RawTensor*> golden_tensors, candidate_tensors;
+    for (const auto& [name, t] : ref.tensors) golden_tensors.emplace(name, &t);
+    for (const auto& [name, t] : cand.tensors) candidate_tensors.emplace(name, &t);
+    std::set<std::string> output_names;
+    for (const auto& name : check::expand_outputs(*meta("k3ref.outputs"))) {
+      auto it = golden_tensors.find(name);
+      if (it == golden_tensors.end())
+        throw FileError(a.golden + ": tensor " + io::excerpt(name) + " (listed in k3ref.outputs) is not in the file");
+      q.expected.emplace_back(name, named_values(*it->second, a.golden));
+      output_names.insert(name);
+    }
     for (const auto& [name, t] : ref.tensors)
-      if (std::none_of(q.expected.begin(), q.expected.end(), [&](const auto& e) { return e.first == name; }))
-        q.known.push_back(name);
+      if (!output_names.count(name)) q.known.push_back(name);
     for (const auto& [name, t] : cand.tensors) q.candidate_names.push_back(name);
-    q.candidate = [&](const std::string& name) { return named_values(cand.at(name, a.candidate), a.candidate); };
+    q.candidate = [&](const std::string& name) { return named_values(*candidate_tensors.at(name), a.candidate); };
     if (!a.tensors.empty()) q.tensors = a.tensors;
     const check::CaseJudgement j = check::judge_case(table, q);
     write_reports(a, j, case_name);
     if (j.exit_code == exit_unusable) {
-      std::fprintf(stderr, "k3ref compare: %s\n", j.reason.c_str());
+      std::fprintf(stderr, "k3ref compare: %s\n", io::printable(j.reason).c_str());
       return exit_unusable;
     }
     print_judgement(a, j, ref, cand);
