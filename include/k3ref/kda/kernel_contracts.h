@@ -6,8 +6,8 @@
 //                        instantiated in float (fp32 state and accumulation), o rounded to bf16.
 //   fla_chunk            FLA chunk_kda (C = 64 from 16-token sub-chunks): bf16 operands of
 //                        every product, the fp32 state rounded to bf16 where it is an operand
-//                        (q·h, w·h), tf32 operands of the cross-sub-chunk products, fp32 inverse
-//                        stored as bf16.
+//                        (q·h, w·h), tf32 operands (truncated) of the cross-sub-chunk products
+//                        and of the inverse's block merges, fp32 inverse stored as bf16.
 //   fla_chunk_safe_gate  the same with safe_gate: the diagonal sub-chunk products through the
 //                        anchor row min(8, rows - 1) of the sub-chunk (a future row for the
 //                        first half), tf32 operands.
@@ -24,7 +24,7 @@
 // Modelled, not emulated bit for bit (each bound is in docs/contracts.md): exp2 / exp as
 // correctly rounded fp32 of the exact decay (ex2.approx: 2 ulp of fp32), sigmoid via
 // tanh.approx as the exact sigmoid, FLA's fp32 cumulative sums of log2 decays as exact,
-// tensor-core accumulation as sequential fp32 sums, tf32 operands as round to nearest.
+// tensor-core accumulation as sequential fp32 sums.
 #pragma once
 
 #include <array>
