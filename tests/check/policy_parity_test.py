@@ -5,6 +5,7 @@ candidates made from the committed goldens by rounding, perturbing, dropping and
 their outputs, and for a correct fp32 kernel whose final state is fp32 (judged at the
 contract's bf16 floor, not the fp32 floor of its storage). Also each fail-closed rule of
 the command: its exit code and its one-line message. Skips (exit 77) without torch.
+The GPU harness's golden verdict is checked against compare's too (HarnessParity).
 Usage: policy_parity_test.py SOURCE_ROOT K3REF_EXE"""
 import json
 import struct
@@ -295,6 +296,28 @@ class RandomParity(unittest.TestCase):
             Parity.assert_same(self, golden, write_candidate("random_candidate", cand), pol)
 
         check()
+
+
+class HarnessParity(unittest.TestCase):
+    """The GPU harness's golden verdict (k3ref.gpu_check.checks.judge_golden, run here on the
+    CPU with the kernel's tensors) is compare's on the same tensors written to a file."""
+
+    def test_harness_and_compare_agree(self):
+        try:
+            from k3ref.gpu_check import adapters, checks
+        except ImportError as e:
+            self.skipTest(f"k3ref.gpu_check is not importable: {e}")
+        adapter = adapters.TorchKernelAdapter()  # policy "recurrent", bf16 output
+        for name in ("kda_b2_t37", "kda_t100", "kda_k128_t65"):
+            case = goldens.load_case(g(name), reader="k3ref")
+            good = fp32_recurrence(case)
+            bad = {"o": (case.expected["o"] * 1.01).to(torch.bfloat16), "final_state": good["final_state"]}
+            for label, out in (("fp32", good), ("off", bad)):
+                res = checks.judge_golden(adapter, case, out["o"], out["final_state"])
+                run, doc, _ = compare(g(name), write_candidate(f"harness_{name}_{label}", out), adapter.policy)
+                self.assertEqual(res.status, {0: "pass", 1: "fail", 2: "error"}[run.returncode], f"{name} {label}")
+                self.assertEqual(res.extra["verdict"]["tensors"], doc["tensors"], f"{name} {label}")
+                self.assertEqual(res.status, "pass" if label == "fp32" else "fail")
 
 
 if __name__ == "__main__":
