@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Independent cross-check of the committed AttnRes goldens.
 
-A second implementation of full and block Attention Residuals (DESIGN.md section 6) and of
+A second implementation of full and block Attention Residuals (docs/attnres.md) and of
 the phase-1 statistics, written in NumPy (float64) with its own safetensors reader. It shares
 no code with the C++ generator. Conventions: slot l (1..L) is layer l's input h_l, slot L+1
 the final aggregation; slot l has query w_l = queries[l-1] and norm weight g_l; a source x
@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_crosscheck import load as load_raw  # noqa: E402  (one safetensors reader, one KDA stage model)
+from oracle import load as load_raw, wide  # noqa: E402  (the one NumPy oracle's reader)
 
 
 def load(path):
     """Every tensor as float64 (AttnRes stores no integer data that must stay integer)."""
     tensors, meta = load_raw(path)
-    return {name: arr.astype(np.float64) for name, arr in tensors.items()}, meta
+    return {name: wide(arr) for name, arr in tensors.items()}, meta
 
 def scores(query, weight, eps, sources):
     """sources [n, T, d] -> scores [n, T]"""

@@ -2,7 +2,7 @@
 """Independent cross-check of the committed KDA gradient goldens ("kda.backward").
 
 The goldens' gradients come from k3ref's adjoint recurrence. This script never
-differentiates by hand: it runs its own NumPy forward of KDA (from DESIGN.md section 3)
+differentiates by hand: it runs its own NumPy forward of KDA (from docs/conventions.md)
 in complex arithmetic and takes complex-step derivatives,
 
     d/de L(x + e E) at e = 0  =  Im L(x + i h E) / h     (h = 1e-30, no cancellation),
@@ -14,83 +14,22 @@ or rank's first token. It also checks the stored forward states (chunk_states,
 cp_entering_states) against its own forward. Usage: golden_crosscheck_backward.py DIR
 """
 import json
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_crosscheck import load  # noqa: E402  (the independent safetensors reader)
+from oracle import kda_forward, load, sequences  # noqa: E402  (the one NumPy oracle)
 
 H_STEP = 1e-30
 TOLERANCE = 1e-12  # relative to sum |gradient * E|; observed worst 4.3e-16
 
 
-def sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def stages(t, p):
-    """q, k normalised, decays, activated beta, scale; complex-safe (no abs, no where)."""
-    q, k, v, g, beta = (t[n] for n in ("q", "k", "v", "g", "beta"))
-    K, HV = q.shape[3], v.shape[2]
-    if p["qk_l2norm"]:
-        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
-        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
-    bias = t["dt_bias"] if "dt_bias" in t else np.zeros((HV, K))
-    if p["gate"] == "softplus":
-        g = -np.exp(t["A_log"])[:, None] * np.log(1.0 + np.exp(g + bias))
-    elif p["gate"] == "lower_bound":
-        x = g + bias
-        if "A_log" in t:
-            x = np.exp(t["A_log"])[:, None] * x
-        g = p["lower_bound"] * sigmoid(x)
-    decay = np.exp(g) if p["gate_base"] == "e" else np.power(2.0, g / math.log(2.0))
-    if p["beta"] == "sigmoid":
-        beta = sigmoid(beta)
-    elif p["beta"] == "two_sigmoid":
-        beta = 2 * sigmoid(beta)
-    scale = p["scale"] if p.get("scale") is not None else K ** -0.5
-    return q, k, v, decay, beta, scale
-
-
-def sequences(p, B, T):
-    cu = p["cu_seqlens"]
-    return [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)] if cu else [(b, 0, T) for b in range(B)]
-
-
 def forward(t, p, inject=None, record=None):
-    """o [B,T,HV,V] and final states [N,HV,K,V] (K-first). inject[(b, s)] = [HV,K,V] is
-    added to the state just before token s of the sequence in batch row b; record[(b, s)]
-    receives that state (after injection)."""
-    q, k, v, decay, beta, scale = stages(t, p)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    v_first = p["state_layout"] == "v_first"
-    h0 = t.get("initial_state")
-    o = np.zeros((B, T, HV, V), dtype=complex)
-    seqs = sequences(p, B, T)
-    final = np.zeros((len(seqs), HV, K, V), dtype=complex)
-    for n, (b, begin, end) in enumerate(seqs):
-        S = np.zeros((HV, K, V), dtype=complex)
-        if h0 is not None:
-            S = S + (np.swapaxes(h0[n], 1, 2) if v_first else h0[n])
-        for s in range(begin, end):
-            if inject is not None and (b, s) in inject:
-                S = S + inject[(b, s)]
-            if record is not None and (b, s) in record:
-                record[(b, s)] = S.copy()
-            for hv in range(HV):
-                h = hv // (HV // H)
-                Sh = decay[b, s, hv][:, None] * S[hv]
-                Sh = Sh + beta[b, s, hv] * np.outer(k[b, s, h], v[b, s, hv] - k[b, s, h] @ Sh)
-                o[b, s, hv] = Sh.T @ (scale * q[b, s, h])
-                S[hv] = Sh
-        final[n] = S
-    if v_first:
-        final = np.swapaxes(final, 2, 3)
-    return o, final
+    """o and final states (in the case's layout) by the oracle; inject / record keyed by (b, s)."""
+    out = kda_forward(t, p, inject, record)
+    return out["o"], out["final_state"]
 
 
 def loss(t, p, inject=None):

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Independent cross-check of the chunkwise KDA stage goldens (kda.chunkwise_*).
 
-Recomputes every stage tensor from the formulas of DESIGN.md section 4 in NumPy float64
+Recomputes every stage tensor from the formulas of docs/chunkwise.md in NumPy float64
 (a direct matrix inverse for INV, plain cumulative products for the decays, none of the
 C++ code's Neumann doubling, forward substitution or pairwise ratios), and o / final_state
-with the recurrence of golden_crosscheck.py. Usage: golden_crosscheck_chunkwise.py GOLDEN_DIR
+with the oracle's recurrence (tests/oracle/). Usage: golden_crosscheck_chunkwise.py GOLDEN_DIR
 """
 import json
 import sys
@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_crosscheck import kda_reference, load, prepared as prepared_stages, rel_rms  # noqa: E402
+from oracle import kda_forward, load, rel_rms, stages  # noqa: E402  (the one NumPy oracle)
 
 TOLERANCE = 1e-10
 
 
 def prepared(t, p):
     """The stages with the scale folded into q, as the chunk forms consume them."""
-    q, k, v, decay, beta, scale = prepared_stages(t, p)
+    q, k, v, decay, beta, scale = stages(t, p)
     return q * scale, k, v, decay, beta
 
 
@@ -93,7 +93,7 @@ def main(golden_dir):
         params = case["params"]
         p = params["kda"]
         ours = chunk_stages(tensors, p, params["form"], params["chunk_size"])
-        ours.update({n: x for n, x in kda_reference(tensors, p).items() if n in ("o", "final_state")})
+        ours.update({n: x for n, x in kda_forward(tensors, p).items() if n in ("o", "final_state")})
         ok = True
         names = meta["k3ref.outputs"].split(",") + ["chunk_starts"]
         for name in names:

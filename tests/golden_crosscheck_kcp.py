@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Independent cross-check of the committed context-parallel KDA goldens (kcp.context_parallel).
 
-Written from DESIGN.md sections 3 and 5 and the K3 report's eq. 17 in NumPy (float64), with
+Written from docs/conventions.md, docs/kcp.md and the K3 report's eq. 17 in NumPy (float64), with
 its own safetensors reader, sharing no code with the C++ generator. Per rank it builds the
 fragment pair from its definition -- M as the explicit ordered product of the token
 transitions M_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)), S~ as the affine steps from the zero
@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_crosscheck import load, prepared as prepared_batched, rel_rms  # noqa: E402  (one safetensors reader, one KDA stage model)
+from oracle import load, rel_rms, run, stages  # noqa: E402  (the one NumPy oracle)
 
 
 def prepared(t, p):
     """The stages for the single packed row (B = 1) of a context-parallel case."""
-    q, k, v, decay, beta, _ = prepared_batched(t, p)
+    q, k, v, decay, beta, _ = stages(t, p)
     return q[0], k[0], v[0], decay[0], beta[0], q.shape[-1] ** -0.5
 
 
@@ -43,18 +43,11 @@ def crosscheck(t, p):
     def write(tok, hv):
         return beta[tok, hv] * np.outer(k[tok, hv // group], v[tok, hv])
 
-    # Single-device recurrence (decay, delta rule, read), zero initial states.
+    # Single-device recurrence (the oracle's), zero initial states.
     o = np.zeros((1, T, HV, V))
     final = np.zeros((len(cu) - 1, HV, K, V))
     for n in range(len(cu) - 1):
-        for hv in range(HV):
-            S = np.zeros((K, V))
-            for tok in range(cu[n], cu[n + 1]):
-                h = hv // group
-                S = decay[tok, hv][:, None] * S
-                S = S + beta[tok, hv] * np.outer(k[tok, h], v[tok, hv] - k[tok, h] @ S)
-                o[0, tok, hv] = S.T @ (scale * q[tok, h])
-            final[n, hv] = S
+        final[n] = run(q, k, v, decay, beta, scale, np.zeros((HV, K, V)), range(cu[n], cu[n + 1]), o[0])
 
     # Per-rank fragments by definition, with the document-boundary rule.
     M = np.zeros((P, HV, K, K))

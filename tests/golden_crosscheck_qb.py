@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Independent cross-check of the committed Quantile Balancing goldens (qb_*.safetensors).
 
-A second implementation, written from DESIGN.md section 7 and docs/qb.md in NumPy and
+A second implementation, written from docs/qb.md and proofs/qb_dual.md in NumPy and
 Python's exact Fraction, with its own safetensors reader; it shares no code with the C++
 generator. Every golden value is exact (dyadic scores, exact references), so the checks
 are equalities, not tolerances:
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_crosscheck import load  # noqa: E402  (one safetensors reader, one KDA stage model)
+from oracle import load  # noqa: E402  (the one NumPy oracle's reader)
 
 # ---- the method, from the design ------------------------------------------------------------
 

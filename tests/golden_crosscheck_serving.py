@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_crosscheck import load, prepared, rel_rms  # noqa: E402  (one safetensors reader, one KDA stage model)
+from oracle import load, rel_rms, run, stages as prepared  # noqa: E402  (the one NumPy oracle)
 
 PAD = -1
 PADDING_VALUE = 2.0**100  # what the generator writes between and around slots
@@ -54,19 +54,10 @@ class Pool:
 
 def run_tokens(q, k, v, decay, beta, scale, begin, end, S0):
     """The recurrence over tokens [begin, end) of row 0 from S0 [HV, K, V]: outputs, state after each token."""
-    HV, H = v.shape[2], q.shape[2]
-    S = S0.copy()
-    outs, states = [], []
-    for s in range(begin, end):
-        o = np.zeros((HV, v.shape[3]))
-        for hv in range(HV):
-            h = hv // (HV // H)
-            S[hv] = decay[0, s, hv][:, None] * S[hv]
-            S[hv] = S[hv] + beta[0, s, hv] * np.outer(k[0, s, h], v[0, s, hv] - k[0, s, h] @ S[hv])
-            o[hv] = S[hv].T @ (scale * q[0, s, h])
-        outs.append(o)
-        states.append(S.copy())
-    return outs, states
+    T, HV, K, V = q.shape[1], v.shape[2], q.shape[3], v.shape[3]
+    o, states = np.zeros((T, HV, V)), np.zeros((T, HV, K, V))
+    run(q[0], k[0], v[0], decay[0], beta[0], scale, S0, range(begin, end), o, states)
+    return list(o[begin:end]), list(states[begin:end])
 
 
 def pool_case(t, p, op):
@@ -180,22 +171,13 @@ def layer_run(t, p, state, tokens):
     k, ck = short_conv(tokens[1], t["conv_k"], ck)
     v, cv = short_conv(tokens[2], t["conv_v"], cv)
     L = q.shape[0]
-    q = q.reshape(L, H, K)
-    k = k.reshape(L, H, K)
-    v = v.reshape(L, HV, V)
-    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
-    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
-    A, bias = np.exp(t["A_log"].astype(np.float64)), t["dt_bias"].astype(np.float64)
-    gate = -5.0 / (1.0 + np.exp(-A[None, :, None] * (tokens[3] + bias[None])))
-    decay, beta = np.exp(gate), 1.0 / (1.0 + np.exp(-tokens[4]))
-    S = kda.copy()
+    # K3's stages: L2 norm, the lower-bound gate at -5 with A_log, sigmoid beta (the oracle's model).
+    projected = {"q": q.reshape(1, L, H, K), "k": k.reshape(1, L, H, K), "v": v.reshape(1, L, HV, V),
+                 "g": tokens[3][None], "beta": tokens[4][None], "A_log": t["A_log"], "dt_bias": t["dt_bias"]}
+    k3 = {"qk_l2norm": True, "gate": "lower_bound", "lower_bound": -5.0, "gate_base": "e", "beta": "sigmoid"}
+    q, k, v, decay, beta, scale = prepared(projected, k3)
     o = np.zeros((L, HV, V))
-    for s in range(L):
-        for hv in range(HV):
-            h = hv // (HV // H)
-            S[hv] = decay[s, hv][:, None] * S[hv]
-            S[hv] = S[hv] + beta[s, hv] * np.outer(k[s, h], v[s, hv] - k[s, h] @ S[hv])
-            o[s, hv] = S[hv].T @ (K**-0.5 * q[s, h])
+    S = run(q[0], k[0], v[0], decay[0], beta[0], scale, kda, range(L), o)
     return o, (S, cq, ck, cv)
 
 
