@@ -29,7 +29,10 @@ if MODULE_DIR and list(Path(MODULE_DIR).glob("_core*.so")):
     os.environ["K3REF_CORE_PATH"] = str(Path(MODULE_DIR).resolve())
 sys.path.insert(0, str(ROOT / "tests"))
 
-from golden_crosscheck import kda_reference, load, rel_rms  # noqa: E402
+try:  # the NumPy oracle (tests/oracle/), independent of the code under test
+    from oracle import kda_forward as kda_reference, load, rel_rms  # noqa: E402
+except ImportError:  # before the oracle moved out of the cross-check
+    from golden_crosscheck import kda_reference, load, rel_rms  # noqa: E402
 from k3ref.gpu_check import adapters, prop  # noqa: E402
 
 SEED = 20261130
