@@ -1,4 +1,5 @@
 // The scalar-free rules of the serving references: pool layouts and slot tables.
+#include <algorithm>
 #include <map>
 #include <string>
 
