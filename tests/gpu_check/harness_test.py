@@ -5,6 +5,7 @@ deliberately non-causal CPU kernel, and the report writers. Skips (exit 77) with
 Usage: harness_test.py SOURCE_ROOT"""
 import json
 import math
+import os
 import sys
 import tempfile
 import unittest
@@ -78,6 +79,50 @@ class Metrics(unittest.TestCase):
         cand[0, 2:] = 1.5
         m = metrics.compare(cand, ref, torch.float64, window_shape=(2, 4, 2))
         self.assertEqual(m.window_rel_rms, [0.0, 0.5])
+
+
+FAKE_TRITON = {
+    "triton/__init__.py": "__version__ = '0.fake'\nfrom .compiler import compile\n",
+    "triton/compiler/__init__.py": "from .compiler import compile\n",
+    "triton/compiler/compiler.py": "import time\ndef compile(src, **kw):\n    time.sleep(0.05)\n    return src\n",
+    "triton/runtime/__init__.py": "",
+    "triton/runtime/jit.py": ("from ..compiler import compile\n"
+                              "class JITFunction:\n    def run(self, src):\n        return compile(src)\n"),
+    "triton/runtime/autotuner.py": ("import time\nfrom . import jit\n"
+                                    "class Autotuner:\n    def _bench(self, config):\n"
+                                    "        jit.JITFunction().run(config)\n        time.sleep(0.03)\n"),
+}
+
+
+class Timing(unittest.TestCase):
+    def test_compile_and_autotune_hooks_split_the_time(self):
+        # A stand-in of Triton's module layout: compile() takes 50 ms, one autotune benchmark
+        # compiles its configuration and then runs 30 ms. Two plain compiles and three
+        # benchmarks: 5 compiles (0.25 s) and 0.09 s of benchmarking, compilation excluded.
+        import subprocess
+
+        with tempfile.TemporaryDirectory() as d:
+            for rel, text in FAKE_TRITON.items():
+                (Path(d) / rel).parent.mkdir(parents=True, exist_ok=True)
+                (Path(d) / rel).write_text(text)
+            script = ("from k3ref.gpu_check import timing\n"
+                      "status = timing.install()\n"
+                      "from triton.runtime.jit import JITFunction\nfrom triton.runtime.autotuner import Autotuner\n"
+                      "JITFunction().run(1); JITFunction().run(2)\n"
+                      "[Autotuner()._bench(c) for c in range(3)]\n"
+                      "import json; print(json.dumps([status, timing.COUNTERS.snapshot()]))\n")
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([d, str(ROOT / "python")]))
+            out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            status, c = json.loads(out.stdout)
+        self.assertEqual(status["triton"], "0.fake")
+        self.assertIn("triton.runtime.jit.compile", status["compile"])
+        self.assertIn("Autotuner._bench", status["autotune"])
+        self.assertEqual((c["compiles"], c["configs_benchmarked"]), (5, 3))
+        self.assertGreaterEqual(c["compile_s"], 0.25)
+        self.assertGreaterEqual(c["autotune_s"], 0.09)
+        # Counting the 3 compiles inside (0.15 s) would give at least 0.24 s.
+        self.assertLess(c["autotune_s"], 0.22)
 
 
 class Reference(unittest.TestCase):

@@ -90,8 +90,12 @@ def install():
     try:
         from triton.runtime.jit import JITFunction
 
-        if callable(JITFunction.__dict__.get("compile")):
-            JITFunction.compile = staticmethod(_wrap_compile(JITFunction.__dict__["compile"]))
+        attr = JITFunction.__dict__.get("compile")
+        if isinstance(attr, staticmethod):
+            JITFunction.compile = staticmethod(_wrap_compile(attr.__func__))
+            patched.append("JITFunction.compile")
+        elif callable(attr):  # a plain function: the wrapper binds self like the original
+            JITFunction.compile = _wrap_compile(attr)
             patched.append("JITFunction.compile")
     except Exception:
         pass
