@@ -33,9 +33,10 @@ import torch
 
 CONTRACTS = ("fla_recurrent", "fla_chunk", "fla_chunk_safe_gate", "flashkda")
 
-# m per contract: the target 2 everywhere (docs/contracts.md gives the measured worst ratios
-# kernel error / max(floor, contract error) under it, and the cases that exceed it).
-MULTIPLES = {"fla_recurrent": 2.0, "fla_chunk": 2.0, "fla_chunk_safe_gate": 2.0, "flashkda": 2.0}
+# m per contract (docs/contracts.md: the measured worst ratios kernel error / max(floor,
+# contract error) under each). fla_recurrent keeps the 1.5 of its former floor policy: its
+# contract error is the bf16 floor itself (1.00x), so 2 would widen its bound unmeasured.
+MULTIPLES = {"fla_recurrent": 1.5, "fla_chunk": 2.0, "fla_chunk_safe_gate": 2.0, "flashkda": 2.0}
 
 _INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
 
