@@ -298,8 +298,12 @@ def _spacing(ref, dtype):
 
 
 def _round_to(ref, dtype):
+    mant, emin, _ = FLOAT_DTYPES[dtype]
     s = _spacing(ref, dtype)
-    return torch.round(ref / s) * s  # half to even; ref / s is exact
+    out = torch.round(ref / s) * s  # half to even; ref / s is exact
+    # Past the largest finite value, IEEE conversion (and num::round_to) gives +-inf.
+    max_finite = (2.0 - 2.0 ** -mant) * 2.0 ** (1 - emin)
+    return torch.where(out.abs() > max_finite, out.sign() * math.inf, out)
 
 
 def _ordered_sum(x):
@@ -430,6 +434,8 @@ def _apply_rule(res, x, r, rule):
         ok = res.rel_rms <= res.bound or res.max_abs == 0
         why = (f"rel RMS {_e(res.rel_rms)} {'<=' if ok else '>'} {_e(res.bound)} ({rule.multiple:g} x "
                f"{rule.floor_dtype} floor {_e(res.floor)}{ratio})")
+        if not math.isfinite(res.floor):  # fail closed: an infinite floor would pass anything
+            ok, why = False, f"the golden overflows {rule.floor_dtype}: its floor is infinite"
     elif rule.metric == "rel-rms":
         res.figure, res.bound = res.rel_rms, rule.bound
         ok = res.rel_rms <= res.bound

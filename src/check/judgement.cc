@@ -72,6 +72,10 @@ void apply_rule(TensorJudgement& res, const std::vector<double>& x, const std::v
       ok = m.rel_rms <= res.bound || m.max_abs == 0;
       why = "rel RMS " + e3(m.rel_rms) + (ok ? " <= " : " > ") + e3(res.bound) + " (" + fmt("%g", rule.multiple) +
             " x " + dtype + " floor " + e3(m.floor_rel_rms) + ratio + ")";
+      if (!std::isfinite(m.floor_rel_rms)) {  // fail closed: an infinite floor would pass anything
+        ok = false;
+        why = "the golden overflows " + dtype + ": its floor is infinite";
+      }
       break;
     case RuleMetric::rel_rms:
       res.figure = m.rel_rms;

@@ -155,6 +155,20 @@ class Parity(unittest.TestCase):
         self.assertEqual(v.exit_code, 1)
         self.assertIn("NaN/Inf where the golden has none", v.reason)
 
+    def test_a_golden_beyond_the_floor_dtype_fails_closed(self):
+        # 3.398e38 rounds to bf16 infinity: the floor is infinite, and a floor rule would
+        # pass anything; it fails instead (a rel-rms rule only reports the floor, as null).
+        o = torch.tensor([3.398e38, 1, 2, 3, 4, 5, 6, 7], dtype=torch.float64).reshape(1, 2, 1, 4)
+        s = torch.ones(1, 1, 2, 4, dtype=torch.float64)
+        golden = write_candidate("overflow_golden", {"o": o, "final_state": s},
+                                 {"k3ref.op": "kda.recurrent", "k3ref.outputs": "o,final_state"})
+        cand = write_candidate("overflow_candidate", {"o": o, "final_state": s})
+        v = self.assert_same(golden, cand, "recurrent")
+        self.assertEqual((v.exit_code, v.reason), (1, "o: the golden overflows bf16: its floor is infinite"))
+        v = self.assert_same(golden, cand, "fla-test")
+        self.assertEqual(v.exit_code, 0)
+        self.assertIsNone(v["o"].to_dict()["floor"])
+
     def test_optional_stages_and_requested_tensors(self):
         case = goldens.load_case(g("kda_chunkwise_fla_c64_t100"), reader="k3ref")
         e = case.expected
@@ -275,7 +289,7 @@ class RandomParity(unittest.TestCase):
             from hypothesis import given, settings, strategies as st
         except ImportError:
             self.skipTest("hypothesis is not importable")
-        finite = st.floats(-1e6, 1e6, allow_nan=False, width=64) | st.sampled_from([0.0, 1e-300, -2.5e-310, 3e38])
+        finite = st.floats(-1e6, 1e6, allow_nan=False, width=64) | st.sampled_from([0.0, 1e-300, -2.5e-310, 3e38, 3.398e38])
         value = finite | st.sampled_from([float("nan"), float("inf"), -float("inf")])
         dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16])
         policies = st.sampled_from(["recurrent", "chunk", "flashkda", "fla-test", "exact", "floor:1", "floor:2.5",
