@@ -182,14 +182,24 @@ def load_case(name_or_path, directory_=None, *, reader="auto"):
 
 
 def case_names(directory_=None, ops=None):
-    """Names of the cases in the directory's MANIFEST.json (optionally only operators in `ops`)."""
-    manifest = json.loads((directory(directory_) / "MANIFEST.json").read_text())
+    """Names of the cases in the directory's MANIFEST.json, in its order (optionally only
+    operators in `ops`); without a manifest, of every .safetensors file, by name."""
+    d = directory(directory_)
+    if not (d / "MANIFEST.json").is_file():
+        return [c.name for c in load_suite(d, ops)]
+    manifest = json.loads((d / "MANIFEST.json").read_text())
     return [c["name"] for c in manifest["cases"] if ops is None or c["op"] in ops]
 
 
 def load_suite(directory_=None, ops=None, *, reader="auto"):
-    """Every case of the manifest (optionally only operators in `ops`), by name."""
-    return [load_case(n, directory_, reader=reader) for n in case_names(directory_, ops)]
+    """Every case of the manifest (optionally only operators in `ops`), in its order; a
+    directory without MANIFEST.json (e.g. failures written by k3ref.gpu_check prop): every
+    .safetensors file, by file name."""
+    d = directory(directory_)
+    if (d / "MANIFEST.json").is_file():
+        return [load_case(n, d, reader=reader) for n in case_names(d, ops)]
+    cases = [load_case(p, reader=reader) for p in sorted(d.glob("*.safetensors"))]
+    return [c for c in cases if ops is None or c.op in ops]
 
 
 def reference(case, precision="mp256", threads=None):

@@ -170,3 +170,12 @@ def test_operators_without_a_reference_say_so():
     case = goldens.load_case(UNSUPPORTED[0], GOLDENS)
     with pytest.raises(ValueError, match=f"operator '{case.op}' of case '{case.name}' has no reference"):
         goldens.reference(case)
+
+
+def test_a_directory_without_manifest_is_read_file_by_file(tmp_path):
+    import shutil
+    for n in ("kda_t1", "attnres_full_l8"):
+        shutil.copy(GOLDENS / f"{n}.safetensors", tmp_path)
+    assert [c.name for c in goldens.load_suite(tmp_path)] == ["attnres_full_l8", "kda_t1"]
+    assert [c.name for c in goldens.load_suite(tmp_path, ops=("kda.recurrent",))] == ["kda_t1"]
+    assert goldens.case_names(tmp_path, ops=("attnres.full",)) == ["attnres_full_l8"]
