@@ -115,6 +115,7 @@ def _build(config):
         goldens = config.getoption("k3ref_goldens") or cli.default_goldens()
         suite = cli.load_suite(goldens, adapters)
         limitations = collection.load_limitations(config.getoption("k3ref_known_limitations"))
+        collection.validate(adapters, suite)
     except (AdapterSpecError, cli.UsageError, ValueError) as e:
         raise pytest.UsageError(f"k3ref: {e}") from e
     return adapters, requested, collection.collect(adapters, suite, limitations=limitations)

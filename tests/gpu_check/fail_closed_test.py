@@ -82,7 +82,8 @@ class FailClosed(unittest.TestCase):
                 (["--checks", "golden,no_such_check"], "--checks: no check named 'no_such_check'"),
                 (["--cases", "kda_t1,no_such_case"], "--cases: no golden case named 'no_such_case'"),
                 (["--adapter", "no_such_module:Kernel"], "cannot import no_such_module"),
-                (["--adapter", "test_adapters:NoSuchClass"], "has no attribute 'NoSuchClass'")):
+                (["--adapter", "test_adapters:NoSuchClass"], "has no attribute 'NoSuchClass'"),
+                (["--adapter", "test_adapters:UnknownPolicy"], "unknown tolerance policy 'no-such-policy'")):
             with self.subTest(args=args):
                 r = self.run_ok("run", "--no-builtin", "--adapter", "test_adapters:Correct", *args, code=2,
                                 message=message)

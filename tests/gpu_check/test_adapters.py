@@ -79,3 +79,8 @@ class UnrunnableMutant(UncaughtMutant):
 
     def load(self):
         raise RuntimeError("needs a device this host lacks")
+
+
+class UnknownPolicy(Correct):
+    name = "test.unknown_policy"
+    policy = "no-such-policy"

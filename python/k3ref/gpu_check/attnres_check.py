@@ -87,7 +87,7 @@ class LigerAttnResAdapter(Adapter):
     family = "attnres"
     kind = "kernel"
     golden_ops = ("attnres.full", "attnres.block", "attnres.phase1")
-    policy = f"contract:{MULTIPLE:g}"
+    policy = "liger-attnres"  # the policy table's; this adapter also takes the emulated contract floor when larger
     policy_reason = (f"rel RMS of h <= {MULTIPLE:g} x max(bf16 floor, emulated contract: key rounded to bf16, "
                      "fp32 softmax and sum)")
     contract = "Triton; fp32 RMS norm and softmax, the normalised key rounded to bf16 before the weight, bf16 h"
