@@ -1,8 +1,18 @@
-"""gpu_check: runs real KDA kernels against the k3ref references (DESIGN.md section 10).
+"""k3ref.gpu_check: real kernels against the k3ref references (docs/gpu_check.md; docs/design.md
+section 9; docs/verify-your-kernel.md for your own kernel's CI).
 
-Modules: `golden` (reads k3ref golden files), `metrics` (error metrics and tolerance
-policies, on the GPU through libk3gc when available, else in PyTorch fp64), `lib` (ctypes
-binding of libk3gc.so), `reference` (fp64 KDA recurrences), `adapters` (one per kernel),
-`checks` (golden and metamorphic checks), `report` (JUnit XML, JSON, HTML), `cli`.
+    python3 -m k3ref.gpu_check run [--adapter MOD:NAME ...] --out report/
+    python3 -m k3ref.gpu_check prop --kernel NAME
+
+Modules: `adapters` (the adapter protocol and the built-in adapters), `registry` (entry
+points, --adapter specs, conftest lists), `collection` (the tests: adapter x case x check,
+known limitations, verdicts), `isolation` (each adapter's checks in a child process),
+`checks` (golden and metamorphic KDA checks), `attnres_check`, `qb_check`, `serving_check`
+(the other families), `metrics` (error metrics, on the GPU through libk3gc when available),
+`lib` (ctypes binding of libk3gc.so), `reference` (fp64 KDA recurrence in PyTorch), `timing`
+(import, Triton compile, autotune and check time), `report` (HTML, JSON, JUnit), `prop`
+(property tests), `backward` (gradients), `bench` (comparator and reference speed), `cli`.
+The pytest plugin is k3ref.pytest_plugin.
 """
-__all__ = ["golden", "metrics", "lib", "reference", "adapters", "checks", "report", "cli"]
+__all__ = ["adapters", "registry", "collection", "isolation", "checks", "attnres_check", "qb_check", "serving_check",
+           "metrics", "lib", "reference", "timing", "report", "prop", "backward", "bench", "cli"]

@@ -161,6 +161,10 @@ class KdaAdapter(Adapter):
     output_dtype = torch.bfloat16
     accepts_out = False  # run() writes into a given output buffer
     device_sync = False  # synchronise after each run (set for CUDA devices)
+    # The kernel's precision contract (k3ref.gpu_check.contracts, docs/contracts.md): when set,
+    # golden, split and prop verdicts are err <= m x max(bf16 floor, contract error).
+    contract_name = None
+    contract_multiple = None  # None: contracts.MULTIPLES[contract_name]
 
     def unsupported(self, params, shapes):
         return None
@@ -230,11 +234,13 @@ class FlaAdapter(KdaAdapter):
             self.policy = "recurrent"
             self.policy_reason = "fp32 recurrence on bf16 inputs: 1.0x the bf16 output floor measured on an H200"
             self.contract = "Triton; fp32 state and arithmetic on bf16 inputs, output rounded to bf16"
+            self.contract_name = "fla_recurrent"
         else:
             self.policy = "chunk"
             self.policy_reason = "chunked UT transform with bf16 tensor-core products: 2.0x-2.7x measured"
             self.contract = ("Triton; chunks of 64 in UT form, bf16 tensor-core products with fp32 accumulation, "
                              "fp32 state, output rounded to bf16")
+            self.contract_name = "fla_chunk_safe_gate" if safe_gate else "fla_chunk"
 
     def load(self):
         _need_cuda()
@@ -293,6 +299,7 @@ class FlashKdaAdapter(KdaAdapter):
     policy = "flashkda"
     policy_reason = "chunk 16, fp16 Neumann inverse, bf16 state between chunks: 3.4x-3.5x measured"
     contract = "CUTLASS (sm_90); chunks of 16, fp16 Neumann-series inverse, bf16 state between chunks, bf16 output"
+    contract_name = "flashkda"
     accepts_out = True
     flashkda_path = None  # else $K3REF_FLASHKDA_PATH, else the installed flash_kda
     _unpicklable = ("mod",)

@@ -8,7 +8,7 @@ Each gradient is scored by FLA's own test metric (relative RMS error, `err_ratio
 fla/utils/_testing.py) against the golden, and by that error over the golden's bf16
 rounding floor (the error of merely storing the exact gradient in bf16). The pass
 thresholds are the ones FLA's tests assert for its backward: 0.008 for dq, dk, dv and the
-state gradient, 0.02 for dg, dbeta, dA_log and ddt_bias (FACTS.md).
+state gradient, 0.02 for dg, dbeta, dA_log and ddt_bias (docs/backward.md).
 
     PYTHONPATH=python python3 -m k3ref.gpu_check.backward --goldens goldens --fla-path DIR --out report/
     PYTHONPATH=python torchrun --nproc_per_node 2 -m k3ref.gpu_check.backward --cp --goldens goldens ...

@@ -1,4 +1,4 @@
-"""Golden checks and the checks that need no golden (DESIGN.md section 10).
+"""Golden checks and the checks that need no golden (docs/gpu_check.md, docs/design.md section 9).
 
 Every check returns CheckResult objects with status pass | fail | skip | error and a
 one-line reason that gives the measured figure and the bound."""
@@ -182,15 +182,25 @@ def judge_golden(adapter, case, o, final, window_tokens=8):
     reason = "; ".join(f"{r.tensor}: {r.reason}" for r in v.results if r.tensor in names) or v.reason
     if v.exit_code == 2:
         reason = f"{v.reason} ({reason})" if v.reason not in reason else reason
+    bounds = None
+    if adapter.contract_name and v.exit_code != 2:  # docs/contracts.md: the kernel's own contract decides
+        from . import contracts
+        ok, reason, bounds = contracts.judge(adapter, case.inputs, case.params, o, final,
+                                             (case.expected["o"], case.expected.get("final_state")))
+        status = "pass" if ok else "fail"
     ro = next((r for r in v.results if r.tensor == "o"), None)
     ref = case.expected["o"].to(o.device)
     m = M.compare(o, ref, adapter.output_dtype, window_shape=(s["HV"] * s["V"], s["T"], window_tokens))
     ratio = None
     if ro is not None and ro.status in ("pass", "fail"):
         ratio = ro.ratio if ro.metric == "floor" else ro.figure
+    if bounds and "o" in bounds:
+        ratio = bounds["o"].ratio
     res = CheckResult(adapter.name, "golden", case.name, status, reason, ratio=ratio, metrics=m.to_dict(),
                       windows=m.window_rel_rms, window_tokens=window_tokens)
     res.extra["policy"] = adapter.policy
+    if bounds:
+        res.extra["contract"] = {n: vars(b) for n, b in bounds.items()}
     res.extra["verdict"] = v.to_dict()
     for r in v.results:
         if r.worst_index and r.tensor in AXES:
@@ -313,8 +323,18 @@ def check_split(adapter, device, seed=4):
         o1, f1 = _run(adapter, first, params)
         second["initial_state"] = f1.float().contiguous()
         o2, f2 = _run(adapter, second, params)
-        ok, reason, ratio = _agree(torch.cat([o1, o2], dim=1), o_full, _multiple(adapter))
-        okf, reasonf, ratiof = _agree(f2.float(), f_full.float(), _multiple(adapter))
+        if adapter.contract_name:  # bound: the contract's own split difference on the same inputs
+            from . import contracts
+            co, cf = contracts.contract_outputs(adapter.contract_name, inputs, params)
+            c1o, c1f = contracts.contract_outputs(adapter.contract_name, first, params)
+            c2o, c2f = contracts.contract_outputs(adapter.contract_name, dict(second, initial_state=c1f.float()), params)
+            m = adapter.contract_multiple or contracts.MULTIPLES[adapter.contract_name]
+            ok, reason, ratio = contracts.agreement(torch.cat([o1, o2], dim=1).cpu(), o_full.cpu(),
+                                                    torch.cat([c1o, c2o], dim=1), co, m)
+            okf, reasonf, ratiof = contracts.agreement(f2.float().cpu(), f_full.float().cpu(), c2f, cf, m)
+        else:
+            ok, reason, ratio = _agree(torch.cat([o1, o2], dim=1), o_full, _multiple(adapter))
+            okf, reasonf, ratiof = _agree(f2.float(), f_full.float(), _multiple(adapter))
         return CheckResult(adapter.name, "split", c["name"], "pass" if ok and okf else "fail",
                            f"[0,{P_SPLIT}) then [{P_SPLIT},{T_META}) with the state carried: o {reason}; "
                            f"final_state {reasonf}", ratio=max(ratio, ratiof))

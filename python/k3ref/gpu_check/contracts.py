@@ -19,6 +19,8 @@ split differently from one shot (docs/contracts.md: the FLA chunk split case).
 API:
     bounds = contract_bounds(contract, inputs, params, candidate=(o, final_state), m=None)
         -> {"o": ContractBound, "final_state": ContractBound}
+    passed, reason, bounds = judge(adapter, inputs, params, o, final, reference)
+        the verdict under adapter.contract_name / adapter.contract_multiple
     contract_outputs(contract, inputs, params) -> (o, final_state) float64 CPU
     agreement(a, b, a_contract, b_contract, m) -> (ok, reason, ratio)
     MULTIPLES: the per-contract m (measured worst ratios in docs/contracts.md)
@@ -109,11 +111,14 @@ class ContractBound:
                 f"contract {self.contract} {self.contract_error:.3e}) ({self.ratio:.3g}x)")
 
 
-def contract_bounds(contract, inputs, params, candidate=None, m=None, reference=None):
+def contract_bounds(contract, inputs, params, candidate=None, m=None, reference=None, floor=None):
     """{tensor: ContractBound} for o and final_state (when the reference has one). candidate:
     the kernel's (o, final_state) in k3ref's conventions, to fill error/ratio/passed;
-    reference: (o, final_state) in float64 if already computed (else k3ref.kda in double)."""
+    reference: (o, final_state) in float64 if already computed (else k3ref.kda in double);
+    floor: a function of the reference tensor giving its floor (default: its bf16 rounding's
+    rel RMS; prop passes the larger of that and the nominal floor for its tiny cases)."""
     m = MULTIPLES[contract] if m is None else float(m)
+    floor = _bf16_floor if floor is None else floor
     ref_o, ref_s = reference if reference is not None else reference_outputs(inputs, params)
     con_o, con_s = contract_outputs(contract, inputs, params)
     out = {}
@@ -122,7 +127,7 @@ def contract_bounds(contract, inputs, params, candidate=None, m=None, reference=
         if ref is None or con is None:
             continue
         ref = ref.to("cpu", torch.float64)
-        ce, fl = _rel_rms(con, ref), _bf16_floor(ref)
+        ce, fl = _rel_rms(con, ref), floor(ref)
         b = ContractBound(name, contract, m, ce, fl, m * max(fl, ce))
         if cand is not None:
             c64 = cand.detach().to("cpu", torch.float64)
@@ -136,6 +141,21 @@ def contract_bounds(contract, inputs, params, candidate=None, m=None, reference=
             b.passed = finite and b.error <= b.bound
         out[name] = b
     return out
+
+
+def judge(adapter, inputs, params, o, final, reference, floor=None):
+    """(passed, reason, bounds) of a kernel's (o, final_state) under its adapter's contract
+    (adapter.contract_name, adapter.contract_multiple or MULTIPLES): every tensor the
+    reference has must be returned and within its bound. A contract that cannot be evaluated
+    raises (the caller reports an error: no verdict it cannot vouch for)."""
+    ref_o, ref_s = reference
+    if o is None or (ref_s is not None and final is None):
+        missing = "o" if o is None else "final_state"
+        return False, f"{missing}: the kernel returned None", {}
+    bounds = contract_bounds(adapter.contract_name, inputs, params, candidate=(o, final),
+                             m=getattr(adapter, "contract_multiple", None), reference=reference, floor=floor)
+    passed = all(b.passed for b in bounds.values())
+    return passed, "; ".join(b.line() for b in bounds.values()), bounds
 
 
 def agreement(a, b, a_contract, b_contract, m, nominal_floor=None):

@@ -1,4 +1,4 @@
-"""Error metrics and tolerance policies (DESIGN.md section 9; same definitions as
+"""Error metrics and tolerance policies (docs/tolerances.md; same definitions as
 k3ref::check in src/check/metrics.cc).
 
 `compare` runs on the GPU through libk3gc when both tensors are CUDA tensors and the

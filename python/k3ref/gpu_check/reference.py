@@ -1,4 +1,4 @@
-"""KDA forward in PyTorch fp64 (DESIGN.md section 3): the in-process reference on any device
+"""KDA forward in PyTorch fp64 (docs/conventions.md): the in-process reference on any device
 for small cases, and the fallback when libk3gc is absent. The fp64 GPU recurrence of
 libk3gc (lib.kda_forward, precision 0) is the reference for long sequences."""
 import math

@@ -7,6 +7,7 @@ A serving kernel is wrapped by an adapter of family "serving" that implements so
   verify(inputs, params, pool, state_indices, num_accepted, in_place)  -> (o, token_states or None)
   prefill(inputs, params, initial_state)                               -> (o, final_state)
   intermediate_states(inputs, params, chunk)                           -> h [NT, HV, K, V] (or V-first)
+  varlen(inputs, params)                                               -> (o, final_state [N, ...])
 
 with the semantics of the k3ref references (include/k3ref/serving/): `pool` is a tensor
 [slots, HV, K, V] (or [slots, HV, V, K] when params['state_layout'] is 'v_first') that may be
@@ -15,8 +16,8 @@ sequence's final state into its slot, verify enters from column num_accepted - 1
 sequence's row of state_indices and stores the state after token t into column t (in place)
 or row bos + t of token_states; -1 names no slot (padding); h[c] is the state after c * chunk
 tokens. The adapters here: FLA fused_recurrent_kda in continuous-batching and spec-decode modes,
-FLA chunk_kda with return_intermediate_states, and a pure-PyTorch kernel for the CPU with the
-mutations the checks must catch.
+FLA chunk_kda with return_intermediate_states, FlashKDA's varlen forward (empty sequences), and a
+pure-PyTorch kernel for the CPU with the mutations the checks must catch.
 
 Checks (each returns checks.CheckResult):
   golden               serving.decode / serving.verify goldens: o, the named slots (or
@@ -35,6 +36,9 @@ Checks (each returns checks.CheckResult):
   accepted_zero        verify with an accepted count 0 (which names no entering state): the
                        kernel must reject it, or at least not read a slot outside the
                        sequence's row (all other slots hold NaN)
+  empty_sequences      a varlen batch with empty sequences (in the middle, two in a row, last):
+                       an empty sequence's final state is its initial state, bit for bit; the
+                       others within the bound of the fp64 reference
 """
 import math
 import time
@@ -50,7 +54,7 @@ PAD = -1
 POOL_OPS = ("serving.decode", "serving.verify")
 CHECKPOINT_OPS = ("serving.checkpoints",)
 SERVING_CHECKS = ("golden", "slot_isolation", "layout_equivalence", "decode_after_prefill", "intermediate_states",
-                  "accepted_zero")
+                  "accepted_zero", "empty_sequences")
 
 
 # --------------------------------------------------------------------------- pools
@@ -145,7 +149,6 @@ class ServingAdapter(Adapter):
 
     family = "serving"
     golden_ops = POOL_OPS
-    checks = SERVING_CHECKS
     modes = ()
     o_bound = Bound(torch.bfloat16, 2.0)
     state_bound = Bound(torch.float32, 2.0)
@@ -158,11 +161,17 @@ class ServingAdapter(Adapter):
     split_bitwise = False
 
     # -- what runs where
+    @property
+    def checks(self):
+        """The checks the kernel's modes support (the others are not collected)."""
+        return self.checks_supported()
+
     def checks_supported(self):
         m = set(self.modes)
         runs = {"golden": bool(m & {"decode", "verify"}), "slot_isolation": bool(m & {"decode", "verify"}),
                 "layout_equivalence": "decode" in m, "decode_after_prefill": {"decode", "prefill"} <= m,
-                "intermediate_states": "intermediate" in m, "accepted_zero": "verify" in m}
+                "intermediate_states": "intermediate" in m, "accepted_zero": "verify" in m,
+                "empty_sequences": "varlen" in m}
         return tuple(c for c in SERVING_CHECKS if runs[c])
 
     def case_unsupported(self, case):
@@ -457,6 +466,52 @@ class ServingAdapter(Adapter):
                            "accepted count 0 neither rejected nor read outside the row (no NaN reached an output)")
 
 
+    # The shape and options of the empty-sequence problem (FlashKDA overrides: K = V = 128, its gate).
+    varlen_shape = dict(H=1, HV=2, K=8, V=12)
+    varlen_params = dict(gate="log_decay", gate_base="e", beta="as_given", qk_l2norm=False, scale=None,
+                         lower_bound=None, state_layout="k_first")
+
+    def _check_empty_sequences(self, case, device):
+        sh, params = self.varlen_shape, dict(self.varlen_params)
+        lengths = [3, 0, 4, 0, 0, 5, 0]
+        inputs, _, states = self._problem(31, lengths, device=device, **sh)
+        gen = torch.Generator().manual_seed(32)
+        if params["gate"] == "lower_bound":
+            T = sum(lengths)
+            inputs["g"] = (torch.rand((1, T, sh["HV"], sh["K"]), generator=gen, dtype=torch.float64) * 8 - 4).to(
+                torch.bfloat16).to(device)
+            inputs["beta"] = (torch.rand((1, T, sh["HV"]), generator=gen, dtype=torch.float64) * 8 - 4).to(
+                torch.bfloat16).to(device)
+            inputs["A_log"] = (torch.rand(sh["HV"], generator=gen, dtype=torch.float64) * 2.7).float().to(device)
+            inputs["dt_bias"] = (torch.rand(sh["HV"], sh["K"], generator=gen, dtype=torch.float64) * 2 - 1).float().to(device)
+        h0 = states[: len(lengths)].clone()
+        if params["state_layout"] == "v_first":
+            h0 = h0.transpose(-1, -2).contiguous()
+        ref_o, ref_final = reference.kda_forward(dict(inputs, initial_state=h0), params)
+        o, final = self.varlen(dict(inputs, initial_state=h0.clone()), params)
+        o, final = o.cpu(), final.cpu()
+        problems, worst = [], 0.0
+        for n, L in enumerate(lengths):
+            if L == 0:
+                if not torch.equal(final[n].float(), h0[n].cpu()):
+                    bad = int((final[n].float() != h0[n].cpu()).sum())
+                    nan = int(torch.isnan(final[n].float()).sum())
+                    problems.append(f"sequence {n} (no tokens): final state is not its initial state ({bad} of "
+                                    f"{final[n].numel()} elements differ, {nan} NaN)")
+        rel, limit = rel_rms(o, ref_o), self.o_bound.of(ref_o)
+        worst = max(worst, rel / limit)
+        if not (rel <= limit and _finite(o)):
+            problems.append(f"o relative RMS error {rel:.3e} > {limit:.3e}")
+        full = [n for n, L in enumerate(lengths) if L]
+        rel, limit = rel_rms(final[full], ref_final[full]), self.state_bound.of(ref_final[full])
+        worst = max(worst, rel / limit)
+        if not (rel <= limit and _finite(final[full])):
+            problems.append(f"final states of the sequences with tokens: relative RMS error {rel:.3e} > {limit:.3e}")
+        return CheckResult(self.name, "empty_sequences", "-", "fail" if problems else "pass",
+                           "; ".join(problems)[:600] or f"every empty sequence's final state is its initial state bit for "
+                           f"bit; outputs and the other final states within the bound (worst {worst:.2f})", ratio=worst)
+
+
 class TorchServingAdapter(ServingAdapter):
     """The pure-PyTorch serving kernel (CPU or GPU): fp64 arithmetic, fp32 pool, the reference
     semantics of include/k3ref/serving/. A mutation makes it wrong on purpose, to test the checks:
@@ -467,11 +522,13 @@ class TorchServingAdapter(ServingAdapter):
       layout_swap              a V-first pool read and written as if K-first
       checkpoint_late          intermediate state c taken one token after c * chunk
       verify_writes_committed  verify also writes its final state into the entering slot
+      empty_sequence_state     a varlen sequence without tokens returns a zero final state (not
+                               its initial state)
     """
 
     MUTATIONS = (None, "accepted_off_by_one", "write_unnamed_slot", "layout_swap", "checkpoint_late",
-                 "verify_writes_committed")
-    modes = ("decode", "verify", "per_token", "pad", "multi_token_decode", "prefill", "intermediate")
+                 "verify_writes_committed", "empty_sequence_state")
+    modes = ("decode", "verify", "per_token", "pad", "multi_token_decode", "prefill", "intermediate", "varlen")
     golden_ops = POOL_OPS + CHECKPOINT_OPS
     # fp64 arithmetic and an fp64 pool against the 256-bit goldens: everything to 1e-12.
     o_bound = Bound(torch.float64, 1.0)
@@ -610,6 +667,15 @@ class TorchServingAdapter(ServingAdapter):
             final = final.transpose(-1, -2)
         return o, final[None]
 
+    def varlen(self, inputs, params):
+        o, final = reference.kda_forward(inputs, params)
+        if self.mutation == "empty_sequence_state":
+            cu = inputs["cu_seqlens"].tolist()
+            for n in range(len(cu) - 1):
+                if cu[n + 1] == cu[n]:
+                    final[n] = 0
+        return o, final
+
     def intermediate_states(self, inputs, params, chunk):
         prep, scale = self._prep(inputs, params)
         v_first = params.get("state_layout") == "v_first"
@@ -651,7 +717,8 @@ class FlaServingAdapter(ServingAdapter):
             raise ValueError(f"unknown mode {mode!r}")
         self.mode = mode
         self.name = f"fla.fused_recurrent_kda[{mode}]"
-        self.modes = ("decode", "prefill") + (("verify",) if mode == "spec_decode" else ())
+        # The plain varlen call is the same in both modes: run its check once, with the spec-decode adapter.
+        self.modes = ("decode", "prefill") + (("verify", "varlen") if mode == "spec_decode" else ())
 
     def load(self):
         _need_cuda()
@@ -701,6 +768,12 @@ class FlaServingAdapter(ServingAdapter):
                         num_accepted_tokens=num_accepted.to(torch.int32), **self._kw(inputs, params))
         return o, None
 
+    def varlen(self, inputs, params):
+        o, final = self.plain(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                              initial_state=inputs["initial_state"].float(), output_final_state=True,
+                              cu_seqlens=inputs["cu_seqlens"], **self._kw(inputs, params))
+        return o, final
+
     def prefill(self, inputs, params, initial_state):
         o, final = self.plain(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
                               initial_state=initial_state.float(), output_final_state=True, **self._kw(inputs, params))
@@ -708,19 +781,23 @@ class FlaServingAdapter(ServingAdapter):
 
 
 class FlaChunkIntermediateAdapter(ServingAdapter):
-    """FLA's chunk_kda(..., return_intermediate_states=True) under torch.inference_mode(): h
-    [B, NT, HV, K, V] (bf16), h[c] the state entering chunk c of 64 tokens."""
+    """FLA's chunk_kda: with return_intermediate_states=True under torch.inference_mode(), h
+    [B, NT, HV, K, V] (bf16), h[c] the state entering chunk c of 64 tokens; and its plain varlen
+    call for the empty-sequence check."""
 
     requires_cuda = True
     fla_path = None
     _unpicklable = ("fn",)
-    modes = ("intermediate",)
+    modes = ("intermediate", "varlen")
     golden_ops = CHECKPOINT_OPS
+    o_bound = Bound(torch.bfloat16, 3.0)
+    state_bound = Bound(torch.float32, 2.0, at_least=1e-5)
+    varlen_shape = dict(H=1, HV=2, K=16, V=32)
     h_bound = Bound(torch.bfloat16, 3.0)
     policy = "floor:3"
     policy_reason = "chunked UT transform, bf16 products (2.0x-2.7x the bf16 floor on o), h stored in bf16"
     contract = "Triton; chunks of 64 in UT form, bf16 tensor-core products, h rounded to bf16"
-    name = "fla.chunk_kda[return_intermediate_states]"
+    name = "fla.chunk_kda[serving]"
 
     def load(self):
         _need_cuda()
@@ -731,6 +808,12 @@ class FlaChunkIntermediateAdapter(ServingAdapter):
 
     def version(self):
         return _module_version("fla")
+
+    def varlen(self, inputs, params):
+        o, final = self.fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                           initial_state=inputs["initial_state"].float(), output_final_state=True,
+                           cu_seqlens=inputs["cu_seqlens"], **FlaServingAdapter._kw(inputs, params))[:2]
+        return o, final
 
     def intermediate_states(self, inputs, params, chunk):
         if chunk != 64:
@@ -743,9 +826,41 @@ class FlaChunkIntermediateAdapter(ServingAdapter):
         return out[2][0]
 
 
+class FlashKdaVarlenAdapter(ServingAdapter):
+    """FlashKDA's varlen forward (flash_kda.fwd, through the KDA adapter's call): K = V = 128, no
+    GVA, its lower-bound gate, sigmoid beta, L2 norm, V-first state; the empty-sequence check."""
+
+    requires_cuda = True
+    modes = ("varlen",)
+    golden_ops = ()
+    name = "flashkda.fwd[varlen]"
+    varlen_shape = dict(H=2, HV=2, K=128, V=128)
+    varlen_params = dict(gate="lower_bound", gate_base="e", beta="sigmoid", qk_l2norm=True, scale=None,
+                         lower_bound=-5.0, state_layout="v_first")
+    o_bound = Bound(torch.bfloat16, 4.0)
+    state_bound = Bound(torch.bfloat16, 4.0)
+    policy = "floor:4"
+    policy_reason = "chunk 16, fp16 Neumann inverse, bf16 state between chunks: 3.4x-3.5x the bf16 floor on o measured"
+    contract = "CUTLASS (sm_90); chunks of 16, bf16 state between chunks, bf16 output"
+    _unpicklable = ("inner",)
+
+    def load(self):
+        from .adapters import FlashKdaAdapter
+
+        self.inner = FlashKdaAdapter()
+        self.inner.load()
+
+    def version(self):
+        return _module_version("flash_kda")
+
+    def varlen(self, inputs, params):
+        return self.inner.run(inputs, params)
+
+
 def serving_adapters():
     """The built-in serving adapters (register with `--adapter k3ref.gpu_check.serving_check:serving_adapters`)."""
-    return [FlaServingAdapter("continuous_batching"), FlaServingAdapter("spec_decode"), FlaChunkIntermediateAdapter()]
+    return [FlaServingAdapter("continuous_batching"), FlaServingAdapter("spec_decode"), FlaChunkIntermediateAdapter(),
+            FlashKdaVarlenAdapter()]
 
 
 def torch_serving_kernels():
