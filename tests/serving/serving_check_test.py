@@ -2,8 +2,8 @@
 """The serving checks (python/k3ref/gpu_check/serving_check.py) on the CPU with the pure-PyTorch
 serving kernel: the correct kernel passes every check on every serving golden, and each
 mutation (accepted count off by one, a write to an unnamed slot, the K/V layout swap, a
-checkpoint one token late, verify writing the committed slot) fails at least one check: the
-kill rate must be 100 %. Usage: serving_check_test.py SOURCE_ROOT. Exit 77: no torch."""
+checkpoint one token late, verify writing the committed slot, an empty sequence's final state
+not its initial state) fails at least one check: the kill rate must be 100 %. Usage: serving_check_test.py SOURCE_ROOT. Exit 77: no torch."""
 import sys
 import time
 from pathlib import Path

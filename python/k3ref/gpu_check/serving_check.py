@@ -717,8 +717,9 @@ class FlaServingAdapter(ServingAdapter):
             raise ValueError(f"unknown mode {mode!r}")
         self.mode = mode
         self.name = f"fla.fused_recurrent_kda[{mode}]"
-        # The plain varlen call is the same in both modes: run its check once, with the spec-decode adapter.
-        self.modes = ("decode", "prefill") + (("verify", "varlen") if mode == "spec_decode" else ())
+        # Each check runs once over the two: decode, the split and the layouts with continuous
+        # batching; verify, accepted count 0 and the plain varlen call with spec decoding.
+        self.modes = ("decode", "prefill") if mode == "continuous_batching" else ("verify", "varlen")
 
     def load(self):
         _need_cuda()
