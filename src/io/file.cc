@@ -104,6 +104,10 @@ std::string excerpt(std::string_view text, std::size_t max_bytes) {
 
 std::optional<std::size_t> first_invalid_utf8(std::string_view text) {
   for (std::size_t i = 0; i < text.size();) {
+    if (static_cast<unsigned char>(text[i]) < 0x80) {  // ASCII, nearly every header byte
+      ++i;
+      continue;
+    }
     const std::size_t length = utf8_sequence_length(text, i);
     if (length == 0) return i;
     i += length;
