@@ -41,10 +41,12 @@ def stderr_summary(tail):
     lines = [l.strip() for l in tail.splitlines() if l.strip()]
     if not lines:
         return "(nothing on stderr)"
-    fatal = next((l for l in lines if l.startswith("Fatal Python error")), None)
-    if fatal:
-        frames = [l for l in lines if l.startswith("File ")]
-        return fatal + (f"; innermost frame: {frames[0]}" if frames else "")
+    at = next((i for i, l in enumerate(lines) if l.startswith("Fatal Python error")), None)
+    if at is not None:
+        frames = [l for l in lines[at:] if l.startswith("File ")]
+        # What the process printed just before it died (a C++ assertion, a CUDA error).
+        said = [l for l in lines[:at] if not l.startswith(("File ", "Thread ", "Current thread", "Extension modules"))]
+        return ((said[-1] + "; ") if said else "") + lines[at] + (f"; innermost frame: {frames[0]}" if frames else "")
     return lines[-1]
 
 
