@@ -205,6 +205,7 @@ def plot_failure(plt, res, path):
     if floor:
         ax.axhline(floor, color="grey", linestyle="--", label="bf16 floor (whole tensor)")
     ax.set_xlabel(f"token (windows of {res.window_tokens})")
+    ax.set_ylabel("relative RMS error")
     ax.set_title(f"{res.adapter} {res.case}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -320,7 +321,8 @@ def write_html(path, rows, results, summary):
                            + "</pre></details>")
             if plt is not None and r.windows:
                 plots_dir.mkdir(parents=True, exist_ok=True)
-                png = plot_failure(plt, r, plots_dir / f"{_slug(t.id + '-' + r.check + '-' + r.case)}.png")
+                stem = t.id if len(rs) == 1 else f"{t.id}-{r.check}-{r.case}"
+                png = plot_failure(plt, r, plots_dir / f"{_slug(stem)}.png")
                 if png:
                     rel = os.path.relpath(png, path.parent)
                     out.append(f"<p><a href='{rel}'><img src='{rel}' alt='error by token window'></a></p>")
