@@ -118,3 +118,44 @@ def test_agreement_uses_the_contracts_own_difference():
     assert ok and ratio == pytest.approx(1.0)
     ok, reason, _ = contracts.agreement(a, b, b, b, 2.0)
     assert not ok and "the contract's own difference 0.000e+00" in reason
+
+
+class _ContractKernel:
+    """A CPU 'kernel' that computes exactly its declared contract (and a broken variant)."""
+
+    def __new__(cls, contract, scale_error=0.0):
+        from k3ref.gpu_check import adapters
+
+        class Kernel(adapters.KdaAdapter):
+            name = f"contract-kernel[{contract}]"
+            contract_name = contract
+
+            def run(self, inputs, params, out=None):
+                o, s = contracts.contract_outputs(contract, inputs, params)
+                return (o * (1 + scale_error)).to(torch.bfloat16), s.float()
+
+        return Kernel()
+
+
+@pytest.mark.parametrize("contract", ["fla_chunk", "flashkda"])
+def test_golden_verdicts_use_the_adapters_contract(contract):
+    from k3ref import goldens
+    from k3ref.gpu_check import checks
+
+    case = next(c for c in goldens.load_suite() if c.name == "kda_gva_h2_hv6")
+    if contract == "flashkda":
+        case = next(c for c in goldens.load_suite() if c.name == "kda_flashkda_like")
+    res = checks.golden_check(_ContractKernel(contract), case, "cpu")
+    assert res.status == "pass", res.reason
+    assert res.ratio <= 1.0 + 1e-9 and "contract " + contract in res.reason
+    assert set(res.extra["contract"]) == {"o", "final_state"}
+    bad = checks.golden_check(_ContractKernel(contract, scale_error=0.05), case, "cpu")
+    assert bad.status == "fail" and bad.ratio > 2, bad.reason
+
+
+def test_split_check_bound_is_the_contracts_own_split():
+    from k3ref.gpu_check import checks
+
+    res = checks.check_split(_ContractKernel("fla_chunk"), "cpu")
+    assert res.status == "pass", res.reason
+    assert "the contract's own difference" in res.reason and res.ratio == pytest.approx(1.0)
