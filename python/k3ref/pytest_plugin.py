@@ -69,7 +69,8 @@ class K3refItem(pytest.Item):
         requested = _STATE["requested"]
         if isinstance(self.test, MutantTest):
             results = [self._runner().run(t) for t in self.test.tests]
-            verdict, reason = mutant_outcome(self.test.__class__(self.test.adapter, self.test.tests), results, requested)
+            # Judged without its known-limitation entry: pytest's strict xfail marker handles that.
+            verdict, reason = mutant_outcome(MutantTest(self.test.adapter, self.test.tests), results, requested)
             if verdict == "pass":
                 return
             raise K3refFailure(reason)

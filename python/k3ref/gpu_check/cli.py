@@ -189,6 +189,12 @@ def run_command(args):
     for t, v, reason, _ in rows:
         if isinstance(t, collection.MutantTest):
             print(f"{t.adapter.name}: {v}: {reason}")
+    for name, k in summary["kernels"].items():
+        t = k.get("timing")
+        if t and t["checks_run"]:
+            print(f"time {name}: {t['children_started']} child(ren), start-up+import {t['startup_and_import_s']:.1f} s, "
+                  f"Triton compile {t['compile_s']:.1f} s ({t['compiles']}), autotune {t['autotune_s']:.1f} s "
+                  f"({t['configs_benchmarked']} configs), checks {t['check_s']:.1f} s, wall {t['wall_s']:.1f} s")
     for line in failures:
         print(line)
     print(json.dumps({k: summary[k] for k in ("verdict", "tests", "executed", "passed", "failed", "skipped", "xfailed",
