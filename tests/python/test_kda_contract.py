@@ -36,7 +36,7 @@ def problem(seed, T, H=1, HV=2, K=16, V=8, state=True):
 OPTS = dict(l2norm=True, beta="sigmoid", threads=1)
 
 
-@settings(max_examples=12, deadline=None, print_blob=True)
+@settings(max_examples=12, deadline=None, print_blob=True, database=None)
 @given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 70), contract=st.sampled_from(k3ref.KDA_CONTRACTS))
 def test_rounding_nowhere_each_contract_is_the_recurrence(seed, T, contract):
     x = problem(seed, T)
