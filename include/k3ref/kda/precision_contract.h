@@ -11,7 +11,9 @@
 // double it may use Eigen's blocked products). `RoundingTable` rounds each point to a
 // declared format, optionally flushing subnormal results to zero; `flashkda_contract()`
 // and `fla_like_contract()` are two such tables. docs/chunkwise.md says how to declare
-// a new contract.
+// a new contract. These tables round the library's own chunk algorithm; the contracts of
+// the real kernels, in each kernel's own operation order and checked against kernel data,
+// are kda/kernel_contracts.h (docs/contracts.md): GPU verdicts use those.
 #pragma once
 
 #include <array>
