@@ -105,7 +105,8 @@ def _only_keys(obj, allowed, where):
 
 class PolicyTable:
     """The parsed table. Every rule of every policy is resolved and checked when loaded, so
-    a malformed table fails at load time, naming its entry, not in the middle of a judgement."""
+    a malformed table fails at load time, naming its entry, not in the middle of a judgement.
+    The checks, their order and their messages are the C++ reader's (policy_table.cc)."""
 
     def __init__(self, data, path="<table>"):
         self.path = str(path)
@@ -113,46 +114,62 @@ class PolicyTable:
         _only_keys(data, ("format", "version", "about", "operators", "policies"), where)
         if data.get("format") != TABLE_FORMAT:
             raise PolicyTableError(f"{where}: 'format' must be '{TABLE_FORMAT}'")
-        if data.get("version") != TABLE_VERSION:
-            raise PolicyTableError(f"{where}: version {data.get('version')!r} is not supported (this k3ref reads "
+        version = data.get("version")
+        if type(version) is not int or version != TABLE_VERSION:
+            shown = json.dumps(version) if "version" in data else "(none)"
+            raise PolicyTableError(f"{where}: version {shown} is not supported (this k3ref reads "
                                    f"version {TABLE_VERSION})")
         self.version = TABLE_VERSION
+        operators = data.get("operators", {})
+        if not isinstance(operators, dict):
+            raise PolicyTableError(f"{where}: 'operators' must be an object")
         self.operators = {}
-        for op, entry in data.get("operators", {}).items():
+        for op, entry in operators.items():
             w = f"{where}: operators.{op}"
             _only_keys(entry, ("inputs", "outputs", "about"), w)
-            outputs = {}
-            for name, spec in entry.get("outputs", {}).items():
-                _only_keys(spec, ("role", "dtype", "about"), f"{w}.outputs.{name}")
-                if spec.get("role") not in ROLES:
-                    raise PolicyTableError(f"{w}.outputs.{name}: role must be one of {', '.join(ROLES)}")
-                if spec.get("dtype") not in DTYPES:
-                    raise PolicyTableError(f"{w}.outputs.{name}: dtype must be one of {', '.join(DTYPES)}")
-                outputs[name] = (spec["role"], spec["dtype"])
-            if not outputs:
+            inputs = entry.get("inputs", [])
+            if not isinstance(inputs, list) or not all(isinstance(n, str) for n in inputs):
+                raise PolicyTableError(f"{w}.inputs: must be an array of names")
+            if not isinstance(entry.get("outputs"), dict) or not entry["outputs"]:
                 raise PolicyTableError(f"{w}: no outputs")
-            self.operators[op] = {"inputs": list(entry.get("inputs", [])), "outputs": outputs}
+            outputs = {}
+            for name, spec in entry["outputs"].items():
+                wo = f"{w}.outputs.{name}"
+                _only_keys(spec, ("role", "dtype", "about"), wo)
+                if _string(spec, "role", wo) not in ROLES:
+                    raise PolicyTableError(f"{wo}: role must be one of {', '.join(ROLES)}")
+                if _string(spec, "dtype", wo) not in DTYPES:
+                    raise PolicyTableError(f"{wo}: dtype must be one of {', '.join(DTYPES)}")
+                outputs[name] = (spec["role"], spec["dtype"])
+            self.operators[op] = {"inputs": list(inputs), "outputs": outputs}
+        policies = data.get("policies", {})
+        if not isinstance(policies, dict):
+            raise PolicyTableError(f"{where}: 'policies' must be an object")
         self._rules = {}  # (policy, op) -> {tensor: Rule}
         self.about = {}
-        for name, pol in data.get("policies", {}).items():
+        for name, pol in policies.items():
             w = f"{where}: policies.{name}"
             _only_keys(pol, ("about", "rules"), w)
             if name == "exact" or name.startswith(("floor:", "rel-rms:")):
                 raise PolicyTableError(f"{w}: the name is reserved for the parametric policy")
-            self.about[name] = pol.get("about", "")
-            for op, by_key in pol.get("rules", {}).items():
+            self.about[name] = pol["about"] if isinstance(pol.get("about"), str) else ""
+            rules = pol.get("rules", {})
+            if not isinstance(rules, dict):
+                raise PolicyTableError(f"{w}.rules: must be an object")
+            for op, by_key in rules.items():
                 if op not in self.operators:
                     raise PolicyTableError(f"{w}.rules.{op}: no such operator in 'operators'")
                 outputs = self.operators[op]["outputs"]
-                _only_keys(by_key, list(outputs) + list(ROLES), f"{w}.rules.{op}")
+                # Allowed keys listed as the C++ reader lists them (outputs by name, then roles).
+                _only_keys(by_key, sorted(outputs) + list(ROLES), f"{w}.rules.{op}")
                 resolved = {}
                 for tensor, (role, dtype) in outputs.items():
-                    spec = by_key.get(tensor, by_key.get(role))
                     key = tensor if tensor in by_key else role
-                    if spec is None:
+                    if key not in by_key:
                         raise PolicyTableError(f"{w}.rules.{op}: no rule for '{tensor}' (give one for the tensor "
                                                f"or for its role '{role}')")
-                    resolved[tensor] = _rule_from(spec, dtype, f"policies.{name}.{op}.{key}", f"{w}.rules.{op}.{key}")
+                    resolved[tensor] = _rule_from(by_key[key], dtype, f"policies.{name}.{op}.{key}",
+                                                  f"{w}.rules.{op}.{key}")
                 self._rules[(name, op)] = resolved
 
     @classmethod
@@ -165,7 +182,7 @@ class PolicyTable:
         return cls(data, path)
 
     def policy_names(self):
-        return sorted({p for p, _ in self._rules})
+        return sorted(self.about)
 
     def operators_of(self, policy):
         return sorted(op for p, op in self._rules if p == policy)
@@ -200,12 +217,19 @@ class PolicyTable:
         return self.operators[op]["outputs"][tensor][0]
 
 
+def _string(obj, key, where):
+    value = obj.get(key)
+    if not isinstance(value, str):
+        raise PolicyTableError(f"{where}: '{key}' must be a string")
+    return value
+
+
 def _rule_from(spec, dtype, source, where):
     _only_keys(spec, ("metric", "multiple", "bound", "ulps", "floor_dtype", "about"), where)
-    metric = spec.get("metric")
+    metric = _string(spec, "metric", where)
     if metric not in METRICS:
         raise PolicyTableError(f"{where}: metric must be one of {', '.join(METRICS)}")
-    floor_dtype = spec.get("floor_dtype", dtype)
+    floor_dtype = _string(spec, "floor_dtype", where) if "floor_dtype" in spec else dtype
     if floor_dtype not in FLOAT_DTYPES and not (floor_dtype == "int" and dtype == "int"):
         raise PolicyTableError(f"{where}: floor_dtype must be one of {', '.join(FLOAT_DTYPES)}")
     if dtype == "int" and metric != "exact":

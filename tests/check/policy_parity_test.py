@@ -257,6 +257,17 @@ class TableParity(unittest.TestCase):
         "operator": lambda t: t["policies"]["recurrent"]["rules"].update({"kda.nothing": {}}),
         "dtype": lambda t: t["operators"]["kda.recurrent"]["outputs"]["o"].update(dtype="fp8"),
         "role": lambda t: t["operators"]["kda.recurrent"]["outputs"]["o"].update(role="result"),
+        "version_bool": lambda t: t.update(version=True),
+        "version_missing": lambda t: t.pop("version"),
+        "operators_array": lambda t: t.update(operators=[]),
+        "no_outputs": lambda t: t["operators"]["kda.recurrent"].update(outputs={}),
+        "inputs": lambda t: t["operators"]["kda.recurrent"].update(inputs=[1]),
+        "metric_missing": lambda t: t["policies"]["recurrent"]["rules"]["kda.recurrent"]["output"].pop("metric"),
+        "floor_dtype_number": lambda t: t["policies"]["recurrent"]["rules"]["kda.recurrent"]["output"].update(
+            floor_dtype=16),
+        "rule_key": lambda t: t["policies"]["recurrent"]["rules"]["kda.recurrent"].update(ooo={"metric": "exact"}),
+        "rules_array": lambda t: t["policies"]["recurrent"].update(rules=[]),
+        "policy_array": lambda t: t["policies"].update(recurrent=[]),
     }
 
     def test_malformed_tables(self):
