@@ -159,3 +159,18 @@ def test_split_check_bound_is_the_contracts_own_split():
     res = checks.check_split(_ContractKernel("fla_chunk"), "cpu")
     assert res.status == "pass", res.reason
     assert "the contract's own difference" in res.reason and res.ratio == pytest.approx(1.0)
+
+
+def test_safe_gate_contract_reads_the_anchor_row():
+    # Only the gates of tokens >= 37 change: fla_chunk's outputs before 37 stay bit for bit,
+    # fla_chunk_safe_gate's may change only in rows 32..36 (sub-chunk [32, 48), anchor 40).
+    x = problem(11, 48, K=32, V=16)
+    y = dict(x, g=x["g"].clone())
+    y["g"][:, 37:] = problem(12, 48, K=32, V=16)["g"][:, 37:]
+    for contract, allowed in (("fla_chunk", set()), ("fla_chunk_safe_gate", {32, 33, 34, 35, 36})):
+        a = k3ref.kda_contract(x, contract, **OPTS)["o"][0, :37]
+        b = k3ref.kda_contract(y, contract, **OPTS)["o"][0, :37]
+        changed = {t for t in range(37) if not torch.equal(a[t], b[t])}
+        assert changed <= allowed, (contract, sorted(changed))
+        if contract == "fla_chunk_safe_gate":
+            assert changed, "the anchor row's gate must reach the rows before it"
