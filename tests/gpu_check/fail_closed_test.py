@@ -220,6 +220,16 @@ class Plugin(unittest.TestCase):
             r = pytest_run("-q", "--k3ref-adapter", "test_adapters:Unloadable", "-k", "kda_t1-", cwd=d)
             self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
             self.assertIn("asked for but is not available", r.stdout)
+            limits = Path(d) / "limits.json"
+            limits.write_text(json.dumps({"entries": [
+                {"adapter": "test.leaky", "check": "golden", "case": "kda_t100", "reason": "reads q ahead"},
+                {"adapter": "test.correct", "check": "golden", "case": "kda_t100", "reason": "fixed upstream"}]}))
+            r = pytest_run("-q", "-rxX", "--k3ref-adapter", "test_adapters:Leaky", "--k3ref-adapter",
+                           "test_adapters:Correct", "--k3ref-known-limitations", str(limits), "-k", "kda_t100-golden",
+                           cwd=d)
+            self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+            self.assertIn("1 failed, 72 deselected, 1 xfailed", r.stdout)  # strict: an entry that passes fails
+            self.assertIn("[XPASS(strict)] known limitation: fixed upstream", r.stdout)
             r = pytest_run("-q", "--k3ref-adapter", "nope:Nope", cwd=d)
             self.assertEqual(r.returncode, 4, r.stdout + r.stderr)
             self.assertIn("cannot import nope", r.stderr)
