@@ -348,7 +348,7 @@ class ServingAdapter(Adapter):
             ref_o, ref_pool = TorchServingAdapter().decode_reference(inputs, params, states.double(), slots)
             for layout in ("k_first", "v_first"):
                 p = dict(params, state_layout=layout)
-                pool = states.to(self.pool_dtype)
+                pool = states.to(self.pool_dtype).clone()  # .to() of the same dtype would alias the states
                 pool = pool if layout == "k_first" else pool.transpose(-1, -2).contiguous()
                 o = self.decode(inputs, p, pool, slots)
                 got = pool if layout == "k_first" else pool.transpose(-1, -2)
