@@ -188,6 +188,10 @@ class KdaAdapter(Adapter):
 
         self.device_sync = str(device).startswith("cuda")
         if check == "golden":
+            from . import autotune
+
+            if autotune.deep_mode():  # --autotune-configs all: once per autotune configuration
+                return autotune.golden_all_configs(self, case, device)
             return checks.golden_check(self, case, device)
         return checks.METAMORPHIC_BY_NAME[check](self, device)
 

@@ -51,8 +51,9 @@ def _kernel_options(p):
     for dest, env, text in PATH_OPTIONS:
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, help=f"{text} (sets ${env})")
     p.add_argument("--cache-dir", metavar="DIR",
-                   help="keep Triton's compiled kernels in DIR/triton (sets $TRITON_CACHE_DIR for every child); "
-                        "save and restore DIR between CI runs")
+                   help="cache directory (default: $K3REF_CACHE_DIR, else ~/.cache/k3ref): Triton's compiled kernels "
+                        "and autotune results in DIR/triton ($TRITON_CACHE_DIR for every child); save and restore DIR "
+                        "between CI runs")
     p.add_argument("--adapter", action="append", default=[], metavar="MODULE:NAME",
                    help="an adapter of your own (a class, instance, or function returning adapters; repeatable); "
                         "MODULE may be a file.py")
@@ -66,6 +67,9 @@ def parser():
     r.add_argument("--out", default="gpu_check_report")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     _kernel_options(r)
+    from . import warmup  # the shape plan, the warm-up and the deep mode (warmup.py)
+
+    warmup.add_run_options(r)
     r.add_argument("--no-builtin", action="store_true", help="leave out the built-in adapters and installed entry points")
     r.add_argument("--only", help="comma-separated adapter names to run (each must exist; each counts as asked for)")
     r.add_argument("--no-mutants", action="store_true", help="leave out mutants not named in --only or --adapter")
@@ -90,6 +94,8 @@ def parser():
     p.add_argument("--replay", help="run the kernel on one golden file (a written failure) and judge it")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     _kernel_options(p)
+    warmup.add_prop_options(p)
+    warmup.add_subparser(sub, _kernel_options)
     return ap
 
 
@@ -101,10 +107,9 @@ def apply_kernel_options(args):
         value = getattr(args, dest, None)
         if value:
             os.environ[env] = str(Path(value).resolve())
-    if getattr(args, "cache_dir", None):
-        triton_cache = Path(args.cache_dir).resolve() / "triton"
-        triton_cache.mkdir(parents=True, exist_ok=True)
-        os.environ["TRITON_CACHE_DIR"] = str(triton_cache)
+    from . import warmup
+
+    warmup.configure_cache(getattr(args, "cache_dir", None))  # before any kernel is imported
 
 
 def select(args):
@@ -167,14 +172,19 @@ def run_command(args):
         limitations = collection.load_limitations(args.known_limitations)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    from . import shapes
+
+    shapes.choose_all(adapters, suite)  # metamorphic configs on shapes the goldens compile (shapes.py)
     tests = collection.collect(adapters, suite, checks=checks, cases=cases, limitations=limitations)
     if args.list:
         for t in tests:
             print(t.id)
         return 0
     from .isolation import Runner
+    from . import warmup
 
     t0 = time.time()
+    tests, speed = warmup.prepare(args, tests, suite, adapters)
     with Runner(args.device, check_timeout=args.check_timeout, load_timeout=args.load_timeout,
                 isolate=not args.no_isolation, budget_s=args.budget,
                 progress=lambda line: print(line, flush=True)) as runner:
@@ -182,6 +192,7 @@ def run_command(args):
     passed, failures = verdict_of(rows, results)
     summary = report.summary(rows, results, runner, adapters, requested, args.device, time.time() - t0, passed,
                              failures, len(suite))
+    summary.update(speed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report.write_all(out, rows, results, summary)
@@ -207,6 +218,11 @@ def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "warmup":
+            from . import warmup
+
+            apply_kernel_options(args)
+            return warmup.command(args)
         if args.cmd == "prop":
             from . import prop
 

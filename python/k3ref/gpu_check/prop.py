@@ -342,11 +342,14 @@ def run_case(adapter, case, device):
     return ok, reason, src
 
 
-def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failures", device="cpu", log=print):
+def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failures", device="cpu", log=print,
+                 buckets=None, outside_share=1.0):
     """Runs the property; returns a dict: passed, examples run, seed, and on failure the
     shrunk case, the reason, the golden file and the replay command."""
     from hypothesis import HealthCheck, given, settings, strategies as st
     from hypothesis import seed as hypothesis_seed
+
+    from . import autotune, shapes
 
     if seed is None:
         seed = random.SystemRandom().randrange(2**32)
@@ -358,14 +361,14 @@ def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failu
     @hypothesis_seed(seed)
     @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
               suppress_health_check=list(HealthCheck))
-    @given(case_strategy(st, fixed_for(adapter), max_T))
+    @given(shapes.bucketed_strategy(st, case_strategy, fixed_for(adapter), max_T, buckets, outside_share))
     def prop(case):
         shapes = dict(B=case["B"], T=case["T"], H=case["H"], HV=case["HV"], K=case["K"], V=case["V"])
         from hypothesis import assume
 
         assume(adapter.unsupported(params_of(case), shapes) is None)
         state["examples"] += 1
-        ok, reason, src = run_case(adapter, case, device)
+        ok, reason, src = autotune.run_drawn(run_case, adapter, case, device)  # shapes.py's buckets
         state["sources"].add(src)
         if not ok:
             state["failure"] = (case, reason)  # Hypothesis replays the shrunk case last
@@ -426,10 +429,17 @@ def main(args):
     flags = (f" --fla-path {args.fla_path}" if args.fla_path else "") + (
         f" --flashkda-path {args.flashkda_path}" if args.flashkda_path else "") + "".join(
         f" --adapter {spec}" for spec in args.adapter)
+    from . import warmup
+
+    buckets, share, bucket_flags = warmup.prop_prepare(args, adapter, fixed_for(adapter))  # shapes.py
+    flags += bucket_flags
     print(f"prop: kernel {adapter.name}, {args.examples} examples, T <= {args.max_T}, seed {seed}", flush=True)
     print(f"replay the whole run: {_env_prefix()} python3 -m k3ref.gpu_check prop "
           f"--kernel '{adapter.name}' --examples {args.examples} --max-T {args.max_T} --seed {seed}{flags}", flush=True)
-    res = property_run(adapter, args.examples, seed, args.max_T, args.out, args.device)
+    res = property_run(adapter, args.examples, seed, args.max_T, args.out, args.device, buckets=buckets,
+                       outside_share=share)
+    if res.get("seconds"):
+        print(warmup.prop_rate(res["seconds"], res["examples"]), flush=True)
     if res["passed"] is None:
         print(f"FAIL {adapter.name}: not available, nothing was tested: {res['skipped']}")
         return 1

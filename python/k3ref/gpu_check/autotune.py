@@ -1,0 +1,178 @@
+"""Triton's autotuners as the checks see them: which ones a kernel call uses, and the deep mode
+(`--autotune-configs all`) that runs a golden check once per autotune configuration.
+
+An autotuner benchmarks its configurations and keeps the fastest per key; a bug that lives in
+one configuration (a miscompile at one block size and warp count) is invisible to the checks
+whenever another configuration wins. The deep mode forces each configuration in turn: for
+every autotuner the golden case's kernel call reaches (recorded around Autotuner.run) and
+each of its configurations, `Autotuner.configs` is narrowed to that one configuration for one
+call (Triton's autotuner then runs it without benchmarking; FLA's CachedAutotuner is a
+subclass that defers to it) while the other autotuners keep their winners, and the golden
+verdict is taken. A configuration the autotuner itself would discard for this shape (it does
+not compile: out of resources, a compile-time assertion, ptxas) is reported as not
+applicable, as the autotuner skips it; any other error, or a verdict that fails, fails the
+check and names the kernel and the configuration.
+"""
+import contextlib
+import os
+
+MODE_VARIABLE = "K3REF_AUTOTUNE_CONFIGS"  # "all": deep mode in every process of the run
+# Exceptions Triton's autotuner catches while benchmarking (the configuration is then skipped).
+NOT_APPLICABLE = ("OutOfResources", "CompileTimeAssertionFailure", "PTXASError", "OutOfResourcesError")
+
+
+def deep_mode():
+    return os.environ.get(MODE_VARIABLE, "winner") == "all"
+
+
+def _autotuner_class():
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except Exception:  # no Triton: nothing is autotuned
+        return None
+    return Autotuner
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields the list of Autotuner objects whose run() is called inside the block (in the
+    order of their first call)."""
+    cls = _autotuner_class()
+    used = []
+    if cls is None:
+        yield used
+        return
+    original = cls.run
+
+    def run(self, *args, **kwargs):
+        if not any(self is u for u in used):
+            used.append(self)
+        return original(self, *args, **kwargs)
+
+    cls.run = run
+    try:
+        yield used
+    finally:
+        cls.run = original
+
+
+@contextlib.contextmanager
+def pinned(autotuner, config):
+    """The autotuner runs `config` (only) inside the block."""
+    saved = autotuner.configs
+    autotuner.configs = [config]
+    try:
+        yield
+    finally:
+        autotuner.configs = saved
+
+
+def describe(config):
+    """One line of a Triton Config: its kwargs, warps and stages."""
+    kw = getattr(config, "kwargs", None) or {}
+    parts = [f"{k}={v}" for k, v in sorted(kw.items())]
+    for attr in ("num_warps", "num_stages", "num_ctas", "maxnreg"):
+        v = getattr(config, attr, None)
+        if v is not None and not (attr == "num_ctas" and v == 1):
+            parts.append(f"{attr}={v}")
+    return ", ".join(parts) or str(config)
+
+
+def golden_all_configs(adapter, case, device, check=None):
+    """The golden check of `case` once with the autotuners' winners and then once per
+    configuration of every autotuner the call uses. One CheckResult: its extra['configs']
+    lists {kernel, index, config, status, reason, ratio} for every configuration run."""
+    from . import checks as C
+    from .shapes import kernel_name
+
+    check = check or C.golden_check
+    with recording() as used:
+        winner = check(adapter, case, device)
+    rows = []
+    for tuner in used:
+        name = kernel_name(tuner)
+        for i, config in enumerate(list(tuner.configs)):
+            with pinned(tuner, config):
+                res = check(adapter, case, device)
+            status = res.status
+            if status == "error" and res.reason.split(":")[0].strip() in NOT_APPLICABLE:
+                status = "not applicable"
+            rows.append({"kernel": name, "index": i, "config": describe(config), "status": status,
+                         "reason": res.reason[:300], "ratio": res.ratio})
+    bad = [r for r in rows if r["status"] in ("fail", "error")]
+    ran = [r for r in rows if r["status"] in ("pass", "fail")]
+    if winner.status in ("pass", "fail", "error") and rows:
+        skipped = len(rows) - len(ran) - len([r for r in bad if r["status"] == "error"])
+        summary = (f"{len(rows)} configurations of {len(used)} autotuned kernels"
+                   + (f" ({skipped} not applicable to this shape)" if skipped else ""))
+        if bad:
+            first = bad[0]
+            winner.status = "fail" if winner.status != "error" else "error"
+            winner.reason = (f"{len(bad)} of {summary} fail, first {first['kernel']} config {first['index']} "
+                             f"[{first['config']}]: {first['reason']}; with the winners: {winner.reason}")[:600]
+        else:
+            worst = max((r for r in ran if r["ratio"] is not None), key=lambda r: r["ratio"], default=None)
+            winner.reason = (f"{summary} pass" + (f" (worst {worst['ratio']:.3g} at {worst['kernel']} config "
+                                                  f"{worst['index']})" if worst else "")
+                             + f"; with the winners: {winner.reason}")[:600]
+            if worst is not None and winner.ratio is not None:
+                winner.ratio = max(winner.ratio, worst["ratio"])
+    elif not rows:
+        winner.reason = (f"no autotuned Triton kernel in this call (one configuration): {winner.reason}")[:600]
+    winner.extra["configs"] = rows
+    winner.extra["autotune_configs"] = "all"
+    return winner
+
+
+# --------------------------------------------------------------------------- prop's outside draws
+
+@contextlib.contextmanager
+def first_config_only():
+    """Inside the block every autotuner with several configurations runs its first one
+    without benchmarking (a shape no bucket compiled then costs its compilation, not an
+    autotune: 40-160 s for FLA chunk_kda). Verdicts do not depend on which configuration
+    runs (the deep mode checks every one on the goldens)."""
+    cls = _autotuner_class()
+    if cls is None:
+        yield
+        return
+    original = cls.run
+
+    def run(self, *args, **kwargs):
+        saved = self.configs
+        if len(saved) > 1:
+            self.configs = saved[:1]
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.configs = saved
+
+    cls.run = run
+    try:
+        yield
+    finally:
+        cls.run = original
+
+
+# Counts of prop's draws (run_drawn): inside a bucket, outside, and the times of each example.
+DRAWN = {"inside": 0, "outside": 0, "outside_retried_with_autotune": 0, "times": []}
+
+
+def run_drawn(run_case, adapter, case, device):
+    """prop's run of one drawn case: a case outside the buckets (case['bucket'] is None) runs
+    with first_config_only, and again with the autotuner when that configuration does not
+    compile for the shape (as the autotuner would skip it)."""
+    import time
+
+    outside = case.get("bucket", 0) is None
+    DRAWN["outside" if outside else "inside"] += 1
+    if outside:
+        with first_config_only():
+            ok, reason, src = run_case(adapter, case, device)
+        if not ok and any(f"raised {name}" in reason for name in NOT_APPLICABLE):
+            DRAWN["outside_retried_with_autotune"] += 1
+            ok, reason, src = run_case(adapter, case, device)
+    else:
+        ok, reason, src = run_case(adapter, case, device)
+    DRAWN["times"].append(time.time())
+    return ok, reason, src

@@ -1,0 +1,386 @@
+"""The cache directory and the warm-up: compile the planned shapes in parallel before any check.
+
+    python3 -m k3ref.gpu_check warmup [--cache-dir DIR] [--jobs N] [the selection options of run]
+    python3 -m k3ref.gpu_check run ... [--no-warmup] [--jobs N]   (run warms up first by default)
+
+The cache directory (`--cache-dir`, else $K3REF_CACHE_DIR, else ~/.cache/k3ref) holds
+Triton's cache in DIR/triton: the compiled kernels, and the autotune results of kernels
+decorated with `cache_results=True` (FLA passes it unless FLA_CACHE_RESULTS=0), so a warm
+directory skips both compilation and benchmarking. TRITON_CACHE_DIR is set to DIR/triton in
+this process before any kernel is imported, and every child inherits it. A CI job saves DIR
+after the run and restores it before the next (docs/verify-your-kernel.md); the last warm-up's
+record is DIR/warmup.json.
+
+The warm-up takes the shape plan (shapes.py) and starts one worker process per shape group of
+the kernels compiled at run time (Triton), at most `--jobs` at a time (default: the CPU
+count). A worker loads the adapter once and runs the kernel on inputs of each of the group's
+shapes (the golden case itself, or the inputs the metamorphic check builds), so Triton
+compiles and autotunes them into the cache; its results are discarded, only the time is kept:
+per group wall, compile and autotune seconds (timing.py's hooks), the number of
+compilations and configurations benchmarked, the autotuned kernels the calls reached with
+their autotune keys and configuration counts (read from the decorators), and any error (the
+check that later runs the shape reports its own). A warm-up never changes a verdict.
+"""
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+CACHE_VARIABLE = "K3REF_CACHE_DIR"
+
+
+def cache_dir(path=None):
+    """The cache directory: `path`, else $K3REF_CACHE_DIR, else ~/.cache/k3ref."""
+    if path:
+        return Path(path).expanduser().resolve()
+    if os.environ.get(CACHE_VARIABLE):
+        return Path(os.environ[CACHE_VARIABLE]).expanduser().resolve()
+    return Path("~/.cache/k3ref").expanduser()
+
+
+def configure_cache(path=None):
+    """Points Triton at DIR/triton (TRITON_CACHE_DIR, inherited by every child) and
+    $K3REF_CACHE_DIR at DIR; returns DIR. Call before any kernel is imported."""
+    d = cache_dir(path)
+    os.environ[CACHE_VARIABLE] = str(d)
+    os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
+    return d
+
+
+# --------------------------------------------------------------------------- inputs of a shape
+
+def inputs_of(adapter, recipe, device):
+    """(inputs on device, params) of one planned shape (shapes.Shape.recipe)."""
+    if "golden" in recipe:
+        from .. import goldens
+
+        case = goldens.load_case(recipe["golden"])
+        inputs = {k: v.to(device) for k, v in case.inputs.items()}
+        if "initial_state" in inputs and adapter.kind != "reference":
+            inputs["initial_state"] = inputs["initial_state"].float()
+        return inputs, case.params
+    if "config" in recipe:
+        from .checks import make_problem
+
+        return make_problem(recipe["config"], recipe["T"], 0, device, cu_seqlens=recipe.get("cu_seqlens"))
+    if "prop_case" in recipe:
+        from . import prop
+
+        case = recipe["prop_case"]
+        return {k: v.to(device) for k, v in prop.make_inputs(case).items()}, prop.params_of(case)
+    raise ValueError(f"unknown warm-up recipe {sorted(recipe)}")
+
+
+# --------------------------------------------------------------------------- the worker process
+
+def child(job_path, out_path):
+    """Runs one group's shapes (the job pickled at job_path); writes its record as JSON."""
+    with open(job_path, "rb") as f:
+        job = pickle.load(f)
+    sys.path[:] = job["sys_path"]
+    os.environ.update(job.get("env", {}))
+    t0 = time.perf_counter()
+    rec = {"started": time.time(), "shapes": len(job["recipes"]), "errors": [], "kernels": []}
+    from . import autotune, timing
+
+    status = timing.install()
+    rec["timing"] = dict(status)
+    from .registry import import_module_of
+
+    for spec in job.get("modules", ()):
+        import_module_of(spec)
+    adapter = pickle.loads(job["adapter"])
+    device = job["device"]
+    if not adapter.available():
+        rec.update(status="unavailable", reason=adapter.unavailable_reason)
+    else:
+        rec["import_s"] = time.perf_counter() - t0
+        adapter.device_sync = str(device).startswith("cuda")
+        seen = {}
+        for recipe in job["recipes"]:
+            try:
+                inputs, params = inputs_of(adapter, recipe, device)
+                with autotune.recording() as used:
+                    adapter.run(inputs, params)
+                    if adapter.device_sync:
+                        import torch
+
+                        torch.cuda.synchronize()
+                for u in used:
+                    seen.setdefault(id(u), u)
+            except Exception as e:  # the check of this shape will report it; the warm-up goes on
+                rec["errors"].append(f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        from .shapes import autotuner_info, uncovered_keys
+
+        rec["kernels"] = [autotuner_info(u) for u in seen.values()]
+        rec["uncovered_keys"] = uncovered_keys(rec["kernels"])
+        rec["status"] = "error" if rec["errors"] else "ok"
+    rec.update(timing.COUNTERS.snapshot())
+    rec["wall_s"] = time.perf_counter() - t0
+    rec["finished"] = time.time()
+    Path(out_path).write_text(json.dumps(rec))
+    return 0
+
+
+# --------------------------------------------------------------------------- the parent
+
+def units(plan, adapters):
+    """[(adapter, group, recipes)]: one unit per shape group of an adapter compiled at run time."""
+    by_name = {a.name: a for a in adapters}
+    out = []
+    for (name, group), shapes in plan.groups().items():
+        a = by_name.get(name)
+        if a is not None:
+            out.append((a, group, [s.recipe for s in shapes]))
+    return out
+
+
+def _run_unit(unit, device, timeout, env):
+    adapter, group, recipes = unit
+    package_root = str(Path(__file__).resolve().parents[2])
+    base = {"adapter": adapter.name, "group": dict(group), "shapes": len(recipes)}
+    with tempfile.TemporaryDirectory(prefix="k3ref_warmup_") as d:
+        job, out = Path(d) / "job.pickle", Path(d) / "out.json"
+        spec = getattr(adapter, "_k3ref_spec", None)
+        try:
+            payload = pickle.dumps({"sys_path": list(sys.path), "env": dict(env), "device": str(device),
+                                    "modules": [spec] if spec else [], "adapter": pickle.dumps(adapter),
+                                    "recipes": recipes})
+        except Exception as e:
+            return dict(base, status="error", reason=f"the adapter cannot be pickled: {type(e).__name__}: {e}"[:300])
+        job.write_bytes(payload)
+        child_env = dict(os.environ)
+        child_env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, "-m", "k3ref.gpu_check.warmup", "--child", str(job), str(out)],
+                               env=child_env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return dict(base, status="error", reason=f"warm-up worker killed after {timeout:g} s",
+                        wall_s=time.perf_counter() - t0)
+        if p.returncode != 0 or not out.is_file():
+            tail = [line for line in (p.stderr or "").splitlines() if line.strip()]
+            return dict(base, status="error", wall_s=time.perf_counter() - t0,
+                        reason=f"warm-up worker exited with {p.returncode}: {tail[-1] if tail else '(no stderr)'}"[:300])
+        rec = json.loads(out.read_text())
+        rec.update(base)
+        rec["process_s"] = time.perf_counter() - t0
+        return rec
+
+
+def run(plan, adapters, device, jobs=None, timeout=1800.0, progress=None, env=None):
+    """Warms up every group of the plan, `jobs` worker processes at a time. Returns the
+    record: {jobs, wall_s, groups: [per group], totals}."""
+    return run_units(units(plan, adapters), device, jobs, timeout, progress, env)
+
+
+def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None):
+    jobs = max(1, int(jobs or os.cpu_count() or 1))
+    todo, skipped = [], []
+    for unit in work:
+        a = unit[0]
+        why = a.probe(device) if hasattr(a, "probe") else None
+        if why:
+            skipped.append({"adapter": a.name, "group": dict(unit[1]), "shapes": len(unit[2]), "status": "skipped",
+                            "reason": why})
+        else:
+            todo.append(unit)
+    t0 = time.perf_counter()
+    done = []
+
+    def one(unit):
+        rec = _run_unit(unit, device, timeout, env or {})
+        if progress:
+            progress(f"warm-up {rec['adapter']} {short_group(rec['group'])}: {rec.get('status')} "
+                     f"{rec.get('wall_s', 0):.1f}s (compile {rec.get('compile_s', 0):.1f}s, "
+                     f"autotune {rec.get('autotune_s', 0):.1f}s)")
+        return rec
+
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(jobs, len(todo))) as pool:
+            done = list(pool.map(one, todo))
+    groups = done + skipped
+    totals = {k: sum(g.get(k, 0) or 0 for g in groups) for k in ("compile_s", "autotune_s", "compiles",
+                                                               "configs_benchmarked")}
+    return {"jobs": jobs, "wall_s": time.perf_counter() - t0, "groups": groups, "totals": totals,
+            "errors": sum(g.get("status") == "error" for g in groups)}
+
+
+def short_group(group):
+    g = dict(group)
+    head = "H{H} HV{HV} K{K} V{V}".format(**{k: g.get(k, "?") for k in ("H", "HV", "K", "V")})
+    flags = [k if v is True else f"{k}={v}" for k, v in g.items() if k not in ("H", "HV", "K", "V") and v not in (False, None)]
+    return head + (" " + " ".join(flags) if flags else "")
+
+
+def write_record(record, directory):
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "warmup.json").write_text(json.dumps(record, indent=1, default=str))
+
+
+def table(record):
+    lines = [f"warm-up: {len(record['groups'])} groups, {record['jobs']} jobs, wall {record['wall_s']:.1f} s, "
+             f"compile {record['totals']['compile_s']:.1f} s, autotune {record['totals']['autotune_s']:.1f} s "
+             f"(summed over workers), {record['errors']} errors"]
+    for g in record["groups"]:
+        lines.append(f"  {g['adapter']:28s} {short_group(g['group']):60s} {g.get('shapes', 0):3d} shapes "
+                     f"{g.get('status', '?'):11s} wall {g.get('wall_s', 0):7.1f} compile {g.get('compile_s', 0):7.1f} "
+                     f"autotune {g.get('autotune_s', 0):7.1f}" + (f"  {g['reason']}" if g.get("reason") else ""))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- command line
+
+def add_run_options(p):
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up before the checks")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="warm-up worker processes at a time (default: the CPU count)")
+    p.add_argument("--warmup-timeout", type=float, default=1800.0, help="seconds one warm-up worker may take")
+    p.add_argument("--autotune-configs", choices=("winner", "all"), default="winner",
+                   help="all: run every golden check once per autotune configuration of each autotuned kernel "
+                        "(deep mode, slow); winner: only the configuration the autotuner picks (default)")
+
+
+def prepare(args, tests, suite, adapters):
+    """Before `run` executes its tests: the shape plan (metamorphic configs chosen, tests
+    ordered by shape), deep mode passed to the children, and the warm-up unless --no-warmup.
+    Returns (tests, record for the report's summary)."""
+    from . import autotune, shapes
+
+    os.environ[autotune.MODE_VARIABLE] = getattr(args, "autotune_configs", "winner") or "winner"
+    plan = shapes.build(tests, suite)
+    tests = shapes.order(tests, plan)
+    info = {"cache_dir": os.environ.get(CACHE_VARIABLE), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+            "shape_plan": plan.summary(), "autotune_configs": os.environ[autotune.MODE_VARIABLE]}
+    if not getattr(args, "no_warmup", False) and plan.shapes:
+        record = run(plan, adapters, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
+                     progress=lambda line: print(line, flush=True))
+        info["warmup"] = record
+        write_record(record, os.environ.get(CACHE_VARIABLE) or ".")
+        print(table(record), flush=True)
+    s = info["shape_plan"]
+    print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
+          f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS)", flush=True)
+    return tests, info
+
+
+def add_subparser(sub, kernel_options):
+    w = sub.add_parser("warmup", help="compile the planned shapes into the cache directory, in parallel")
+    w.add_argument("--goldens", help="golden directory (default: $K3REF_GOLDENS, else the checkout's goldens/)")
+    w.add_argument("--device", default=None)
+    kernel_options(w)
+    w.add_argument("--no-builtin", action="store_true")
+    w.add_argument("--only", help="comma-separated adapter names")
+    w.add_argument("--no-mutants", action="store_true")
+    w.add_argument("--checks", help="comma-separated check names")
+    w.add_argument("--cases", help="comma-separated golden case names")
+    w.add_argument("--jobs", type=int, default=None, help="worker processes at a time (default: the CPU count)")
+    w.add_argument("--warmup-timeout", type=float, default=1800.0)
+    w.add_argument("--plan", action="store_true", help="print the shape plan and exit without compiling")
+    return w
+
+
+def command(args):
+    """`warmup`: exit 0 when every group warmed up (or was skipped: kernel not here), 1 when
+    a worker erred (the cache may be incomplete; the run would report the checks' errors)."""
+    import torch
+
+    from . import cli, collection, shapes
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    adapters, _ = cli.select(args)
+    suite = cli.load_suite(args.goldens or cli.default_goldens(), adapters)
+    checks, cases = cli._csv(args.checks), cli._csv(args.cases)
+    collection.validate(adapters, suite, checks=checks, cases=cases)
+    shapes.choose_all(adapters, suite)
+    tests = collection.collect(adapters, suite, checks=checks, cases=cases)
+    plan = shapes.build(tests, suite)
+    s = plan.summary()
+    print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
+          f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS); "
+          f"cache {os.environ.get(CACHE_VARIABLE)}", flush=True)
+    for a, b in s["by_adapter"].items():
+        print(f"  {a}: {b['groups']} groups, {b['shapes']} shapes; metamorphic: {s['metamorphic_configs'].get(a, '-')}")
+    if args.plan:
+        print(json.dumps(s["shapes"]))
+        return 0
+    record = run(plan, adapters, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
+                 progress=lambda line: print(line, flush=True))
+    record["shape_plan"] = s
+    write_record(record, os.environ.get(CACHE_VARIABLE))
+    print(table(record))
+    print(json.dumps({"groups": len(record["groups"]), "wall_s": round(record["wall_s"], 1),
+                      **{k: round(v, 1) for k, v in record["totals"].items()}, "errors": record["errors"]}))
+    return 1 if record["errors"] else 0
+
+
+# --------------------------------------------------------------------------- prop
+
+def add_prop_options(p):
+    p.add_argument("--outside-share", type=float, default=0.05,
+                   help="share of draws outside the compiled shape buckets (default 0.05; 1: no buckets)")
+    p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before drawing")
+    p.add_argument("--jobs", type=int, default=None, help="warm-up worker processes at a time (default: CPU count)")
+    p.add_argument("--warmup-timeout", type=float, default=1800.0)
+
+
+def prop_prepare(args, adapter, fixed):
+    """(buckets, outside share, the flags that replay this choice) for `prop`: the buckets
+    (shapes.prop_buckets on the golden directory's cases), warmed up in parallel (one worker
+    per bucket) unless --no-warmup or the share is 1."""
+    from . import shapes
+
+    share = float(getattr(args, "outside_share", 1.0))
+    if not 0 <= share <= 1:
+        from .cli import UsageError
+
+        raise UsageError(f"--outside-share {share}: must be in [0, 1]")
+    flags = f" --outside-share {share:g}"
+    if share >= 1:
+        return None, share, flags
+    suite = []
+    try:
+        from .. import goldens
+
+        suite = goldens.load_suite(goldens.directory(), ops=("kda.recurrent",))
+    except Exception as e:  # no golden directory here: the coverage buckets alone
+        print(f"prop: golden directory not read ({type(e).__name__}); buckets without the goldens' shapes")
+    buckets = shapes.prop_buckets(adapter, fixed, suite)
+    print(f"prop: {len(buckets)} shape buckets, {share:.0%} of draws outside them "
+          f"(cache {os.environ.get(CACHE_VARIABLE)})", flush=True)
+    if buckets and not getattr(args, "no_warmup", False):
+        work = [(adapter, tuple(sorted(b.items())), [{"prop_case": c} for c in shapes.bucket_cases(b, args.max_T, fixed)])
+                for b in buckets]
+        record = run_units(work, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
+                           progress=lambda line: print(line, flush=True))
+        print(table(record), flush=True)
+        write_record(dict(record, prop_buckets=buckets), Path(os.environ.get(CACHE_VARIABLE) or ".") / "prop")
+    return buckets, share, flags
+
+
+def prop_rate(seconds, examples):
+    """Examples per minute overall and after the first minute of drawing (autotune.DRAWN)."""
+    from .autotune import DRAWN
+
+    times = DRAWN["times"]
+    rate = 60.0 * examples / seconds if seconds > 0 else float("nan")
+    after = [t for t in times if times and t - times[0] >= 60.0]
+    late = float("nan")
+    if times and times[-1] - times[0] > 60.0:
+        late = 60.0 * len(after) / (times[-1] - times[0] - 60.0) if times[-1] - times[0] > 60.0 else float("nan")
+    return (f"prop rate: {rate:.1f} examples/minute overall, {late:.1f} after the first minute; "
+            f"draws inside buckets {DRAWN['inside']}, outside {DRAWN['outside']} "
+            f"({DRAWN['outside_retried_with_autotune']} re-run with the autotuner)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        sys.exit(child(sys.argv[2], sys.argv[3]))
+    print("usage: python3 -m k3ref.gpu_check warmup ... (the --child form is internal)", file=sys.stderr)
+    sys.exit(2)
