@@ -3,7 +3,8 @@
 1. `pip install --no-build-isolation .` into a fresh `python3 -m venv --system-site-packages`
    venv (the documented command), then, from another directory and without PYTHONPATH:
    `import k3ref` resolves into the venv, a reference reproduces a golden bit for bit, the
-   harness imports, the pytest11 entry point and the k3ref-gpu-check script are installed.
+   harness imports, the pytest11 entry point and the k3ref-gpu-check script are installed,
+   and `pytest --k3ref-adapter` (the installed plugin) runs the example adapter on the CPU.
 2. `meson install --destdir` of this build (K3REF_BUILD_ROOT): k3ref lands in a directory of
    /usr/bin/python3's own sys.path (under DESTDIR), and imports from there.
 The pip build time is printed (the package build compiles only the extension and the seven
@@ -60,6 +61,14 @@ def test_pip_install_into_a_venv(tmp_path):
     text = entry.read_text()
     assert "[pytest11]\nk3ref = k3ref.pytest_plugin" in text and "k3ref-gpu-check = k3ref.gpu_check.cli:main" in text
     assert (venv / "bin" / "k3ref-gpu-check").is_file()
+    # The installed plugin (entry point, no -p): the example adapter against the goldens, on the CPU.
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--k3ref-adapter", f"{ROOT}/examples/torch_kda_adapter.py:TorchKda",
+                        "--k3ref-goldens", str(ROOT / "goldens"), "--k3ref-device", "cpu"],
+                       cwd=tmp_path, env=clean_env(), capture_output=True, text=True)
+    summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr
+    assert r.returncode == 0 and " passed" in summary and "failed" not in summary, r.stdout[-3000:] + r.stderr[-2000:]
+    print(f"pytest --k3ref-adapter (installed plugin): {summary}")
     # Only the package: no library, command or headers in the venv.
     assert not list(venv.rglob("libk3ref*")) and not (venv / "bin" / "k3ref").exists()
     assert not (venv / "include" / "k3ref").exists()
