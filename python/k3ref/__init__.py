@@ -154,12 +154,15 @@ def _number(fn, name, value, optional=True):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         try:
             import numpy as np
-            if isinstance(value, np.floating) or isinstance(value, np.integer):
-                return float(value)
+            if isinstance(value, (np.floating, np.integer)):
+                return _number(fn, name, float(value), optional)
         except ImportError:
             pass
         _fail(fn, TypeError, f"option '{name}' must be a number, not {type(value).__name__} ({value!r})")
-    return float(value)
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        _fail(fn, ValueError, f"option '{name}' must be finite, not {value!r}")  # as the CLI's --scale, --lower-bound
+    return value
 
 
 def _flag(fn, name, value):
