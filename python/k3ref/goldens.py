@@ -156,6 +156,13 @@ class GoldenCase:
             return dict(k=self.params["k"], iterations=self.params["iterations"])
         return {}
 
+    def policies(self, table=None):
+        """{policy name: what it is for} of the table's named policies that cover this operator
+        (the parametric ones, "exact", "floor:<m>", "rel-rms:<r>", cover every operator)."""
+        from . import policy as _policy
+        t = table if isinstance(table, _policy.PolicyTable) else _policy.load_table(table)
+        return {name: t.about.get(name, "") for name in t.policy_names() if self.op in t.operators_of(name)}
+
     def tolerances(self, policy="floor:2", table=None):
         """{output: k3ref.policy.Rule}: the metric, floor dtype and bound that `policy` sets for
         each expected output of this operator (the policy table, docs/tolerances.md)."""

@@ -54,6 +54,9 @@ def test_tolerances_come_from_the_policy_table():
     table = policy.load_table().rules("recurrent", "kda.recurrent")
     assert rules["o"] == table["o"] and rules["o"].floor_dtype == "bf16"
     assert set(goldens.load_case("kda_backward_t100", GOLDENS).tolerances("floor:2")) >= {"dq", "dk", "dv", "dg"}
+    covering = case.policies()
+    assert "recurrent" in covering and "liger-attnres" not in covering
+    assert all(policy.load_table().rules(name, "kda.recurrent") for name in covering)
 
 
 def test_without_the_safetensors_package_auto_uses_k3ref_reader(monkeypatch):
