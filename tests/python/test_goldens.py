@@ -182,3 +182,15 @@ def test_a_directory_without_manifest_is_read_file_by_file(tmp_path):
     assert [c.name for c in goldens.load_suite(tmp_path)] == ["attnres_full_l8", "kda_t1"]
     assert [c.name for c in goldens.load_suite(tmp_path, ops=("kda.recurrent",))] == ["kda_t1"]
     assert goldens.case_names(tmp_path, ops=("attnres.full",)) == ["attnres_full_l8"]
+
+
+def test_the_reader_needs_neither_torch_nor_the_extension():
+    # docs/python.md: `import k3ref` and k3ref._safetensors load no torch and no k3ref._core.
+    import subprocess
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import k3ref, k3ref._safetensors as s; "
+            "a, m = s.load(sys.argv[2]); assert a['q'].dtype.name == 'float64' and m['k3ref.op'] == 'kda.recurrent'; "
+            "print(sorted(n for n in ('torch', 'k3ref._core') if n in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, str(GOLDENS.parent / "python"), str(GOLDENS / "kda_t1.safetensors")],
+                       capture_output=True, text=True, env={k: v for k, v in __import__("os").environ.items()
+                                                            if k != "K3REF_CORE_PATH"})
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
