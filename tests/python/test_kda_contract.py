@@ -174,3 +174,12 @@ def test_safe_gate_contract_reads_the_anchor_row():
         assert changed <= allowed, (contract, sorted(changed))
         if contract == "fla_chunk_safe_gate":
             assert changed, "the anchor row's gate must reach the rows before it"
+
+
+def test_a_contract_that_overflows_gives_no_bound():
+    # FlashKDA's inverse decays 2^(-G) overflow fp32 for steep gates (outside its domain):
+    # the contract is not finite there, and the harness gets an error, not a verdict.
+    x = problem(2, 20, K=16, V=8)
+    x["g"] = torch.full_like(x["g"], -8.0)
+    with pytest.raises(ValueError, match=r"contract 'flashkda' is not finite on these inputs \(o: "):
+        contracts.contract_bounds("flashkda", x, dict(qk_l2norm=True, beta="sigmoid"))

@@ -127,6 +127,9 @@ def contract_bounds(contract, inputs, params, candidate=None, m=None, reference=
         if ref is None or con is None:
             continue
         ref = ref.to("cpu", torch.float64)
+        if not bool(torch.isfinite(con).all()):  # e.g. FlashKDA's inverse decays overflow for steep gates
+            raise ValueError(f"contracts: contract {contract!r} is not finite on these inputs ({name}: "
+                             f"{int((~torch.isfinite(con)).sum())} of {con.numel()} values): no bound to judge by")
         ce, fl = _rel_rms(con, ref), floor(ref)
         b = ContractBound(name, contract, m, ce, fl, m * max(fl, ce))
         if cand is not None:
