@@ -110,6 +110,12 @@ Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& 
   Manifest m;
   m.suite = string_field(j, "suite", "");
   m.generator_version = string_field(j, "generator_version", "");
+  // Both are echoed in messages later: plain and short, or refused here.
+  if (!is_safe_file_stem(m.suite))
+    throw fail("", "field 'suite' " + io::excerpt(m.suite) + " is not a plain name ([A-Za-z0-9_.-], at most 200)");
+  if (!is_safe_file_stem(m.generator_version))
+    throw fail("", "field 'generator_version' " + io::excerpt(m.generator_version) +
+                       " is not a plain version ([A-Za-z0-9_.-], at most 200)");
   if (auto subset = j.find("subset"); subset != j.end()) {
     if (!subset->is_boolean()) throw fail("", "field 'subset' is not a boolean");
     m.subset = subset->get<bool>();

@@ -209,6 +209,13 @@ def cases(work, goldens):
          ["compare", "--golden", "x.safetensors", "--candidate", "x.safetensors", "--policy", "exact"], [OK],
          [("x.safetensors", safetensors_bytes(dumps(h), data + b"\1" * 40000))])
 
+    # A golden's output list with brace groups that expand to 2^40 names.
+    for label, outputs in (("braces_2^40", "{a,b}" * 40), ("commas_10M", ",".join(["o"] * 5_000_000))):
+        h = {"__metadata__": {"k3ref.op": "kda.recurrent", "k3ref.outputs": outputs}, "o": entry("F64", [1], 0, 8)}
+        case(f"outputs_{label}.compare", "memory bomb: output list expansion",
+             ["compare", "--golden", "x.safetensors", "--candidate", "x.safetensors"], [UNUSABLE],
+             [("x.safetensors", safetensors_bytes(dumps(h), b"\0" * 8))], must_mention=["k3ref.outputs"])
+
     # -- memory bombs: zero-element tensors with huge other extents, huge headers, /dev/zero
     for label, (B, K, V) in {"B2^40_K15000": (2 ** 40, 15000, 15000), "B2^20_K15000": (2 ** 20, 15000, 15000),
                              "B2^30_K1": (2 ** 30, 1, 1)}.items():
@@ -294,6 +301,13 @@ def cases(work, goldens):
                expect=(UNUSABLE,), must_mention=["MANIFEST.json"])
     suite_case("manifest_huge_value_echo", "misleading: huge echoed value",
                one_case_manifest(sha256="f" * 10_000_000), expect=(UNUSABLE,), must_mention=["sha256"])
+    suite_case("manifest_huge_suite_name", "misleading: huge echoed value",
+               one_case_manifest().replace('"suite": "default"', '"suite": "' + "s" * 5_000_000 + '"'),
+               expect=(UNUSABLE,), must_mention=["'suite'"])
+    suite_case("manifest_huge_generator_version", "misleading: huge echoed value",
+               one_case_manifest().replace('"generator_version": "' + manifest["generator_version"] + '"',
+                                           '"generator_version": "' + "\\u001b" * 1_000_000 + '"', 1),
+               expect=(UNUSABLE,), must_mention=["generator_version"])
     suite_case("empty_golden_file", "ub: hashing an empty file", one_case_manifest(), [("kda_t1.safetensors", b"")],
                expect=(DIFFERENT,))
     c = suite_case("fifo_golden_file", "hang: FIFO", one_case_manifest(), expect=(DIFFERENT, UNUSABLE),
