@@ -164,12 +164,15 @@ def judge(adapter, inputs, params, o, final, reference, floor=None):
 def agreement(a, b, a_contract, b_contract, m, nominal_floor=None):
     """(ok, reason, ratio) for two kernel runs a, b that must agree (a split against one shot,
     varlen against separate runs): rel RMS(a - b) <= m * max(nominal floor, rel RMS of the
-    two contract runs' difference). nominal_floor: the harness's floor of b (default: b's
-    bf16 rounding floor)."""
+    two contract runs' difference). nominal_floor: the floor of b (default: the nominal bf16
+    floor of its values, metrics.nominal_floor, as the harness's other metamorphic checks)."""
     d = _rel_rms(a, b.to(a.dtype))
     if not (torch.isfinite(a.double()).all() and torch.isfinite(b.double()).all()):
         return False, "NaN/Inf in a run", math.inf
-    fl = _bf16_floor(b.double()) if nominal_floor is None else float(nominal_floor)
+    if nominal_floor is None:
+        from . import metrics
+        nominal_floor = metrics.nominal_floor(b, torch.bfloat16)
+    fl = float(nominal_floor)
     cd = _rel_rms(a_contract, b_contract)
     scale = max(fl, cd)
     ratio = d / scale if scale > 0 else (0.0 if d == 0 else math.inf)
