@@ -10,6 +10,7 @@
 
 #include "k3ref/check/metrics.h"
 #include "k3ref/error.h"
+#include "k3ref/io/file.h"
 
 namespace k3ref::check {
 namespace {
@@ -169,11 +170,11 @@ CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& q) {
   std::vector<std::string> outputs;
   for (const auto& [name, values] : q.expected) outputs.push_back(name);
   for (const auto& name : outputs)
-    if (!rules.count(name)) note_unusable("golden output '" + name + "' of operator '" + q.op + "' is not in the policy table");
+    if (!rules.count(name)) note_unusable("golden output " + io::excerpt(name) + " of operator " + io::excerpt(q.op) + " is not in the policy table");
   const std::set<std::string> output_set(outputs.begin(), outputs.end());
   const std::vector<std::string> selected = q.tensors ? *q.tensors : outputs;
   for (const auto& name : selected)
-    if (!output_set.count(name)) note_unusable("no output '" + name + "' in the golden (outputs: " + name_list(outputs) + ")");
+    if (!output_set.count(name)) note_unusable("no output " + io::excerpt(name) + " in the golden (outputs: " + name_list(outputs) + ")");
   const OperatorSpec& spec = *table.find_operator(q.op);
   // Hash sets: a lookup per candidate tensor in vectors was quadratic (40k tensors: seconds).
   const std::set<std::string> accepted = [&] {
@@ -188,7 +189,7 @@ CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& q) {
     u.tensor = name;
     u.required = false;
     u.status = "unknown";
-    u.reason = "candidate tensor '" + name + "' is neither an output nor an input of the golden (outputs: " +
+    u.reason = "candidate tensor " + io::excerpt(name) + " is neither an output nor an input of the golden (outputs: " +
                name_list(outputs) + ")";
     note_unusable(u.reason);
     j.tensors.push_back(std::move(u));

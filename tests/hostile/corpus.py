@@ -209,6 +209,18 @@ def cases(work, goldens):
          ["compare", "--golden", "x.safetensors", "--candidate", "x.safetensors", "--policy", "exact"], [OK],
          [("x.safetensors", safetensors_bytes(dumps(h), data + b"\1" * 40000))])
 
+    # A candidate tensor with a 1 MB name, and one with terminal escapes: neither is an
+    # output, the message must quote them briefly and printably.
+    t1_bytes = open(golden_t1, "rb").read()
+    t1_header = json.loads(t1_bytes[8:8 + struct.unpack("<Q", t1_bytes[:8])[0]])
+    t1_data = t1_bytes[8 + struct.unpack("<Q", t1_bytes[:8])[0]:]
+    for label, name in (("long_name", "n" * 1_000_000), ("escape_name", "\x1b[2J\x1b]0;x\x07")):
+        h = dict(t1_header)
+        h[name] = entry("U8", [0], len(t1_data), len(t1_data))
+        case(f"candidate_{label}.compare", "misleading: huge echoed value",
+             ["compare", "--golden", golden_t1, "--candidate", "y.safetensors"], [DIFFERENT, UNUSABLE],
+             [("y.safetensors", safetensors_bytes(json.dumps(h), t1_data))])
+
     # A golden's output list with brace groups that expand to 2^40 names.
     for label, outputs in (("braces_2^40", "{a,b}" * 40), ("commas_10M", ",".join(["o"] * 5_000_000))):
         h = {"__metadata__": {"k3ref.op": "kda.recurrent", "k3ref.outputs": outputs}, "o": entry("F64", [1], 0, 8)}
