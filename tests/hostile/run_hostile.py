@@ -172,7 +172,7 @@ def main():
     started = time.monotonic()
     try:
         generation_start = time.monotonic()
-        all_cases = corpus.cases(work, goldens)
+        all_cases = corpus.cases(work, goldens, scale=0.25 if args.sanitized else 1.0)
         generation_seconds = time.monotonic() - generation_start
         names = [c.name for c in all_cases]
         assert len(names) == len(set(names)), "case names must be unique"
