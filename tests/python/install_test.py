@@ -61,6 +61,10 @@ def test_pip_install_into_a_venv(tmp_path):
     text = entry.read_text()
     assert "[pytest11]\nk3ref = k3ref.pytest_plugin" in text and "k3ref-gpu-check = k3ref.gpu_check.cli:main" in text
     assert (venv / "bin" / "k3ref-gpu-check").is_file()
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.metadata as m, k3ref; "
+                        "assert m.version('k3ref') == k3ref.__version__, (m.version('k3ref'), k3ref.__version__)"],
+                       cwd=tmp_path, env=clean_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
     # The installed plugin (entry point, no -p): the example adapter against the goldens, on the CPU.
     r = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "--k3ref-adapter", f"{ROOT}/examples/torch_kda_adapter.py:TorchKda",

@@ -194,3 +194,12 @@ def test_the_reader_needs_neither_torch_nor_the_extension():
                        capture_output=True, text=True, env={k: v for k, v in __import__("os").environ.items()
                                                             if k != "K3REF_CORE_PATH"})
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_one_version():
+    # The package reports meson.build's project version (pyproject.toml takes it from Meson).
+    import re
+    import k3ref
+    meson = (GOLDENS.parent / "meson.build").read_text()
+    assert k3ref.__version__ == re.search(r"version:\s*'([^']+)'", meson).group(1)
+    assert 'dynamic = ["version"]' in (GOLDENS.parent / "pyproject.toml").read_text()
