@@ -383,8 +383,9 @@ def order(tests, plan):
     and the order inside a group kept): checks of one shape run together."""
     from . import collection
 
-    first_group = {}
-    for n, s in enumerate(plan.shapes.values()):
+    first_group, index = {}, {}
+    for s in plan.shapes.values():
+        n = index.setdefault((s.adapter, s.group), len(index))
         for tid in s.tests:
             first_group.setdefault(tid, (s.adapter, n))
     position = {}

@@ -129,9 +129,17 @@ def child(job_path, out_path):
 
 # --------------------------------------------------------------------------- the parent
 
+def shapes_mod():
+    from . import shapes
+
+    return shapes
+
+
 def units(plan, adapters):
-    """[(adapter, group, recipes)]: one unit per shape group of an adapter compiled at run time."""
-    by_name = {a.name: a for a in adapters}
+    """[(adapter, group, recipes)]: one unit per shape group of an adapter declared to be
+    compiled by Triton (shapes.compiler_of; an adapter of unknown build is planned, counted,
+    but not warmed up: declare `compiler = "triton"` on it)."""
+    by_name = {a.name: a for a in adapters if shapes_mod().compiler_of(a) == "triton"}  # declared only
     out = []
     for (name, group), shapes in plan.groups().items():
         a = by_name.get(name)

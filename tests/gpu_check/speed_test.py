@@ -1,0 +1,422 @@
+#!/usr/bin/env python3
+"""Host-side tests of the shape plan, the warm-up, the deep mode and prop's buckets (no GPU):
+stand-ins of Triton's module layout (Autotuner with keys/configs, Heuristics, JITFunction with
+params, triton.compiler.compile) take the place of Triton. Skips (exit 77) without torch.
+Usage: speed_test.py SOURCE_ROOT"""
+import json
+import os
+import sys
+import tempfile
+import textwrap
+import types
+import unittest
+from pathlib import Path
+
+ROOT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2]
+try:
+    import torch
+except ImportError:
+    print("torch is not importable: skipped")
+    sys.exit(77)
+sys.path.insert(0, str(ROOT / "python"))
+from k3ref.gpu_check import adapters, autotune, checks, collection, shapes, warmup  # noqa: E402
+
+
+class TritonLike(adapters.TorchKernelAdapter):
+    """The CPU test kernel, planned as if Triton compiled it."""
+    compiler = "triton"
+
+
+class FakeCase:
+    """A golden case as the collection sees it (op, name, params, input shapes, path)."""
+
+    def __init__(self, name, B, T, H, HV, K, V, cu=None, **params):
+        self.op, self.name, self.path = "kda.recurrent", name, f"/nonexistent/{name}.safetensors"
+        self.inputs = {"q": torch.zeros(B, T, H, K), "v": torch.zeros(B, T, HV, V)}
+        self.params = dict(gate="log_decay", beta="as_given", qk_l2norm=False, state_layout="k_first",
+                           initial_state=True, cu_seqlens=cu, **params)
+
+
+class Plan(unittest.TestCase):
+    def test_int_classes_are_tritons_specialisation(self):
+        self.assertEqual([shapes.int_class(n) for n in (1, 2, 15, 16, 32, 100, 128)],
+                         ["1", "n", "n", "16k", "16k", "n", "16k"])
+        # varlen [0,37,38,100]: 3 sequences of 37, 1, 62 tokens, one 64-token chunk each.
+        self.assertEqual(shapes.int_classes({"cu_seqlens": [0, 37, 38, 100]}, dict(B=1, T=100)),
+                         (("T", "n"), ("B", "1"), ("N", "n"), ("NT", "n")))
+
+    def test_metamorphic_runs_are_the_runs_the_checks_make(self):
+        seen = []
+
+        class Spy(adapters.TorchKernelAdapter):
+            def run(self, inputs, params, out=None):
+                seen.append((inputs["q"].shape[1], params.get("cu_seqlens")))
+                return super().run(inputs, params)
+
+        spy = Spy()
+        for name, fn in checks.METAMORPHIC_BY_NAME.items():
+            seen.clear()
+            res = fn(spy, "cpu")
+            self.assertEqual(res.status, "pass", (name, res.reason))
+            # the distinct runs (a check may repeat one: causality runs T = 100 twice)
+            self.assertEqual(sorted(set(map(str, seen))), sorted(set(map(str, shapes.metamorphic_runs(name)))), name)
+
+    def _suite(self):
+        # A golden of the metamorphic properties (GVA, K = 100) in another group than
+        # checks.CONFIGS' generic_k100 (H=1, HV=2, V=64): H=2, HV=4, V=32, T=50 and varlen.
+        return [FakeCase("g_plain", 1, 50, 2, 4, 100, 32),
+                FakeCase("g_varlen", 1, 50, 2, 4, 100, 32, cu=[0, 20, 50]),
+                FakeCase("g_other", 1, 40, 1, 1, 32, 32)]
+
+    def test_metamorphic_checks_move_onto_a_golden_group_and_the_count_drops(self):
+        a, suite = TritonLike(), self._suite()
+        shapes.choose_all([a], suite)
+        self.assertEqual(a.metamorphic_config["golden"], "g_plain")
+        self.assertEqual(checks.pick_config(a)["name"], "g_plain_shape")
+        tests = collection.collect([a], suite)
+        plan = shapes.build(tests, suite)
+        # Goldens: g_plain (T 50: classes n,1,1,1), g_varlen (n,1,n,n), g_other (own group).
+        # Metamorphic non-varlen runs T = 100, 128, 37, 1, 62, 41, 59 give the classes
+        # (n,1,1,n), (16k,1,1,n), (n,1,1,1), (1,1,1,1); the varlen run (n,1,n,n). Before: with
+        # generic_k100 these 5 are in 2 groups of their own: 3 + 5 = 8. After: they join
+        # g_plain's and g_varlen's groups, (n,1,1,1) and (n,1,n,n) already there: 3 + 3 = 6.
+        self.assertEqual((plan.before, plan.distinct(), len(plan.groups())), (8, 6, 3))
+        s = plan.summary()
+        self.assertEqual(s["distinct_compiled_shapes"], 6)
+        self.assertEqual(s["by_adapter"][a.name]["groups"], 3)
+        # Checks of one group run together: in the order, each group's tests are contiguous.
+        ordered = shapes.order(tests, plan)
+        self.assertEqual(sorted(t.id for t in ordered), sorted(t.id for t in tests))
+        first = {}
+        for s_ in plan.shapes.values():
+            for tid in s_.tests:
+                first.setdefault(tid, s_.group)
+        groups = [first[t.id] for t in ordered if t.id in first]
+        runs = [g for n, g in enumerate(groups) if n == 0 or groups[n - 1] != g]
+        self.assertEqual(len(runs), len(set(runs)), "a group's tests are split in the order")
+
+    def test_config_without_the_properties_is_not_taken(self):
+        a = TritonLike()
+        suite = [FakeCase("no_gva", 1, 50, 2, 2, 100, 32), FakeCase("pow2", 1, 50, 2, 4, 64, 32)]
+        c, why = shapes.choose_metamorphic_config(a, suite)
+        self.assertEqual(c["name"], "generic_k100")
+        self.assertIn("kept", why)
+
+    def test_ahead_of_time_kernels_compile_no_shapes(self):
+        a = adapters.TorchKernelAdapter()
+        plan = shapes.build(collection.collect([a], self._suite()), self._suite())
+        self.assertEqual(plan.distinct(), 0)
+        self.assertFalse(shapes.compiles_at_run_time(adapters.LibKernelAdapter(0)))
+        self.assertTrue(shapes.compiles_at_run_time(adapters.FlaAdapter("chunk_kda")))
+
+
+# --------------------------------------------------------------------------- Triton stand-ins
+
+class Config:
+    def __init__(self, kwargs, num_warps=4, num_stages=2):
+        self.kwargs, self.num_warps, self.num_stages = kwargs, num_warps, num_stages
+
+
+class Param:
+    def __init__(self, name, is_constexpr=False, do_not_specialize=False):
+        self.name, self.is_constexpr, self.do_not_specialize = name, is_constexpr, do_not_specialize
+
+
+class JITFunction:
+    def __init__(self, name, params):
+        self.__name__, self.params = name, params
+
+
+class Heuristics:
+    def __init__(self, fn, values):
+        self.fn, self.values = fn, values
+
+
+class OutOfResources(Exception):
+    pass
+
+
+class Autotuner:
+    """Triton's contract as the deep mode relies on it: several configs are benchmarked (here
+    the last one 'wins'), a single one runs as it is."""
+
+    def __init__(self, fn, keys, configs):
+        self.fn, self.keys, self.configs = fn, keys, configs
+        self.ran = []
+
+    def run(self, x):
+        config = self.configs[-1] if len(self.configs) > 1 else self.configs[0]
+        self.ran.append(config.kwargs["BLOCK"])
+        if config.kwargs["BLOCK"] == 128:
+            raise OutOfResources("shared memory")
+        return x + (0.01 if config.kwargs["BLOCK"] == 32 else 0.0)  # block 32 miscompiles
+
+
+TUNER = Autotuner(Heuristics(JITFunction("kda_kernel", [Param("q"), Param("T"), Param("N", do_not_specialize=True),
+                                                         Param("BLOCK", True), Param("IS_VARLEN", True)]),
+                             {"IS_VARLEN": None}),
+                  ["H", "K", "IS_VARLEN", "WEIRD"],
+                  [Config({"BLOCK": 16}), Config({"BLOCK": 32}, 8), Config({"BLOCK": 128}), Config({"BLOCK": 64})])
+
+
+class Autotuned(adapters.TorchKernelAdapter):
+    def run(self, inputs, params, out=None):
+        o, final = super().run(inputs, params)
+        return TUNER.run(o.double()).to(torch.bfloat16), final
+
+
+def fake_triton():
+    mods = {n: types.ModuleType(n) for n in ("triton", "triton.runtime", "triton.runtime.autotuner")}
+    mods["triton.runtime.autotuner"].Autotuner = Autotuner
+    return mods
+
+
+class Deep(unittest.TestCase):
+    def setUp(self):
+        self.saved = {n: sys.modules.get(n) for n in fake_triton()}
+        sys.modules.update(fake_triton())
+        TUNER.ran.clear()
+
+    def tearDown(self):
+        for n, m in self.saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+
+    def test_decorators_are_read(self):
+        info = shapes.autotuner_info(TUNER)
+        self.assertEqual(info, {"name": "kda_kernel", "autotune_keys": ["H", "K", "IS_VARLEN", "WEIRD"], "configs": 4,
+                                "constexprs": ["BLOCK", "IS_VARLEN"], "specialised_args": ["q", "T"],
+                                "heuristics": ["IS_VARLEN"]})
+        self.assertEqual(shapes.uncovered_keys([info]), ["WEIRD"])
+
+    def test_every_config_runs_and_the_bad_one_fails_the_golden(self):
+        from k3ref import goldens
+
+        case = goldens.load_case(ROOT / "goldens" / "kda_t100.safetensors")
+        res = autotune.golden_all_configs(Autotuned(), case, "cpu")
+        rows = {r["config"]: r["status"] for r in res.extra["configs"]}
+        # The winner (block 64) passes; block 32 is 0.01 off: fails; block 128 does not fit.
+        self.assertEqual(rows, {"BLOCK=16, num_warps=4, num_stages=2": "pass",
+                                "BLOCK=32, num_warps=8, num_stages=2": "fail",
+                                "BLOCK=128, num_warps=4, num_stages=2": "not applicable",
+                                "BLOCK=64, num_warps=4, num_stages=2": "pass"})
+        self.assertEqual(res.status, "fail")
+        self.assertIn("kda_kernel config 1 [BLOCK=32", res.reason)
+        self.assertEqual(TUNER.ran, [64, 16, 32, 128, 64])  # winner, then each config once
+        self.assertEqual(len(TUNER.configs), 4)  # restored
+
+    def test_deep_mode_is_chosen_by_the_environment_through_run_check(self):
+        from k3ref import goldens
+
+        case = goldens.load_case(ROOT / "goldens" / "kda_t100.safetensors")
+        os.environ[autotune.MODE_VARIABLE] = "all"
+        try:
+            res = Autotuned().run_check("golden", case, "cpu")
+        finally:
+            del os.environ[autotune.MODE_VARIABLE]
+        self.assertEqual(len(res.extra["configs"]), 4)
+        self.assertEqual(Autotuned().run_check("golden", case, "cpu").status, "pass")  # winner only
+
+    def test_outside_draws_skip_the_benchmark(self):
+        with autotune.first_config_only():
+            TUNER.run(torch.zeros(1))
+        self.assertEqual(TUNER.ran, [16])
+        self.assertEqual(len(TUNER.configs), 4)
+
+
+# --------------------------------------------------------------------------- prop buckets
+
+class Buckets(unittest.TestCase):
+    def test_buckets_cover_every_value_prop_draws(self):
+        b = shapes.prop_buckets(adapters.TorchKernelAdapter(), {})
+        for dim, values in {"K": shapes.HEAD_SIZES, "V": shapes.HEAD_SIZES, "H": [1, 2], "group": [1, 2, 3],
+                            "varlen": [False, True], "state_layout": ["k_first", "v_first"],
+                            "gate": ["log_decay", "lower_bound", "softplus"],
+                            "beta": ["as_given", "sigmoid", "two_sigmoid"], "qk_l2norm": [False, True],
+                            "initial_state": [False, True], "A_log": [False, True], "dt_bias": [False, True]}.items():
+            self.assertEqual(sorted({x[dim] for x in b}, key=str), sorted(values, key=str), dim)
+        self.assertEqual(len(b), 13)
+
+    def test_fixed_values_are_kept(self):
+        from k3ref.gpu_check import prop
+
+        fixed = prop.FIXED["flashkda.fwd"]
+        b = shapes.prop_buckets(adapters.FlashKdaAdapter(), fixed)
+        self.assertTrue(b)
+        self.assertTrue(all(x["K"] == x["V"] == 128 and x["gate"] == "lower_bound" and x["group"] == 1 for x in b))
+
+    def test_draws_stay_in_buckets_but_the_stated_share(self):
+        from hypothesis import HealthCheck, given, seed, settings, strategies as st
+
+        from k3ref.gpu_check import prop
+
+        a = adapters.TorchKernelAdapter()
+        buckets = shapes.prop_buckets(a, {})
+        drawn = []
+
+        @seed(7)
+        @settings(max_examples=600, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(shapes.bucketed_strategy(st, prop.case_strategy, {}, 48, buckets, 0.1))
+        def draw(case):
+            drawn.append(case)
+
+        draw()
+        inside = [c for c in drawn if c["bucket"] is not None]
+        for c in inside:
+            b = buckets[c["bucket"]]
+            got = dict(H=c["H"], group=c["HV"] // c["H"], K=c["K"], V=c["V"], varlen=c["cu_seqlens"] is not None,
+                       state_layout=c["state_layout"], gate=c["gate"], beta=c["beta"], qk_l2norm=c["qk_l2norm"],
+                       initial_state=c["initial_state"])
+            self.assertEqual(got, {k: b[k] for k in got}, c)
+        share = 1 - len(inside) / len(drawn)
+        self.assertGreater(share, 0.05)
+        self.assertLess(share, 0.15)
+        # Nothing is narrowed inside the buckets: odd T, empty varlen sequences, extreme gates.
+        self.assertTrue(any(c["T"] % 2 for c in inside))
+        self.assertTrue(any(c["cu_seqlens"] and any(b == e for b, e in zip(c["cu_seqlens"], c["cu_seqlens"][1:]))
+                            for c in inside))
+        self.assertTrue(any(c["g_range"] in ((-8.0, -5.0), (-12.0, 0.0), (20.0, 30.0)) for c in inside))
+
+    def test_bucket_cases_reach_the_integer_classes(self):
+        b = shapes.prop_buckets(adapters.TorchKernelAdapter(), {})
+        plain = next(x for x in b if not x["varlen"])
+        cases = shapes.bucket_cases(plain, 48)
+        self.assertEqual({shapes.int_class(c["T"]) for c in cases}, {"1", "16k", "n"})
+        self.assertEqual({c["B"] for c in cases}, {1, 2})
+        varlen = next(x for x in b if x["varlen"])
+        self.assertIn([0, 5, 5, 37], [c["cu_seqlens"] for c in shapes.bucket_cases(varlen, 48)])
+
+
+# --------------------------------------------------------------------------- warm-up
+
+FAKE = {
+    "triton/__init__.py": "__version__ = '0.fake'\n",
+    "triton/compiler/__init__.py": "from .compiler import compile\n",
+    "triton/compiler/compiler.py": textwrap.dedent("""\
+        import os, time
+        N = [0]
+        def compile(src):
+            time.sleep(0.2)
+            N[0] += 1
+            d = os.environ['TRITON_CACHE_DIR']
+            os.makedirs(d, exist_ok=True)
+            open(os.path.join(d, 'kernel_%d_%d' % (os.getpid(), N[0])), 'w').close()
+        """),
+    "triton/runtime/__init__.py": "",
+    "triton/runtime/jit.py": "class JITFunction:\n    pass\n",
+    "triton/runtime/autotuner.py": textwrap.dedent("""\
+        class Autotuner:
+            def __init__(self, keys, n):
+                self.keys, self.configs, self.fn = keys, list(range(n)), None
+            def run(self, shape):
+                import triton.compiler.compiler as c
+                c.compile(str(shape))
+            def _bench(self, config):
+                pass
+        """),
+    "speed_kernel.py": textwrap.dedent("""\
+        from k3ref.gpu_check.adapters import TorchKernelAdapter
+        class WarmKernel(TorchKernelAdapter):
+            compiler = "triton"
+            def run(self, inputs, params, out=None):
+                from triton.runtime.autotuner import Autotuner
+                global TUNER
+                try:
+                    TUNER
+                except NameError:
+                    TUNER = Autotuner(["H", "K", "V", "IS_VARLEN"], 3)
+                q = inputs["q"]
+                TUNER.run((q.shape[2], q.shape[3], inputs["v"].shape[3], "cu_seqlens" in inputs))
+                return super().run(inputs, params)
+        """),
+}
+
+
+class Warmup(unittest.TestCase):
+    def test_groups_warm_up_in_parallel_into_the_cache(self):
+        with tempfile.TemporaryDirectory() as d:
+            for rel, text in FAKE.items():
+                (Path(d) / rel).parent.mkdir(parents=True, exist_ok=True)
+                (Path(d) / rel).write_text(text)
+            sys.path.insert(0, d)
+            saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", warmup.CACHE_VARIABLE)}
+            try:
+                import speed_kernel
+
+                cache = warmup.configure_cache(Path(d) / "cache")
+                self.assertEqual(os.environ["TRITON_CACHE_DIR"], str(Path(d) / "cache" / "triton"))
+                a = speed_kernel.WarmKernel()
+                suite = [FakeCase("g1", 1, 50, 1, 1, 16, 16), FakeCase("g2", 1, 16, 1, 1, 16, 16),
+                         FakeCase("g3", 1, 40, 2, 2, 32, 32)]
+                plan = shapes.build([collection.Test(a, "golden", c.name, case_path=c.path) for c in suite], suite)
+                self.assertEqual(len(plan.groups()), 2)
+                # the recipes name golden files; here the shapes are built from configs
+                for s in plan.shapes.values():
+                    g = dict(s.group)
+                    s.recipe = {"config": dict(checks.CONFIGS[0], H=g["H"], HV=g["HV"], K=g["K"], V=g["V"]),
+                                "T": 20, "cu_seqlens": None}
+                rec = warmup.run(plan, [a], "cpu", jobs=2)
+            finally:
+                sys.path.remove(d)
+                sys.modules.pop("speed_kernel", None)
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            self.assertEqual(rec["errors"], 0, json.dumps(rec["groups"])[:2000])
+            self.assertEqual(len(rec["groups"]), 2)
+            for g in rec["groups"]:
+                self.assertEqual(g["status"], "ok")
+                self.assertEqual(g["compiles"], g["shapes"])  # one compile per shape run
+                self.assertGreaterEqual(g["compile_s"], 0.2 * g["shapes"])
+                self.assertEqual(g["kernels"][0]["autotune_keys"], ["H", "K", "V", "IS_VARLEN"])
+            a_, b_ = rec["groups"]
+            self.assertLess(max(a_["started"], b_["started"]), min(a_["finished"], b_["finished"]),
+                            "the two workers did not overlap")
+            self.assertEqual(len(list((cache / "triton").glob("kernel_*"))), 3)
+            self.assertEqual(cache, Path(d) / "cache")
+
+
+class CommandLine(unittest.TestCase):
+    def test_options(self):
+        from k3ref.gpu_check import cli
+
+        ap = cli.parser()
+        args = ap.parse_args(["run", "--autotune-configs", "all", "--jobs", "3", "--no-warmup"])
+        self.assertEqual((args.autotune_configs, args.jobs, args.no_warmup), ("all", 3, True))
+        import contextlib
+        import io
+
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            ap.parse_args(["run", "--autotune-configs", "some"])
+        self.assertEqual(ap.parse_args(["prop", "--kernel", "x"]).outside_share, 0.05)
+        saved = os.environ.pop(warmup.CACHE_VARIABLE, None)
+        try:
+            self.assertEqual(warmup.cache_dir(), Path("~/.cache/k3ref").expanduser())
+            os.environ[warmup.CACHE_VARIABLE] = "/tmp/k3ref-cache-x"
+            self.assertEqual(warmup.cache_dir(), Path("/tmp/k3ref-cache-x"))
+            self.assertEqual(warmup.cache_dir("/tmp/y"), Path("/tmp/y"))
+        finally:
+            os.environ.pop(warmup.CACHE_VARIABLE, None)
+            if saved is not None:
+                os.environ[warmup.CACHE_VARIABLE] = saved
+
+    def test_prop_rejects_a_share_outside_0_1(self):
+        from k3ref.gpu_check import cli
+
+        saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", warmup.CACHE_VARIABLE)}
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                rc = cli.main(["prop", "--kernel", "torch.fp64_bf16", "--outside-share", "1.5", "--cache-dir", d,
+                               "--device", "cpu"])
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        self.assertEqual(rc, 2)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv[:1], verbosity=1)
