@@ -270,6 +270,9 @@ void check_suite_output(const fs::path& dir, const std::vector<Case>& cases, boo
       refuse("holds " + file + ", which k3ref did not write (not in its MANIFEST.json); --force writes anyway");
     if (!item.is_regular_file(ec) || item.is_symlink(ec))
       refuse(file + " is not a regular file; --force replaces it");
+    if (it->second->bytes && item.file_size(ec) != *it->second->bytes)
+      refuse(file + " has " + std::to_string(item.file_size(ec)) + " bytes, MANIFEST.json lists " +
+             std::to_string(*it->second->bytes) + " (changed since k3ref wrote it); --force overwrites it");
     std::vector<std::uint8_t> bytes;
     try {
       bytes = read_all(item.path());

@@ -417,6 +417,16 @@ def cases(work, goldens, scale=1.0):
              files=[("precious", b"keep")])
     os.makedirs(os.path.join(c.directory, "mine"))
     os.symlink("../precious", os.path.join(c.directory, "mine", "MANIFEST.json"))
+    for label, mutate in (("edited", lambda b: b[:-1] + bytes([b[-1] ^ 1])), ("truncated", lambda b: b[:-8])):
+        c = case(f"generate_over_{label}_golden", "data loss: generate overwrites user files",
+                 ["golden", "generate", "--only", "kda_t1", "--out", "suite", "-q"], [UNUSABLE],
+                 must_mention=["kda_t1.safetensors", "--force"])
+        os.makedirs(os.path.join(c.directory, "suite"))
+        write(os.path.join(c.directory, "suite", "MANIFEST.json"),
+              json.dumps({"format": "k3ref-golden-manifest", "suite": "default",
+                          "generator_version": manifest["generator_version"], "subset": True,
+                          "cases": [entry_t1]}).encode())
+        write(os.path.join(c.directory, "suite", "kda_t1.safetensors"), mutate(open(golden_t1, "rb").read()))
     case("generate_only_twice", "data loss: --only X --only X",
          ["golden", "generate", "--only", "kda_t1", "--only", "kda_t1", "--out", "out", "-q"], [OK, UNUSABLE],
          output="out", check=manifest_lists(["kda_t1"]))
