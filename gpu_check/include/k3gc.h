@@ -1,4 +1,4 @@
-/* gpu_check: C interface of the CUDA library (DESIGN.md section 10).
+/* gpu_check: C interface of the CUDA library (docs/gpu_check.md).
  *
  * Device pointers in, statistics out. Every function returns 0 on success and a
  * non-zero code otherwise; k3gc_last_error() then says what went wrong. All work is
@@ -59,7 +59,7 @@ typedef enum {
   K3GC_MUT_COUNT = 10
 } k3gc_mutation;
 
-/* KDA forward, conventions of DESIGN.md section 3. Shapes: q, k [B,T,H,K]; v [B,T,HV,V];
+/* KDA forward, conventions of docs/conventions.md. Shapes: q, k [B,T,H,K]; v [B,T,HV,V];
  * g [B,T,HV,K] (log decay, or the raw gate input when gate != LOG_DECAY); beta [B,T,HV];
  * A_log [HV] and dt_bias [HV*K] fp32 or NULL; with cu_seqlens (device, int64, N+1) B = 1.
  * States [N,HV,K,V] (or [N,HV,V,K] when state_v_first) of state_dtype, either may be NULL.

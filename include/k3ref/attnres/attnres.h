@@ -1,4 +1,4 @@
-// Attention Residuals (DESIGN.md section 6): the residual sum replaced by a softmax over
+// Attention Residuals (docs/attnres.md): the residual sum replaced by a softmax over
 // depth. Per token on vectors of width d, batched over T tokens, one template over the
 // scalar (double, high_precision, rational with a deterministic Math, num::Dual for
 // gradients).

@@ -1,4 +1,4 @@
-// Simulated context parallelism for KDA (DESIGN.md section 5; docs/kcp.md).
+// Simulated context parallelism for KDA (docs/kcp.md).
 //
 // A packed B = 1 sequence of documents (cu_seqlens) is cut into P contiguous slices at
 // arbitrary token positions. Each rank

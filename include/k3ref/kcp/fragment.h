@@ -1,4 +1,4 @@
-// Fragment pairs (eq. 17 of the K3 report; DESIGN.md section 5).
+// Fragment pairs (eq. 17 of the K3 report; docs/kcp.md).
 //
 // Per value head, a token acts on the K x V state as the affine map
 //   S -> M_t S + beta_t k_t v_t^T,   M_t = (I - beta_t k_t k_t^T) Diag(a_t),

@@ -1,5 +1,5 @@
 // The chunkwise (UT transform) forms of KDA, the algorithm kernels implement
-// (DESIGN.md section 4; proofs/chunkwise_equals_recurrence.md shows it is the recurrence).
+// (docs/chunkwise.md; proofs/chunkwise_equals_recurrence.md shows it is the recurrence).
 //
 // Within a chunk of c <= C tokens entering with state S_in (K x V), a_t the cumulative
 // decay from the chunk's first token up to t (inclusive), q already scaled:

@@ -1,5 +1,5 @@
 // Options of the KDA references. They follow FLA's `chunk_kda` / `fused_recurrent_kda`
-// (DESIGN.md section 3): only options that change the mathematics appear here.
+// (docs/conventions.md): only options that change the mathematics appear here.
 #pragma once
 
 #include <cstdint>

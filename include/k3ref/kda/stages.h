@@ -1,5 +1,5 @@
 // The optional pre-processing stages of KDA, each a pure function on tensors so each can
-// be golden-tested alone (DESIGN.md section 3). All are templates over the scalar.
+// be golden-tested alone (docs/conventions.md). All are templates over the scalar.
 #pragma once
 
 #include <cmath>

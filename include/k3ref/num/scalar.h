@@ -5,7 +5,6 @@
 //   double                       fast reference
 //   high_precision<Bits>         MPFR through Boost.Multiprecision (cpp_bin_float fallback)
 //   rational                     exact rational (GMP mpq, cpp_rational fallback)
-//   interval<Bits>               MPFI interval, only when K3REF_HAVE_MPFI
 //
 // Generic code calls exp/log/sqrt/pow unqualified after `using std::exp;` etc., so
 // argument-dependent lookup finds Boost's overloads for the multiprecision types. An
@@ -20,9 +19,6 @@
 #if K3REF_HAVE_MPFR
 #include <boost/multiprecision/gmp.hpp>
 #include <boost/multiprecision/mpfr.hpp>
-#endif
-#if K3REF_HAVE_MPFI
-#include <boost/multiprecision/mpfi.hpp>
 #endif
 
 namespace k3ref::num {
@@ -48,13 +44,8 @@ inline constexpr const char* high_precision_backend = "cpp_bin_float";
 inline constexpr const char* rational_backend = "cpp_rational";
 #endif
 
-#if K3REF_HAVE_MPFI
-template <unsigned Bits>
-using interval = boost::multiprecision::number<boost::multiprecision::mpfi_float_backend<digits10_for_bits(Bits)>,
-                                               boost::multiprecision::et_off>;
-#endif
-
-// The precision of goldens: at least 200 bits (issue: "computed at >= 200 bits").
+// The precision of goldens: 256 bits, so that the reference's own error is negligible next
+// to the one rounding of each output to double (docs/golden-format.md).
 inline constexpr unsigned golden_bits = 256;
 using golden_float = high_precision<golden_bits>;
 

@@ -1,4 +1,4 @@
-// Quantile Balancing (QB): the alternating solver on a score matrix (DESIGN.md section 7).
+// Quantile Balancing (QB): the alternating solver on a score matrix (docs/qb.md).
 //
 // Scores s: [m tokens, n experts], top-k routing, target load q = m k / n per expert.
 // One iteration, from the expert biases beta of the previous one (zero at the start):
