@@ -175,4 +175,7 @@ def run_drawn(run_case, adapter, case, device):
     else:
         ok, reason, src = run_case(adapter, case, device)
     DRAWN["times"].append(time.time())
+    if os.environ.get("K3REF_PROP_PROGRESS"):  # one line per example, for runs cut off by a time limit
+        print(f"prop example {len(DRAWN['times'])} {'outside' if outside else 'inside'} at {DRAWN['times'][-1]:.3f}: "
+              f"{'pass' if ok else 'fail'}", flush=True)
     return ok, reason, src

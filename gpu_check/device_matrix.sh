@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The whole GPU matrix timed on one machine: cold (empty cache directory), warm (the same
+# directory again), then `prop` against FLA chunk_kda for PROP_SECONDS (default 180), each
+# timed; prints a short table last. Builds libk3gc and k3ref._core with meson first.
+#
+#   gpu_check/device_matrix.sh [OUT_DIR]
+#   env: TP (third-party root, default .thirdparty), JOBS (warm-up workers, default nproc),
+#        PROP_SECONDS (default 180), RUN_ARGS (extra arguments for both runs), PYTHON (default python3)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OUT=${1:-$ROOT/gpu_check_matrix}
+PY=${PYTHON:-python3}
+TP=${TP:-$ROOT/.thirdparty}
+JOBS=${JOBS:-$(nproc)}
+PROP_SECONDS=${PROP_SECONDS:-180}
+rm -rf "$OUT"; mkdir -p "$OUT"
+CACHE=$OUT/cache   # empty: the cold run fills it, the warm run and prop reuse it
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+echo "== meson build (libk3gc, k3ref._core)"
+meson setup "$OUT/build" -Dgpu_check=enabled -Dpython=enabled -Dtests=disabled -Dbenchmarks=disabled \
+  > "$OUT/meson.txt" 2>&1 || { tail -20 "$OUT/meson.txt"; exit 1; }
+ninja -C "$OUT/build" > "$OUT/ninja.txt" 2>&1 || { tail -20 "$OUT/ninja.txt"; exit 1; }
+export K3GC_LIB=$OUT/build/gpu_check/libk3gc.so K3REF_CORE_PATH=$OUT/build/python
+export PYTHONPATH=$ROOT/python:${PYTHONPATH:-}
+PATHS="--fla-path $TP/fla_pkg --flashkda-path $TP/FlashKDA --liger-path $TP/Liger-Kernel --torchtitan-path $TP/torchtitan"
+
+run_matrix() {  # $1 = cold | warm
+  local t0=$(date +%s.%N)
+  $PY -m k3ref.gpu_check run --out "$OUT/$1" --cache-dir "$CACHE" --jobs "$JOBS" $PATHS ${RUN_ARGS:-} \
+    > "$OUT/$1.log" 2>&1
+  echo "$? $(awk -v a="$(date +%s.%N)" -v b="$t0" 'BEGIN{print a-b}')" > "$OUT/$1.rc_wall"
+  tail -4 "$OUT/$1.log"
+}
+echo "== cold run (empty $CACHE)"; run_matrix cold
+echo "== warm run"; run_matrix warm
+echo "== prop --kernel fla.chunk_kda for $PROP_SECONDS s (bucket warm-up included)"
+t0=$(date +%s.%N)
+K3REF_PROP_PROGRESS=1 timeout -s INT "$PROP_SECONDS" $PY -m k3ref.gpu_check prop --kernel fla.chunk_kda \
+  --examples 100000 --seed 1 --cache-dir "$CACHE" --jobs "$JOBS" --fla-path "$TP/fla_pkg" --out "$OUT/prop_failures" \
+  > "$OUT/prop.log" 2>&1
+echo "$? $(awk -v a="$(date +%s.%N)" -v b="$t0" 'BEGIN{print a-b}')" > "$OUT/prop.rc_wall"
+grep -v "^prop example" "$OUT/prop.log" | tail -5
+
+$PY - "$OUT" <<'PYEOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+rows = []
+for name in ("cold", "warm"):
+    rc, wall = (out / f"{name}.rc_wall").read_text().split()
+    try:
+        s = json.loads((out / name / "report.json").read_text())["summary"]
+    except Exception as e:
+        rows.append(f"{name:5s} rc {rc} wall {float(wall):7.1f} s  (no report.json: {type(e).__name__})")
+        continue
+    k = s.get("kernels", {})
+    tsum = lambda key: sum((v.get("timing") or {}).get(key, 0) or 0 for v in k.values())
+    w = (s.get("warmup") or {})
+    wt = w.get("totals", {})
+    plan = s.get("shape_plan", {})
+    rows.append(f"{name:5s} rc {rc} wall {float(wall):7.1f} s | warm-up wall {w.get('wall_s', 0):6.1f} s "
+                f"(compile {wt.get('compile_s', 0):7.1f}, autotune {wt.get('autotune_s', 0):6.1f} summed over "
+                f"{len(w.get('groups', []))} groups) | checks' children: import {tsum('startup_and_import_s'):6.1f}, "
+                f"compile {tsum('compile_s'):6.1f}, autotune {tsum('autotune_s'):6.1f}, check {tsum('check_s'):6.1f} s | "
+                f"shapes {plan.get('distinct_compiled_shapes')} (before {plan.get('distinct_compiled_shapes_before')}) "
+                f"in {plan.get('groups')} groups | tests {s.get('tests')}, results executed {s.get('executed')} "
+                f"(474 before) passed {s.get('passed')} failed {s.get('failed')} | verdict {s.get('verdict')}")
+rc, wall = (out / "prop.rc_wall").read_text().split()
+times = [float(l.split(" at ")[1].split(":")[0]) for l in (out / "prop.log").read_text().splitlines()
+         if l.startswith("prop example ")]
+outside = sum(" outside " in l for l in (out / "prop.log").read_text().splitlines() if l.startswith("prop example "))
+if times:
+    span = times[-1] - times[0]
+    late = [t for t in times if t - times[0] >= 60]
+    rate = 60 * len(times) / span if span > 0 else float("nan")
+    late_rate = 60 * len(late) / (span - 60) if span > 60 else float("nan")
+    rows.append(f"prop  rc {rc} wall {float(wall):7.1f} s | {len(times)} examples ({outside} outside the buckets) "
+                f"in {span:.1f} s of drawing (after the bucket warm-up): {rate:.1f}/min overall, "
+                f"{late_rate:.1f}/min after the first minute")
+else:
+    rows.append(f"prop  rc {rc} wall {float(wall):7.1f} s | no example finished (see prop.log)")
+print("\n".join(["", "== device_matrix summary"] + rows))
+PYEOF
