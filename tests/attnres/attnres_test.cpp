@@ -302,7 +302,8 @@ double max_relative(const Tensor<A>& x, const Tensor<A>& ref) {
 TEST(AttnResDouble, TwoPhaseErrorAgainstDirect) {
   // Random shapes, and a K3-like one (96 sublayers in blocks of 12, d = 1024). The merge adds
   // two exponentials and a few products per element; against the direct form the error is of
-  // the order of the unit roundoff 1.1e-16, so 1e-14 relative RMS is a bound with margin.
+  // the order of the unit roundoff 1.1e-16. Measured: relative RMS 1.22e-16, 1.16e-16,
+  // 1.18e-16, 1.45e-16, 1.07e-16 for the five shapes; the bound is 4x the worst.
   struct Shape_ {
     std::int64_t L, S, T, d;
     double query_scale;
@@ -321,7 +322,7 @@ TEST(AttnResDouble, TwoPhaseErrorAgainstDirect) {
                 static_cast<long long>(s.d), s.query_scale, rms, mx);
     worst_rms = std::max(worst_rms, rms);
     worst_max = std::max(worst_max, mx);
-    EXPECT_LE(rms, 1e-14);
+    EXPECT_LE(rms, 5.8e-16);
     EXPECT_GT(rms, 0.0) << "the two forms round differently; identical output means the test does not run";
   }
   RecordProperty("two_phase_vs_direct_rel_rms_worst", std::to_string(worst_rms));
@@ -330,7 +331,8 @@ TEST(AttnResDouble, TwoPhaseErrorAgainstDirect) {
 
 TEST(AttnResDouble, BothFormsAgainst256Bits) {
   // Both double forms against the 256-bit reference on the same (bf16-exact) inputs: each is
-  // a few unit roundoffs off, and neither is systematically worse.
+  // a few unit roundoffs off, and neither is systematically worse. Measured: direct 5.69e-16,
+  // two-phase 5.74e-16 relative RMS; the bound is 4x the worse.
   const Drawn x = draw(77, 36, 2, 256, 8);
   Weights<HP> w{x.w.queries.map<HP>([](double v) { return HP(v); }),
                 x.w.norm_weights.map<HP>([](double v) { return HP(v); }), HP(x.w.eps)};
@@ -340,8 +342,8 @@ TEST(AttnResDouble, BothFormsAgainst256Bits) {
   const Tensor<double> ref_d = ref.h.map<double>([](const HP& v) { return v.convert_to<double>(); });
   const double e_direct = relative_rms(direct.h, ref_d), e_two = relative_rms(two.h, ref_d);
   std::printf("against 256 bits (L=36, S=12, d=256): direct %.3e, two-phase %.3e relative RMS\n", e_direct, e_two);
-  EXPECT_LE(e_direct, 1e-14);
-  EXPECT_LE(e_two, 1e-14);
+  EXPECT_LE(e_direct, 2.3e-15);
+  EXPECT_LE(e_two, 2.3e-15);
   const Outputs<HP> ref_two = block_forward(w, x.values.map<HP>([](double v) { return HP(v); }), 12, BlockForm::two_phase);
   for (std::int64_t i = 0; i < ref.h.numel(); ++i)
     EXPECT_LE(abs(ref.h.values()[i] - ref_two.h.values()[i]), HP(1e-70));

@@ -121,8 +121,10 @@ TEST(AttnResGradient, EveryDirectionOfASmallProblem) {
         // exactly those columns vanish; every other parameter moves some h.
         const bool slot1_param = param != Param::value && i < p.d;
         ASSERT_EQ(any, !slot1_param) << "param " << static_cast<int>(param) << " index " << i;
-        ASSERT_LE(e_hp, 1e-40) << "form " << static_cast<int>(form) << " param " << static_cast<int>(param) << " index " << i;
-        ASSERT_LE(e_d, 1e-12) << "form " << static_cast<int>(form) << " param " << static_cast<int>(param) << " index " << i;
+        // Measured worst over the 216 columns: 6.07e-48 (256-bit duals), 1.71e-15 (double duals),
+        // against the 256-bit central difference; the bounds are 4x those.
+        ASSERT_LE(e_hp, 2.5e-47) << "form " << static_cast<int>(form) << " param " << static_cast<int>(param) << " index " << i;
+        ASSERT_LE(e_d, 6.9e-15) << "form " << static_cast<int>(form) << " param " << static_cast<int>(param) << " index " << i;
       }
   std::printf("%d Jacobian columns (%d nonzero): worst relative error Dual<256-bit> %.2e, Dual<double> %.2e\n", columns,
               nonzero, worst_hp, worst_double);

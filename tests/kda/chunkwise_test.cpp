@@ -391,9 +391,10 @@ TEST(KdaChunkwiseDouble, BothFormsAgreeWithTheRecurrenceAt256Bits) {
     const double e = rel_rms(w.out.o, ref.o), s = rel_rms(*w.out.final_state, *ref.final_state);
     std::printf("%-9s rel RMS of o %.3e, of the final state %.3e\n", std::string(to_string(form)).c_str(), e, s);
     // The inverse decays reach exp(5 * 16) ~ 5.5e34 times the forward ones; their product
-    // cancels in double to a relative ~1e-16 per entry, so 1e-12 leaves ample room.
-    EXPECT_LT(e, 1e-12) << to_string(form);
-    EXPECT_LT(s, 1e-12) << to_string(form);
+    // cancels in double to a relative ~1e-16 per entry. Measured (these fixed inputs):
+    // FlashKDA 2.65e-16 (o), 2.30e-16 (state); FLA 2.41e-16, 2.05e-16. Bound: 4x the worst.
+    EXPECT_LT(e, 1.1e-15) << to_string(form);
+    EXPECT_LT(s, 1.1e-15) << to_string(form);
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "kda_test_util.h"
 #include "k3ref/kda/recurrent.h"
+#include "k3ref/check/metrics.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
 
@@ -389,14 +390,16 @@ TEST(KdaRecurrentDouble, AgreesWithHighPrecisionToFewUlpsOfTheOutputScale) {
       const double diff = std::fabs(d.o.data()[i] - ref);
       err2 += diff * diff;
       ref2 += ref * ref;
-      max_ulp = std::max(max_ulp, diff / std::max(std::fabs(ref) * 0x1p-52, 0x1p-1074));
+      max_ulp = std::max(max_ulp, check::ulp_distance(num::Format::fp64, d.o.data()[i], ref));
       max_scaled = std::max(max_scaled, diff / (max_ref * 0x1p-52));  // ulps of the largest output
     }
     std::printf("%-16s %12.3e %14.1f %12.1f\n", row.regime, std::sqrt(err2 / ref2), max_ulp, max_scaled);
-    // The recurrence is a contraction for these inputs; double stays within a few hundred
-    // ulps of the output scale over 64 tokens.
-    EXPECT_LT(std::sqrt(err2 / ref2), 1e-13) << row.regime;
-    EXPECT_LT(max_scaled, 512) << row.regime;
+    // The recurrence is a contraction for these inputs. Measured (these fixed inputs):
+    // rel RMS 2.60e-16, 2.61e-16, 2.48e-16 and 1.1, 1.8, 1.4 ulps of the largest output;
+    // the bounds are 4x the worst (elementwise ulps are not bounded: an output near zero
+    // has few significant bits against the scale of the sum that made it).
+    EXPECT_LT(std::sqrt(err2 / ref2), 1.1e-15) << row.regime;
+    EXPECT_LT(max_scaled, 7.2) << row.regime;
   }
 }
 
