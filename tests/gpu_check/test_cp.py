@@ -1,0 +1,253 @@
+"""The context-parallel checks (k3ref.gpu_check.cp_check) on the CPU: P processes over gloo.
+
+The PyTorch CP kernel passes every check at P = 2, 4 and 8 on the kcp_* goldens, the
+context-parallel gradient golden and each P's own case (T not divisible by P, GVA, documents
+over one and several rank boundaries), rank by rank within 1e-14 of the 256-bit references,
+with exactly P x HV x K x (K + V) fp64 elements gathered per rank and phase; each of its
+mutants is caught (kill rate 100 %); a rank that raises or hangs is an error, never a pass;
+a bf16 kernel under a precision contract is judged by it. Run:
+
+    K3REF_CORE_PATH=BUILD/python PYTHONPATH=python /usr/bin/python3 -m pytest -q tests/gpu_check/test_cp.py
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "python"))
+
+from k3ref import goldens  # noqa: E402
+from k3ref.gpu_check import cp_check as C  # noqa: E402
+
+
+def _core_available():
+    try:
+        import k3ref
+
+        k3ref._compiled()
+        return True
+    except ImportError:
+        return False
+
+
+needs_core = pytest.mark.skipif(not _core_available(), reason="k3ref._core not built (K3REF_CORE_PATH): the "
+                                "references of the P-rank cases come from it")
+SUITE = goldens.load_suite(ROOT / "goldens", ops=(C.FORWARD_OP, C.BACKWARD_OP))
+RANKS = (2, 4, 8)
+
+
+def _collect(adapter):
+    """[(check, case id, case, why)] as the harness collects them."""
+    return [(check, cid, case, why) for check in adapter.checks for cid, case, why in adapter.cases(check, SUITE)]
+
+
+def _run_all(adapter):
+    return {(check, cid): adapter.run_check(check, case, "cpu")
+            for check, cid, case, why in _collect(adapter) if why is None}
+
+
+# --------------------------------------------------------------------------- plan and cases
+
+@pytest.mark.parametrize("name", ["kcp_p2_docs", "kcp_p4_docs_fla_gate", "kcp_p8_docs_lower_bound_gate"])
+def test_plan_gives_the_goldens_origin_ranks(name):
+    case = goldens.load_case(ROOT / "goldens" / f"{name}.safetensors")
+    plan = C.plan_split(case.tensors["cu_seqlens"].tolist(), case.tensors["splits"].tolist())
+    assert [s.origin_rank for s in plan] == case.tensors["origin_rank"].tolist()
+
+
+@needs_core
+@pytest.mark.parametrize("P", RANKS)
+def test_synthetic_case_has_what_the_issue_asks_for(P):
+    case = C.synthetic_case(P)
+    T, splits, cu = case.params["T"], case.params["splits"], case.params["cu_seqlens"]
+    assert T % P != 0
+    assert case.params["HV"] > case.params["H"] > 1  # GVA with several key heads
+    plan = C.plan_split(cu, splits)
+    crossings = [sum(1 for x in splits[1:-1] if a < x < b) for a, b in zip(cu, cu[1:])]
+    assert 1 in crossings
+    assert max(crossings) == max(1, P - 2)  # one document from the middle of rank 1 into the last rank
+    middle_only = [r for r, s in enumerate(plan) if s.continues and s.carries and s.first_doc == s.last_doc]
+    assert middle_only == list(range(2, P - 1))  # P >= 4: ranks holding only the middle of a document
+    assert splits == C.even_splits(T, P) and splits[-1] - splits[-2] == T // P
+
+
+# --------------------------------------------------------------------------- the correct kernel
+
+@needs_core
+@pytest.mark.parametrize("P", RANKS)
+def test_torch_cp_kernel_passes_rank_by_rank(P):
+    adapter = C.TorchCpAdapter(P)
+    results = _run_all(adapter)
+    expected_cases = {c.name for c in SUITE if C._ranks_of(c) == P and C.case_unsupported(c, P) is None}
+    assert {cid for _, cid in results} == expected_cases | {C.synthetic_name(P)}
+    for (check, cid), res in results.items():
+        assert res.status == "pass", f"{check} {cid}: {res.reason}"
+        case = goldens.load_case(ROOT / "goldens" / f"{cid}.safetensors") if cid != C.synthetic_name(P) else \
+            C.synthetic_case(P, backward=check == "cp_backward")
+        p = C._kda_params(case)
+        rank_rows = [row for row in res.extra["ranks"] if row["rank"] != "sum"]
+        assert len(rank_rows) == P
+        for row in res.extra["ranks"]:
+            for name, t in row["tensors"].items():
+                # fp64 against 256 bits: measured worst 7e-16; exact zeros (M of a rank whose last
+                # document starts on it, the entering state of a rank that starts its own) exactly.
+                assert t["status"] == "pass" and t["rel_rms"] <= 1e-14, f"{check} {cid} rank {row['rank']} {name}: {t}"
+        elements = P * p["HV"] * p["K"] * (p["K"] + p["V"])
+        phases = ("forward",) if check == "cp_forward" else ("forward", "backward")
+        for row in rank_rows:
+            assert sorted(row["wire"]) == sorted(phases)
+            for phase in phases:
+                w = row["wire"][phase]
+                assert w["calls"] == 1 and w["ops"] == ["all_gather(float64)"], w
+                assert w["gathered_bytes"] == 8 * elements
+                assert w["sent_bytes"] == 8 * elements // P
+                assert w["received_bytes"] == 8 * elements * (P - 1) // P
+        if p["HV"] != p["H"]:  # the formula's H is the state's heads: with GVA, H key heads would be wrong
+            assert P * p["H"] * p["K"] * (p["K"] + p["V"]) * 8 != rank_rows[0]["wire"]["forward"]["gathered_bytes"]
+
+
+# --------------------------------------------------------------------------- mutants
+
+MUTANTS = [(P, m) for P in RANKS for m in C.TorchCpAdapter.MUTATIONS[1:] if m != "untransposed" or P >= 3]
+
+
+@needs_core
+@pytest.mark.parametrize("P,mutation", MUTANTS)
+def test_every_mutant_is_caught(P, mutation):
+    results = _run_all(C.TorchCpAdapter(P, mutation))
+    failed = {key for key, r in results.items() if r.status == "fail"}
+    assert all(r.status in ("pass", "fail") for r in results.values())
+    syn = C.synthetic_name(P)
+    if mutation == "drop_trailing":
+        # Caught by the forward on every case; the last rank returns fewer tokens than it holds.
+        assert ("cp_forward", syn) in failed
+        r = results[("cp_forward", syn)]
+        assert f"rank {P - 1}: o: shape" in r.reason
+        T = C.synthetic_T(P)
+        assert f"[1, {P * (T // P) - C.even_splits(T, P)[P - 1]}, " in r.reason
+    elif mutation == "wrong_rank":
+        assert {("cp_forward", syn), ("cp_backward", syn)} <= failed
+    else:  # untransposed: the forward is right, the backward's carried gradients are not
+        assert ("cp_forward", syn) not in failed and ("cp_backward", syn) in failed
+        worst = max(t["rel_rms"] for row in results[("cp_backward", syn)].extra["ranks"]
+                    for n, t in row["tensors"].items() if n in ("dk", "dv", "dg", "dbeta"))
+        assert worst > 0.02  # beyond FLA's own gradient thresholds (0.008, 0.02), not only fp64's
+    assert failed, "mutant not caught"
+
+
+def test_mutant_list_is_complete():
+    adapters = C.cp_adapters()  # default K3REF_CP_RANKS 2,4,8
+    names = sorted(a.name for a in adapters)
+    assert len(names) == 3 * 3 + 2  # per P: the kernel, drop_trailing, wrong_rank; untransposed at P = 4, 8
+    assert "mutant.cp_untransposed[P=2]" not in names
+
+
+# --------------------------------------------------------------------------- fail closed
+
+class RaisingOnRank1(C.TorchCpAdapter):
+    def forward_rank(self, ctx, local, params):
+        if ctx.rank == 1:
+            raise RuntimeError("deliberate failure on rank 1")
+        return super().forward_rank(ctx, local, params)
+
+
+class HangingOnRank0(C.TorchCpAdapter):
+    def forward_rank(self, ctx, local, params):
+        if ctx.rank == 0:
+            time.sleep(60)
+        return super().forward_rank(ctx, local, params)
+
+
+class MissingEnteringState(C.TorchCpAdapter):
+    def forward_rank(self, ctx, local, params):
+        out = super().forward_rank(ctx, local, params)
+        out["entering_state"] = None
+        return out
+
+
+def _p2_golden():
+    return goldens.load_case(ROOT / "goldens" / "kcp_p2_docs.safetensors")
+
+
+def test_a_raising_rank_is_an_error():
+    res = RaisingOnRank1(2).run_check("cp_forward", _p2_golden(), "cpu")
+    assert res.status == "error" and "deliberate failure on rank 1" in res.reason
+
+
+def test_a_hanging_rank_is_an_error(monkeypatch):
+    monkeypatch.setenv("K3REF_CP_TIMEOUT", "2")
+    t0 = time.time()
+    res = HangingOnRank0(2).run_check("cp_forward", _p2_golden(), "cpu")
+    assert res.status == "error" and "did not finish within 2 s" in res.reason
+    assert time.time() - t0 < 30
+
+
+def test_a_missing_tensor_fails():
+    res = MissingEnteringState(2).run_check("cp_forward", _p2_golden(), "cpu")
+    assert res.status == "fail" and "entering_state: not returned" in res.reason
+
+
+# --------------------------------------------------------------------------- a contract
+
+class Bf16Output(C.TorchCpAdapter):
+    """o rounded to bf16, judged under FLA's recurrent contract (contracts.py) on each rank's
+    own slice from its exact entering state; `off` scales o by 1.05 (must fail)."""
+
+    policy = "recurrent"
+    contract_name = "fla_recurrent"
+    off = 1.0
+
+    def forward_rank(self, ctx, local, params):
+        out = super().forward_rank(ctx, local, params)
+        out["o"] = (out["o"] * self.off).to(torch.bfloat16)
+        out["fragment_transition"] = out["fragment_transition"].float()
+        out["fragment_state"] = out["fragment_state"].float()
+        out["entering_state"] = out["entering_state"].float()
+        return out
+
+
+class Bf16OutputOff(Bf16Output):
+    off = 1.05
+
+
+@needs_core
+def test_a_kernel_with_a_contract_is_judged_by_it():
+    case = goldens.load_case(ROOT / "goldens" / "kcp_p4_docs_fla_gate.safetensors")
+    good = Bf16Output(4).run_check("cp_forward", case, "cpu")
+    assert good.status == "pass", good.reason
+    for row in good.extra["ranks"]:
+        c = row["tensors"]["o"]["contract"]
+        assert c["contract"] == "fla_recurrent" and c["passed"] and c["ratio"] <= 1.01  # bf16 rounding only
+    bad = Bf16OutputOff(4).run_check("cp_forward", case, "cpu")
+    assert bad.status == "fail" and "contract fla_recurrent" in bad.reason
+
+
+# --------------------------------------------------------------------------- the command
+
+@needs_core
+def test_the_command_runs_the_harness_and_writes_its_report(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.run([sys.executable, "-m", "k3ref.gpu_check.cp_check", "--ranks", "2", "--backend", "gloo",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["summary"]["verdict"] == "PASS"
+    ids = {r["extra"]["test_id"] for r in report["results"]}
+    assert "torch.cp_fp64[P=2]-kcp_p2_docs-cp_forward" in ids
+    assert "mutant.cp_drop_trailing[P=2]: pass: caught by" in proc.stdout
+    assert (tmp_path / "report.html").is_file() and (tmp_path / "report.xml").is_file()
+
+
+def test_the_command_refuses_a_bad_rank_count():
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.run([sys.executable, "-m", "k3ref.gpu_check.cp_check", "--ranks", "1"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "every rank count must be at least 2" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
