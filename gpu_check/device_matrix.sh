@@ -1,27 +1,38 @@
 #!/usr/bin/env bash
 # The whole GPU matrix timed on one machine: cold (empty cache directory), warm (the same
-# directory again), then `prop` against FLA chunk_kda for PROP_SECONDS (default 180), each
-# timed; prints a short table last. Builds libk3gc and k3ref._core with meson first.
+# directory again), then `prop` against FLA chunk_kda for PROP_SECONDS (default 180) after its
+# bucket warm-up, each timed; prints a short table last (of every step done so far in OUT_DIR).
 #
-#   gpu_check/device_matrix.sh [OUT_DIR]
-#   env: TP (third-party root, default .thirdparty), JOBS (warm-up workers, default nproc),
-#        PROP_SECONDS (default 180), RUN_ARGS (extra arguments for both runs), PYTHON (default python3)
+#   [STEPS="build cold warm propwarm prop"] gpu_check/device_matrix.sh [OUT_DIR]
+#   env: STEPS (the steps to run now, in order; steps of earlier calls stay in OUT_DIR, so one
+#        call may do "build cold" and the next "warm propwarm prop"), TP (third-party root,
+#        default .thirdparty), JOBS (warm-up workers, default nproc), PROP_SECONDS (default 180),
+#        RUN_ARGS (extra arguments for both runs), PROP_ARGS (extra arguments for prop),
+#        PROP_KERNEL (default fla.chunk_kda),
+#        PYTHON (default python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-OUT=${1:-$ROOT/gpu_check_matrix}
+OUT=${1:-$ROOT/.scratch/gpu_check_matrix}
 PY=${PYTHON:-python3}
 TP=${TP:-$ROOT/.thirdparty}
 JOBS=${JOBS:-$(nproc)}
 PROP_SECONDS=${PROP_SECONDS:-180}
-rm -rf "$OUT"; mkdir -p "$OUT"
-CACHE=$OUT/cache   # empty: the cold run fills it, the warm run and prop reuse it
+STEPS=${STEPS:-build cold warm propwarm prop}
+mkdir -p "$OUT"
+CACHE=$OUT/cache   # emptied by the cold step; the warm run and prop reuse it
+has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+elapsed() { awk -v a="$(date +%s.%N)" -v b="$1" 'BEGIN{print a-b}'; }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-echo "== meson build (libk3gc, k3ref._core)"
-meson setup "$OUT/build" -Dgpu_check=enabled -Dpython=enabled -Dtests=disabled -Dbenchmarks=disabled \
-  > "$OUT/meson.txt" 2>&1 || { tail -20 "$OUT/meson.txt"; exit 1; }
-ninja -C "$OUT/build" > "$OUT/ninja.txt" 2>&1 || { tail -20 "$OUT/ninja.txt"; exit 1; }
+if has build; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+  echo "== meson build (libk3gc, k3ref._core)"
+  t0=$(date +%s.%N)
+  [ -d "$OUT/build" ] || meson setup "$OUT/build" -Dgpu_check=enabled -Dpython=enabled -Dtests=disabled \
+    -Dbenchmarks=disabled > "$OUT/meson.txt" 2>&1 || { tail -20 "$OUT/meson.txt"; exit 1; }
+  ninja -C "$OUT/build" > "$OUT/ninja.txt" 2>&1 || { tail -20 "$OUT/ninja.txt"; exit 1; }
+  echo "0 $(elapsed "$t0")" > "$OUT/build.rc_wall"
+fi
 export K3GC_LIB=$OUT/build/gpu_check/libk3gc.so K3REF_CORE_PATH=$OUT/build/python
 export PYTHONPATH=$ROOT/python:${PYTHONPATH:-}
 PATHS="--fla-path $TP/fla_pkg --flashkda-path $TP/FlashKDA --liger-path $TP/Liger-Kernel --torchtitan-path $TP/torchtitan"
@@ -30,28 +41,44 @@ run_matrix() {  # $1 = cold | warm
   local t0=$(date +%s.%N)
   $PY -m k3ref.gpu_check run --out "$OUT/$1" --cache-dir "$CACHE" --jobs "$JOBS" $PATHS ${RUN_ARGS:-} \
     > "$OUT/$1.log" 2>&1
-  echo "$? $(awk -v a="$(date +%s.%N)" -v b="$t0" 'BEGIN{print a-b}')" > "$OUT/$1.rc_wall"
+  echo "$? $(elapsed "$t0")" > "$OUT/$1.rc_wall"
   tail -4 "$OUT/$1.log"
 }
-echo "== cold run (empty $CACHE)"; run_matrix cold
-echo "== warm run"; run_matrix warm
-echo "== prop --kernel fla.chunk_kda for $PROP_SECONDS s (bucket warm-up included)"
-t0=$(date +%s.%N)
-K3REF_PROP_PROGRESS=1 timeout -s INT "$PROP_SECONDS" $PY -m k3ref.gpu_check prop --kernel fla.chunk_kda \
-  --examples 100000 --seed 1 --cache-dir "$CACHE" --jobs "$JOBS" --fla-path "$TP/fla_pkg" --out "$OUT/prop_failures" \
-  > "$OUT/prop.log" 2>&1
-echo "$? $(awk -v a="$(date +%s.%N)" -v b="$t0" 'BEGIN{print a-b}')" > "$OUT/prop.rc_wall"
-grep -v "^prop example" "$OUT/prop.log" | tail -5
+PROP="$PY -m k3ref.gpu_check prop --kernel ${PROP_KERNEL:-fla.chunk_kda} --seed 1 --cache-dir $CACHE --jobs $JOBS --fla-path $TP/fla_pkg"
+if has cold; then echo "== cold run (empty $CACHE)"; rm -rf "$CACHE"; run_matrix cold; fi
+if has warm; then echo "== warm run"; run_matrix warm; fi
+if has propwarm; then
+  echo "== prop bucket warm-up (prop --examples 1)"
+  t0=$(date +%s.%N)
+  $PROP --examples 1 --out "$OUT/prop_failures" ${PROP_ARGS:-} > "$OUT/propwarm.log" 2>&1
+  echo "$? $(elapsed "$t0")" > "$OUT/propwarm.rc_wall"
+  grep -E "^warm-up:|^prop:|^PASS|^FAIL" "$OUT/propwarm.log" | head -5
+fi
+if has prop; then
+  echo "== prop --kernel ${PROP_KERNEL:-fla.chunk_kda} for $PROP_SECONDS s (buckets warm from propwarm)"
+  t0=$(date +%s.%N)
+  K3REF_PROP_PROGRESS=1 timeout -s INT "$PROP_SECONDS" $PROP --examples 100000 --no-warmup \
+    --out "$OUT/prop_failures" ${PROP_ARGS:-} > "$OUT/prop.log" 2>&1
+  echo "$? $(elapsed "$t0")" > "$OUT/prop.rc_wall"
+  grep -v "^prop example" "$OUT/prop.log" | tail -5
+fi
 
 $PY - "$OUT" <<'PYEOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 rows = []
+for name in ("build", "propwarm"):
+    if (out / f"{name}.rc_wall").is_file():
+        rc, wall = (out / f"{name}.rc_wall").read_text().split()
+        rows.append(f"{name:8s} rc {rc} wall {float(wall):7.1f} s")
 for name in ("cold", "warm"):
+    if not (out / f"{name}.rc_wall").is_file():
+        continue
     rc, wall = (out / f"{name}.rc_wall").read_text().split()
     try:
-        s = json.loads((out / name / "report.json").read_text())["summary"]
+        d = json.loads((out / name / "report.json").read_text())
+        s, n_results = d["summary"], len(d.get("results", []))
     except Exception as e:
         rows.append(f"{name:5s} rc {rc} wall {float(wall):7.1f} s  (no report.json: {type(e).__name__})")
         continue
@@ -65,8 +92,11 @@ for name in ("cold", "warm"):
                 f"{len(w.get('groups', []))} groups) | checks' children: import {tsum('startup_and_import_s'):6.1f}, "
                 f"compile {tsum('compile_s'):6.1f}, autotune {tsum('autotune_s'):6.1f}, check {tsum('check_s'):6.1f} s | "
                 f"shapes {plan.get('distinct_compiled_shapes')} (before {plan.get('distinct_compiled_shapes_before')}) "
-                f"in {plan.get('groups')} groups | tests {s.get('tests')}, results executed {s.get('executed')} "
-                f"(474 before) passed {s.get('passed')} failed {s.get('failed')} | verdict {s.get('verdict')}")
+                f"in {plan.get('groups')} groups | tests {s.get('tests')}, results {n_results} (474 before), "
+                f"executed {s.get('executed')} passed {s.get('passed')} failed {s.get('failed')} | verdict {s.get('verdict')}")
+if not (out / "prop.rc_wall").is_file():
+    print("\n".join(["", "== device_matrix summary"] + rows))
+    sys.exit(0)
 rc, wall = (out / "prop.rc_wall").read_text().split()
 times = [float(l.split(" at ")[1].split(":")[0]) for l in (out / "prop.log").read_text().splitlines()
          if l.startswith("prop example ")]

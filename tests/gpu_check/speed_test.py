@@ -392,7 +392,7 @@ class CommandLine(unittest.TestCase):
 
         with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             ap.parse_args(["run", "--autotune-configs", "some"])
-        self.assertEqual(ap.parse_args(["prop", "--kernel", "x"]).outside_share, 0.05)
+        self.assertEqual(ap.parse_args(["prop", "--kernel", "x"]).outside_share, 0.02)
         saved = os.environ.pop(warmup.CACHE_VARIABLE, None)
         try:
             self.assertEqual(warmup.cache_dir(), Path("~/.cache/k3ref").expanduser())

@@ -155,7 +155,7 @@ def first_config_only():
 
 
 # Counts of prop's draws (run_drawn): inside a bucket, outside, and the times of each example.
-DRAWN = {"inside": 0, "outside": 0, "outside_retried_with_autotune": 0, "times": []}
+DRAWN = {"inside": 0, "outside": 0, "unbucketed": 0, "outside_retried_with_autotune": 0, "times": []}
 
 
 def run_drawn(run_case, adapter, case, device):
@@ -164,8 +164,8 @@ def run_drawn(run_case, adapter, case, device):
     compile for the shape (as the autotuner would skip it)."""
     import time
 
-    outside = case.get("bucket", 0) is None
-    DRAWN["outside" if outside else "inside"] += 1
+    outside = "bucket" in case and case["bucket"] is None
+    DRAWN["unbucketed" if "bucket" not in case else "outside" if outside else "inside"] += 1
     if outside:
         with first_config_only():
             ok, reason, src = run_case(adapter, case, device)

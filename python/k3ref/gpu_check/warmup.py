@@ -331,8 +331,9 @@ def command(args):
 # --------------------------------------------------------------------------- prop
 
 def add_prop_options(p):
-    p.add_argument("--outside-share", type=float, default=0.05,
-                   help="share of draws outside the compiled shape buckets (default 0.05; 1: no buckets)")
+    p.add_argument("--outside-share", type=float, default=0.02,
+                   help="share of draws outside the compiled shape buckets (default 0.02; 1: no buckets; kernels "
+                        "built ahead of time draw without buckets)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before drawing")
     p.add_argument("--jobs", type=int, default=None, help="warm-up worker processes at a time (default: CPU count)")
     p.add_argument("--warmup-timeout", type=float, default=1800.0)
@@ -352,6 +353,9 @@ def prop_prepare(args, adapter, fixed):
     flags = f" --outside-share {share:g}"
     if share >= 1:
         return None, share, flags
+    if not shapes.compiles_at_run_time(adapter):
+        print(f"prop: draws without shape buckets: {adapter.name} is built {shapes.compiler_of(adapter)}", flush=True)
+        return None, 1.0, flags
     suite = []
     try:
         from .. import goldens
@@ -362,7 +366,7 @@ def prop_prepare(args, adapter, fixed):
     buckets = shapes.prop_buckets(adapter, fixed, suite)
     print(f"prop: {len(buckets)} shape buckets, {share:.0%} of draws outside them "
           f"(cache {os.environ.get(CACHE_VARIABLE)})", flush=True)
-    if buckets and not getattr(args, "no_warmup", False):
+    if buckets and not getattr(args, "no_warmup", False) and shapes.compiler_of(adapter) == "triton":
         work = [(adapter, tuple(sorted(b.items())), [{"prop_case": c} for c in shapes.bucket_cases(b, args.max_T, fixed)])
                 for b in buckets]
         record = run_units(work, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
@@ -384,7 +388,8 @@ def prop_rate(seconds, examples):
         late = 60.0 * len(after) / (times[-1] - times[0] - 60.0) if times[-1] - times[0] > 60.0 else float("nan")
     return (f"prop rate: {rate:.1f} examples/minute overall, {late:.1f} after the first minute; "
             f"draws inside buckets {DRAWN['inside']}, outside {DRAWN['outside']} "
-            f"({DRAWN['outside_retried_with_autotune']} re-run with the autotuner)")
+            f"({DRAWN['outside_retried_with_autotune']} re-run with the autotuner), without buckets "
+            f"{DRAWN['unbucketed']}")
 
 
 if __name__ == "__main__":
