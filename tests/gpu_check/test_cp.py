@@ -251,3 +251,70 @@ def test_the_command_refuses_a_bad_rank_count():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "every rank count must be at least 2" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- FLA's conventions
+
+class FlaLikeOnCpu(C.FlaCpAdapter):
+    """FlaCpAdapter's selection and verdict rules (even splits only, pairs only where a later
+    rank reads them, no entering-state gradient, a refusal of T not divisible by P) around
+    the PyTorch kernel, for the CPU: what FLA leaves unspecified is filled with garbage, which
+    the checks must not judge; `short` returns the old bug's short output instead of refusing."""
+
+    policy = "rel-rms:1e-12"
+    contract_name = None
+    backend = "gloo"
+    requires_cuda = False
+    short = False
+
+    def load(self):
+        pass
+
+    def rank_device(self, rank):
+        return torch.device("cpu")
+
+    def forward_rank(self, ctx, local, params):
+        if ctx.T % ctx.world and not self.short:
+            raise ValueError(f"`total_tokens` ({ctx.T}) must be divisible by `world_size` ({ctx.world})")
+        if self.short:
+            self.mutation = "drop_trailing"
+        out = C.TorchCpAdapter.forward_rank(self, ctx, local, params)
+        s = ctx.slice
+        if not s.carries:
+            out["fragment_transition"] = torch.full_like(out["fragment_transition"], 7.0)
+            out["fragment_state"] = torch.full_like(out["fragment_state"], 7.0)
+        elif not (s.continues and s.first_doc == s.last_doc):
+            out["fragment_transition"] = torch.full_like(out["fragment_transition"], 7.0)
+        return out
+
+    def backward_rank(self, ctx, local, params, d_o, counter):
+        out = C.TorchCpAdapter.backward_rank(self, ctx, local, params, d_o, counter)
+        out.pop("cp_entering_state_gradients")
+        return out
+
+
+class FlaLikeShort(FlaLikeOnCpu):
+    short = True
+
+
+@needs_core
+@pytest.mark.parametrize("P", (2, 4))
+def test_fla_rules_judge_what_fla_computes(P):
+    adapter = FlaLikeOnCpu(P, backend="gloo")
+    tests = _collect(adapter)
+    skipped = {cid: why for _, cid, _, why in tests if why}
+    for cid in ("kcp_p2_docs", "kcp_p4_docs_fla_gate"):  # uneven splits: FLA cannot take them
+        if cid in skipped:
+            assert "splits T evenly" in skipped[cid]
+    results = _run_all(adapter)
+    want = {("cp_forward", C.synthetic_name(P, True)), ("cp_backward", C.synthetic_name(P, True)),
+            ("cp_uneven_tokens", C.synthetic_name(P))} | ({("cp_backward", "kda_backward_cp2_varlen")} if P == 2 else set())
+    assert set(results) == want
+    for key, res in results.items():
+        assert res.status == "pass", f"{key}: {res.reason}"
+    assert "refused on every rank" in results[("cp_uneven_tokens", C.synthetic_name(P))].reason
+    rows = results[("cp_forward", C.synthetic_name(P, True))].extra["ranks"]
+    assert rows[-1]["tensors"]["fragment_state"]["status"] == "not judged"
+    assert rows[0]["tensors"]["fragment_transition"]["status"] == "not judged"  # rank 0 starts its last document
+    short = FlaLikeShort(P, backend="gloo").run_check("cp_uneven_tokens", None, "cpu")
+    assert short.status == "fail" and f"rank {P - 1}: o: shape" in short.reason

@@ -272,6 +272,8 @@ class TorchCpAdapter(Adapter):
     # origin-rank fold reads, for kernels that leave the rest unspecified, as FLA does).
     fragment_scope = "all"
     exposes_entering_gradient = True
+    synthetic_even = False      # the adapter's own case has T divisible by P (else T mod P = P - 1)
+    refuses_uneven = False      # may refuse T not divisible by P (then every rank must raise ValueError)
     MUTATIONS = (None, "drop_trailing", "wrong_rank", "untransposed")
 
     def __init__(self, ranks=2, mutation=None, backend="gloo"):
@@ -401,13 +403,13 @@ class TorchCpAdapter(Adapter):
         return case_unsupported(case, self.ranks)
 
     def cases(self, check, suite):
-        op = FORWARD_OP if check == "cp_forward" else BACKWARD_OP
+        op = {"cp_forward": FORWARD_OP, "cp_backward": BACKWARD_OP}.get(check)
         for case in suite:
             if case.op == op and _ranks_of(case) == self.ranks:
                 why = self.case_unsupported(case)
                 self._work.append((check, str(case.path) if getattr(case, "path", None) else case.name, why))
                 yield case.name, case, why
-        name = synthetic_name(self.ranks)
+        name = _synthetic_of_name(self, check)
         self._work.append((check, name, None))
         yield name, None, None
 
@@ -435,6 +437,11 @@ class FlaCpAdapter(TorchCpAdapter):
     backend = "nccl"
     fragment_scope = "used"
     exposes_entering_gradient = False
+    synthetic_even = True
+    refuses_uneven = True
+    # cp_uneven_tokens: T not divisible by P (FLA once dropped the trailing tokens there): every
+    # token's output right, or a refusal (ValueError) on every rank; never a short output.
+    checks = ("cp_forward", "cp_backward", "cp_uneven_tokens")
     fla_path = None
     MUTATIONS = (None,)
 
@@ -458,11 +465,21 @@ class FlaCpAdapter(TorchCpAdapter):
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
 
-    def _unsupported_params(self, params, K):
-        if K > 256:
+    def case_unsupported(self, case):
+        why = super().case_unsupported(case)
+        if why:
+            return why
+        p = _kda_params(case)
+        splits = [int(x) for x in (case.tensors["splits"] if "splits" in case.tensors else case.params["splits"])]
+        T, P = p["T"], self.ranks
+        if T % P or splits != [r * T // P for r in range(P + 1)]:
+            return f"FLA's build_cp_context splits T evenly over the ranks; the case's splits are {splits}"
+        if p["K"] > 256:
             return "FLA KDA supports K <= 256"
-        if params.get("gate") == "softplus" and not params.get("A_log"):
+        if p.get("gate") == "softplus" and not p.get("A_log"):
             return "FLA's softplus gate needs A_log"
+        if p.get("gate") == "decay_factor":
+            return "FLA takes log decays"
         return None
 
     def _kwargs(self, ctx, local, params):
@@ -582,32 +599,34 @@ def case_unsupported(case, P=None):
     return None
 
 
-def synthetic_name(P):
-    return f"cp_p{P}_uneven_t{synthetic_T(P)}"
+def synthetic_name(P, even=False):
+    return f"cp_p{P}_{'even' if even else 'uneven'}_t{synthetic_T(P, even)}"
 
 
-def synthetic_T(P):
-    return 14 * P - 1  # T mod P = P - 1: never divisible by P
+def synthetic_T(P, even=False):
+    return 14 * P if even else 14 * P - 1  # uneven: T mod P = P - 1, never divisible by P
 
 
-def synthetic_case(P, backward=False):
-    """The case each adapter adds for its P: T = 14 P - 1 tokens (not a multiple of P)
-    split evenly (the first T mod P ranks one token longer), H = 2 key heads and HV = 4 value
-    heads (GVA), FLA's gate configuration (softplus gate with A_log and dt_bias, sigmoid beta,
-    L2 norm) with mild decays (A_log in [-3, -1], raw gate in [-4, 1]: a slice's transition
-    stays far from 0, so what is carried across ranks matters), and documents: a short one inside rank 0, one from rank 0 into rank 1 (one
-    boundary), one from rank 1 to the last rank (several boundaries; for P >= 3 the middle
-    ranks hold only its middle) and a short last one. Reference: k3ref at 256 bits."""
+def synthetic_case(P, backward=False, even=False):
+    """The case each adapter adds for its P: T = 14 P - 1 tokens (not a multiple of P; with
+    even=True T = 14 P, for kernels that split T evenly only, as FLA does) split evenly (the
+    first T mod P ranks one token longer), H = 2 key heads and HV = 4 value heads (GVA), FLA's
+    gate configuration (softplus gate with A_log and dt_bias, sigmoid beta, L2 norm) with mild
+    decays (A_log in [-3, -1], raw gate in [-4, 1]: a slice's transition stays far from 0, so
+    what is carried across ranks matters), and documents: a short one inside rank 0, one from
+    rank 0 into rank 1 (one boundary), one from the middle of rank 1 into the last rank
+    (P - 2 boundaries; for P >= 4 ranks 2 .. P - 2 hold only its middle) and a short last one.
+    Reference: k3ref.kcp_forward / kcp_backward at 256 bits on the same inputs."""
     import k3ref
 
-    T = synthetic_T(P)
+    T = synthetic_T(P, even)
     splits = even_splits(T, P)
     a = max(1, splits[1] // 3)
     b = splits[1] + max(1, (splits[2] - splits[1]) // 2)
     c = T - max(1, (T - splits[P - 1]) // 3)
     cu = sorted({0, a, b, c, T})
     H, HV, K, V = 2, 4, 16, 16
-    gen = torch.Generator().manual_seed(1900 + P + (1000 if backward else 0))
+    gen = torch.Generator().manual_seed(1900 + P + (1000 if backward else 0) + (100 if even else 0))
 
     def u(shape, lo, hi):
         return (torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(torch.bfloat16)
@@ -630,7 +649,7 @@ def synthetic_case(P, backward=False):
         ref = k3ref.kcp_forward(refin, splits, **opts)
         op, expected = FORWARD_OP, {n: ref[n] for n in FORWARD_TENSORS}
     tensors = dict(inputs, splits=torch.tensor(splits, dtype=torch.int64), **expected)
-    return SyntheticCase(synthetic_name(P), op, params, inputs, expected, tensors,
+    return SyntheticCase(synthetic_name(P, even), op, params, inputs, expected, tensors,
                          "k3ref.kcp_backward at mp256" if backward else "k3ref.kcp_forward at mp256")
 
 
@@ -694,16 +713,22 @@ def _rank_main(rank, adapter, items, world, backend, port, outdir):
             local = {n: (t[:, s.begin:s.end].contiguous() if n in TOKEN_INPUTS else t) for n, t in item["inputs"].items()}
             counter = WireCounter()
             t0 = time.perf_counter()
+            refused = None
             with counter.active():
-                if item["check"] == "cp_forward":
-                    counter.phase = "forward"
-                    out = adapter.forward_rank(ctx, local, item["params"])
-                else:
-                    out = adapter.backward_rank(ctx, local, item["params"], item["d_o"][:, s.begin:s.end], counter)
+                try:
+                    if item["check"] != "cp_backward":
+                        counter.phase = "forward"
+                        out = adapter.forward_rank(ctx, local, item["params"])
+                    else:
+                        out = adapter.backward_rank(ctx, local, item["params"], item["d_o"][:, s.begin:s.end], counter)
+                except ValueError as e:  # a refusal of the input (judged: only where the adapter may refuse)
+                    if not adapter.refuses_uneven:
+                        raise
+                    out, refused = {}, f"{type(e).__name__}: {e}".splitlines()[0][:300]
             seconds = time.perf_counter() - t0
             out = {n: (t.detach().to("cpu") if isinstance(t, torch.Tensor) else t) for n, t in out.items()}
             results.append({"check": item["check"], "case": item["case"], "tensors": out, "wire": counter.calls,
-                            "seconds": seconds})
+                            "seconds": seconds, "refused": refused})
             dist.barrier()
         dist.destroy_process_group()
     except Exception as e:
@@ -779,8 +804,16 @@ def _line(name, r):
 def judge_ranks(adapter, check, case, per_rank):
     """(status, reason, rank rows, wire summary) of one (check, case) from every rank's result."""
     P = adapter.ranks
-    op = FORWARD_OP if check == "cp_forward" else BACKWARD_OP
+    op = BACKWARD_OP if check == "cp_backward" else FORWARD_OP
     p = _kda_params(case)
+    refusals = [x.get("refused") for x in per_rank]
+    if any(refusals):
+        r = next(r for r, x in enumerate(refusals) if x)
+        if check == "cp_uneven_tokens" and all(refusals) and p["T"] % P:
+            return "pass", (f"T = {p['T']} not divisible by P = {P}: refused on every rank ({refusals[0]}); no "
+                            f"rank returned a short output"), [{"rank": r, "refused": x} for r, x in
+                                                                enumerate(refusals)], []
+        return "fail", f"rank {r} refused the case: {refusals[r]}", [], []
     splits = [int(x) for x in (case.tensors["splits"] if "splits" in case.tensors else case.params["splits"])]
     cu = [int(x) for x in case.tensors["cu_seqlens"]]
     plan = plan_split(cu, splits)
@@ -793,14 +826,15 @@ def judge_ranks(adapter, check, case, per_rank):
         row = {"rank": r, "tokens": [s.begin, s.end], "origin_rank": s.origin_rank, "continues": s.continues,
                "carries": s.carries, "seconds": per_rank[r]["seconds"], "tensors": {}}
         expected, why_not = {}, {}
-        if check == "cp_forward":
+        if check != "cp_backward":
             expected["o"] = E["o"][:, s.begin:s.end]
             for n in ("fragment_transition", "fragment_state", "entering_state"):
                 expected[n] = E[n][r]
             if adapter.fragment_scope == "used":
-                if r == P - 1:
-                    why_not["fragment_transition"] = why_not["fragment_state"] = "not computed on the last rank"
-                elif not (s.continues and s.carries and s.first_doc == s.last_doc):
+                if not s.carries:
+                    why_not["fragment_transition"] = why_not["fragment_state"] = (
+                        "not computed (the rank's last document ends on it: no later rank reads its pair)")
+                elif not (s.continues and s.first_doc == s.last_doc):
                     why_not["fragment_transition"] = "not read by the fold (the last document starts on this rank)"
         else:
             for n in GRADIENTS:
@@ -835,7 +869,7 @@ def judge_ranks(adapter, check, case, per_rank):
                 lines.append(_line(res.tensor, res))
                 if not res.passed:
                     failures.append(f"rank {r}: {res.tensor}: {res.reason}")
-        if check == "cp_forward" and adapter.contract_name and "o" in candidate:
+        if check != "cp_backward" and adapter.contract_name and "o" in candidate:
             from . import contracts
 
             local = {n: (case.tensors[n][:, s.begin:s.end] if n in TOKEN_INPUTS else case.tensors[n])
@@ -892,7 +926,7 @@ def judge_ranks(adapter, check, case, per_rank):
     status = "fail" if failures else "pass"
     head = (f"{len(failures)} failure(s), first: {failures[0]}" if failures else
             f"{P} ranks: every rank within policy '{adapter.policy}'" + (
-                f" (o under contract {adapter.contract_name})" if adapter.contract_name and check == "cp_forward" else ""))
+                f" (o under contract {adapter.contract_name})" if adapter.contract_name and check != "cp_backward" else ""))
     reason = f"{head}; wire: {phases or 'see ranks'}"
     return status, reason, rows, failures + extra_lines
 
@@ -923,10 +957,14 @@ def _wire_rank(calls, P, HV, K, V):
     return out
 
 
-def _case_of(check, case, ranks):
-    if case is not None:
-        return case
-    return synthetic_case(ranks, backward=check == "cp_backward")
+def _synthetic_of(adapter, check):
+    """The adapter's own case of a check (T divisible by P or not: synthetic_case)."""
+    even = adapter.synthetic_even and check != "cp_uneven_tokens"
+    return synthetic_case(adapter.ranks, backward=check == "cp_backward", even=even)
+
+
+def _synthetic_of_name(adapter, check):
+    return synthetic_name(adapter.ranks, adapter.synthetic_even and check != "cp_uneven_tokens")
 
 
 def run_check(adapter, check, case, device):
@@ -935,7 +973,7 @@ def run_check(adapter, check, case, device):
     if check not in adapter.checks:
         return CheckResult(adapter.name, check, getattr(case, "name", "-"), "error", f"unknown check {check}")
     t0 = time.time()
-    name = case.name if case is not None else synthetic_name(adapter.ranks)
+    name = case.name if case is not None else _synthetic_of_name(adapter, check)
     cache = adapter.__dict__.setdefault("_results", {})
     if (check, name) not in cache:
         from .. import goldens
@@ -948,10 +986,10 @@ def run_check(adapter, check, case, device):
             elif case is not None and w == case.name:
                 cc = case
             else:
-                cc = _case_of(c, None, adapter.ranks)
+                cc = _synthetic_of(adapter, c)
             cases[(c, cc.name)] = cc
         if (check, name) not in cases:
-            cases[(check, name)] = case if case is not None else _case_of(check, None, adapter.ranks)
+            cases[(check, name)] = case if case is not None else _synthetic_of(adapter, check)
         items = [_work_item(c, cc) for (c, _), cc in cases.items()]
         results, error, seconds = launch(adapter, items)
         for key, cc in cases.items():
