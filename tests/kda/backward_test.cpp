@@ -4,7 +4,7 @@
 // E over every input gives one exact identity per case: the tangent of
 //   L = sum o . dO + sum S_T . dF
 // along E equals <gradient, E>. Exactly (==) in rationals with decays given as rationals;
-// to 1e-25 relative at 200 bits with real gates; and central finite differences at 256
+// to 1e-54 relative at 200 bits with real gates; and central finite differences at 256
 // bits agree to their own truncation error.
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
@@ -233,7 +233,7 @@ TEST(KdaBackwardExact, EveryGradientEntryEqualsItsDualNumberColumn) {
   EXPECT_EQ(checked, 15 + 15 + 20 + 30 + 10 + 12);
 }
 
-// ---- 200 bits, real gates: adjoint vs dual numbers to 1e-25 -----------------------------------
+// ---- 200 bits, real gates: adjoint vs dual numbers to 1e-54 -----------------------------------
 
 struct RealCase {
   Inputs<HP> in;
@@ -268,13 +268,15 @@ RealCase random_real_case() {
   return r;
 }
 
-RC_GTEST_PROP(KdaBackwardHighPrecision, AdjointEqualsDualNumbersWithRealGatesTo1e25, ()) {
+RC_GTEST_PROP(KdaBackwardHighPrecision, AdjointEqualsDualNumbersWithRealGatesTo1e54, ()) {
   const RealCase c = random_real_case();
   const auto grad = recurrent_backward(c.in, c.opt, c.cot);
   const auto check = directional(c.in, c.opt, c.cot, grad, random_direction(c.in, -3, 3));
   using std::abs;
   const HP err = abs(check.by_dual - check.by_adjoint);
-  RC_ASSERT(err <= HP(1e-25) * check.magnitude);
+  // Measured: at most 6.8e-57 relative over 500 cases (seeds 20261130, 1-4); 200 bits
+  // round at 6e-61. The bound is 150x that worst case.
+  RC_ASSERT(err <= HP(1e-54) * check.magnitude);
 }
 
 // Central differences at 256 bits (step 2^-60) along a random direction: the error of the step-h

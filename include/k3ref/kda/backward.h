@@ -18,7 +18,7 @@
 //
 // A second, independent derivative is forward-mode automatic differentiation through the
 // templated forward (num::Dual); tests/kda/backward_test.cpp checks that both agree
-// exactly in rationals and to 1e-25 at 200 bits, and against central finite differences.
+// exactly in rationals and to 1e-54 at 200 bits, and against central finite differences.
 #pragma once
 
 #include "k3ref/kda/definition.h"
