@@ -102,6 +102,21 @@ class Plan(unittest.TestCase):
         self.assertEqual(c["name"], "generic_k100")
         self.assertIn("kept", why)
 
+    def test_checks_without_a_shape_model_are_one_shape_each_and_warm_up_as_themselves(self):
+        class Other(TritonLike):
+            checks = ("golden", "causality", "backward_like")
+
+        a, suite = Other(), self._suite()
+        shapes.choose_all([a], suite)
+        tests = collection.collect([a], suite, checks=["golden", "backward_like"])
+        plan = shapes.build(tests, suite)
+        self.assertEqual(plan.untracked, {a.name: [(f"{a.name}-g_plain_shape-backward_like", "backward_like", None)]})
+        self.assertEqual(plan.distinct(), 3 + 1)  # the three goldens' shapes and the unmodelled check
+        units = warmup.units(plan, [a])
+        self.assertEqual([u[2] for u in units if dict(u[1]).get("test")],
+                         [[{"check": "backward_like", "case_path": None}]])
+        self.assertEqual(len(units), 3 + 1)  # 3 golden groups, 1 test
+
     def test_ahead_of_time_kernels_compile_no_shapes(self):
         a = adapters.TorchKernelAdapter()
         plan = shapes.build(collection.collect([a], self._suite()), self._suite())

@@ -267,7 +267,8 @@ class Shape:
 @dataclass
 class Plan:
     shapes: dict = field(default_factory=dict)    # (adapter, group, classes) -> Shape
-    untracked: dict = field(default_factory=dict)  # adapter -> test ids (no shape model)
+    untracked: dict = field(default_factory=dict)  # adapter -> [(test id, check, case path)]: no shape model,
+    # one shape per test (warm-up runs the test's check itself)
     compilers: dict = field(default_factory=dict)  # adapter -> compiler_of
     metamorphic: dict = field(default_factory=dict)  # adapter -> why its metamorphic config
     before: int = None                            # distinct shapes with checks.CONFIGS' configs
@@ -357,8 +358,13 @@ def build(tests, suite=()):
             a = t.adapter
             if t.skip or not compiles_at_run_time(a):
                 continue
-            if getattr(a, "family", None) != "kda" or not hasattr(a, "unsupported"):
-                record.untracked.setdefault(a.name, []).append(t.id) if record else target.add((a.name, t.id))
+            modelled = (getattr(a, "family", None) == "kda" and hasattr(a, "unsupported")
+                        and (t.check == "golden" or metamorphic_runs(t.check)))
+            if not modelled:  # a check the plan has no model of: one shape of its own
+                if record is None:
+                    target.add((a.name, t.id))
+                else:
+                    record.untracked.setdefault(a.name, []).append((t.id, t.check, t.case_path))
                 continue
             for params, shapes, recipe in _runs_of(t, configs.get(a.name), cases):
                 key = (a.name, group_of(a, params, shapes), int_classes(params, shapes))

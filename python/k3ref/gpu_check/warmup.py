@@ -68,6 +68,8 @@ def inputs_of(adapter, recipe, device):
         from .checks import make_problem
 
         return make_problem(recipe["config"], recipe["T"], 0, device, cu_seqlens=recipe.get("cu_seqlens"))
+    if "check" in recipe:  # no shape model: warm-up runs the check itself (child() does)
+        return None, None
     if "prop_case" in recipe:
         from . import prop
 
@@ -104,9 +106,15 @@ def child(job_path, out_path):
         seen = {}
         for recipe in job["recipes"]:
             try:
-                inputs, params = inputs_of(adapter, recipe, device)
                 with autotune.recording() as used:
-                    adapter.run(inputs, params)
+                    if "check" in recipe:
+                        from ..goldens import load_case
+
+                        case = load_case(recipe["case_path"]) if recipe.get("case_path") else None
+                        adapter.run_check(recipe["check"], case, device)
+                    else:
+                        inputs, params = inputs_of(adapter, recipe, device)
+                        adapter.run(inputs, params)
                     if adapter.device_sync:
                         import torch
 
@@ -145,6 +153,10 @@ def units(plan, adapters):
         a = by_name.get(name)
         if a is not None:
             out.append((a, group, [s.recipe for s in shapes]))
+    for name, tests in plan.untracked.items():
+        a = by_name.get(name)
+        for test_id, check, case_path in tests if a is not None else ():
+            out.append((a, (("test", test_id),), [{"check": check, "case_path": case_path}]))
     return out
 
 
@@ -221,6 +233,8 @@ def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None):
 
 def short_group(group):
     g = dict(group)
+    if "test" in g:
+        return f"test {g['test']}"
     head = "H{H} HV{HV} K{K} V{V}".format(**{k: g.get(k, "?") for k in ("H", "HV", "K", "V")})
     flags = [k if v is True else f"{k}={v}" for k, v in g.items() if k not in ("H", "HV", "K", "V") and v not in (False, None)]
     return head + (" " + " ".join(flags) if flags else "")
