@@ -318,3 +318,26 @@ def test_fla_rules_judge_what_fla_computes(P):
     assert rows[0]["tensors"]["fragment_transition"]["status"] == "not judged"  # rank 0 starts its last document
     short = FlaLikeShort(P, backend="gloo").run_check("cp_uneven_tokens", None, "cpu")
     assert short.status == "fail" and f"rank {P - 1}: o: shape" in short.reason
+
+
+class ExtraTraffic(C.TorchCpAdapter):
+    """Correct results, but rank 0 also sends its entering state to rank 1 point to point."""
+
+    def forward_rank(self, ctx, local, params):
+        out = super().forward_rank(ctx, local, params)
+        buf = out["entering_state"].float().contiguous()
+        if ctx.rank == 0:
+            torch.distributed.send(buf, dst=1)
+        elif ctx.rank == 1:
+            torch.distributed.recv(buf, src=0)
+        return out
+
+
+def test_traffic_beyond_the_formula_fails():
+    res = ExtraTraffic(2).run_check("cp_forward", _p2_golden(), "cpu")
+    assert res.status == "fail"
+    w0, w1 = (res.extra["ranks"][r]["wire"]["forward"] for r in (0, 1))
+    state = 2 * 16 * 16 * 4  # HV x K x V fp32
+    assert w0["ops"] == ["all_gather(float64)", "send(float32)"] and w0["sent_bytes"] == 8 * 2 * 16 * 32 + state
+    assert w1["ops"] == ["all_gather(float64)", "recv(float32)"] and w1["received_bytes"] == 8 * 2 * 16 * 32 + state
+    assert "rank 0: forward wire: 2 call(s)" in res.reason

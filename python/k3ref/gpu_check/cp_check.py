@@ -137,7 +137,16 @@ class WireCounter:
     def _bytes(t):
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
+    # Positional order and keyword names of each wrapped function's tensor arguments.
+    ARGS = {"all_gather": ("tensor_list", "tensor"), "all_gather_into_tensor": ("output_tensor", "input_tensor"),
+            "_all_gather_base": ("output_tensor", "input_tensor"), "send": ("tensor", "dst"),
+            "recv": ("tensor", "src"), "isend": ("tensor", "dst"), "irecv": ("tensor", "src"),
+            "broadcast": ("tensor", "src"), "all_reduce": ("tensor",),
+            "reduce_scatter_tensor": ("output", "input"), "all_to_all_single": ("output", "input")}
+
     def _record(self, op, args, kwargs):
+        names = self.ARGS[op]
+        args = tuple(args) + tuple(kwargs.get(n) for n in names[len(args):])
         b = self._bytes
         world = torch.distributed.get_world_size()
         if op == "all_gather":
@@ -153,7 +162,7 @@ class WireCounter:
         elif op in ("recv", "irecv"):
             gathered, sent, received = 0, 0, b(args[0])
         elif op == "broadcast":
-            src = args[1] if len(args) > 1 else kwargs.get("src")
+            src = args[1]
             mine = src == torch.distributed.get_rank()
             gathered, sent, received = 0, b(args[0]) * (world - 1) if mine else 0, 0 if mine else b(args[0])
         else:  # all_reduce, reduce_scatter, all_to_all: the tensor given, both ways
@@ -1049,8 +1058,13 @@ def main(argv=None):
                     "default gloo for --kernel torch, nccl for fla")
     ap.add_argument("--kernel", choices=("torch", "fla"), default="torch",
                     help="torch: the PyTorch CP kernel and its mutants; fla: FLA's chunk_kda in cp mode")
-    ap.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds one launch of P ranks may take")
+    ap.add_argument("--timeout", type=float, help="seconds one launch of P ranks (every case of one adapter) may "
+                    "take (default $K3REF_CP_TIMEOUT, else 300 on gloo, 3000 on nccl: Triton compiles and autotunes "
+                    "each new shape)")
     args, rest = ap.parse_known_args(argv)
+    if args.timeout is None:
+        backend = args.backend or ("gloo" if args.kernel == "torch" else "nccl")
+        args.timeout = float(os.environ.get("K3REF_CP_TIMEOUT", 300 if backend == "gloo" else 3000))
     os.environ["K3REF_CP_RANKS"] = args.ranks
     os.environ["K3REF_CP_KERNEL"] = args.kernel
     os.environ["K3REF_CP_BACKEND"] = args.backend or ("gloo" if args.kernel == "torch" else "nccl")
@@ -1066,6 +1080,8 @@ def main(argv=None):
     run = ["run", "--no-builtin", "--adapter", "k3ref.gpu_check.cp_check:cp_adapters", "--no-warmup"]
     if "--device" not in rest:
         run += ["--device", device]
+    if "--check-timeout" not in rest:  # the first check of an adapter launches all of its work
+        run += ["--check-timeout", str(args.timeout + 60)]
     return cli.main(run + rest)
 
 
