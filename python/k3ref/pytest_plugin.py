@@ -119,6 +119,9 @@ def _build(config):
         collection.validate(adapters, suite)
     except (AdapterSpecError, cli.UsageError, ValueError) as e:
         raise pytest.UsageError(f"k3ref: {e}") from e
+    from k3ref.gpu_check import shapes
+
+    shapes.choose_all(adapters, suite)  # the metamorphic configs `run` uses (same test ids)
     return adapters, requested, collection.collect(adapters, suite, limitations=limitations)
 
 
