@@ -356,12 +356,13 @@ class Warmup(unittest.TestCase):
                 (Path(d) / rel).parent.mkdir(parents=True, exist_ok=True)
                 (Path(d) / rel).write_text(text)
             sys.path.insert(0, d)
-            saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", warmup.CACHE_VARIABLE)}
+            saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", warmup.CACHE_VARIABLE, "TRITON_CACHE_AUTOTUNING")}
             try:
                 import speed_kernel
 
                 cache = warmup.configure_cache(Path(d) / "cache")
                 self.assertEqual(os.environ["TRITON_CACHE_DIR"], str(Path(d) / "cache" / "triton"))
+                self.assertEqual(os.environ["TRITON_CACHE_AUTOTUNING"], saved["TRITON_CACHE_AUTOTUNING"] or "1")
                 a = speed_kernel.WarmKernel()
                 suite = [FakeCase("g1", 1, 50, 1, 1, 16, 16), FakeCase("g2", 1, 16, 1, 1, 16, 16),
                          FakeCase("g3", 1, 40, 2, 2, 32, 32)]

@@ -9,7 +9,8 @@ decorated with `cache_results=True` (FLA passes it unless FLA_CACHE_RESULTS=0), 
 directory skips both compilation and benchmarking. TRITON_CACHE_DIR is set to DIR/triton in
 this process before any kernel is imported, and every child inherits it. A CI job saves DIR
 after the run and restores it before the next (docs/verify-your-kernel.md); the last warm-up's
-record is DIR/warmup.json.
+record is DIR/warmup.json. TRITON_CACHE_AUTOTUNING=1 (unless set) extends the autotune cache to
+every autotuner.
 
 The warm-up takes the shape plan (shapes.py) and starts one worker process per shape group of
 the kernels compiled at run time (Triton), at most `--jobs` at a time (default: the CPU
@@ -49,6 +50,9 @@ def configure_cache(path=None):
     d = cache_dir(path)
     os.environ[CACHE_VARIABLE] = str(d)
     os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
+    # Triton's knob that makes every autotuner keep its results on disk, not only those
+    # decorated with cache_results=True (FLA's are; Liger's are not). An explicit 0 is kept.
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     return d
 
 
