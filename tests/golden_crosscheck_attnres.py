@@ -20,6 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import load as load_raw, wide  # noqa: E402  (the one NumPy oracle's reader)
 
 
+# Bound on the relative RMS difference: about 5x the measured worst over the suite (1.2e-15).
+TOLERANCE = 6e-15
+
+
 def load(path):
     """Every tensor as float64 (AttnRes stores no integer data that must stay integer)."""
     tensors, meta = load_raw(path)
@@ -86,9 +90,9 @@ def main(golden_dir):
             denom = np.sqrt((ref * ref).sum())
             rel = float(np.sqrt(((mine - ref) ** 2).sum()) / denom) if denom > 0 else float(np.abs(mine).max(initial=0))
             worst = max(worst, rel)
-            if not (rel <= 1e-12 and np.isfinite(mine).all()):
+            if not (rel <= TOLERANCE and np.isfinite(mine).all()):
                 ok = False
-                print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > 1e-12")
+                print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
         if case["params"]["query_scale"] == 0:  # zero queries: uniform weights, checked exactly
             a = tensors["alpha"]
             for row in a.reshape(-1, a.shape[-1]):

@@ -20,6 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import load, rel_rms, run, stages  # noqa: E402  (the one NumPy oracle)
 
 
+# Bound on the relative RMS difference: about 5x the measured worst (3.1e-16).
+TOLERANCE = 1.5e-15
+
+
 def prepared(t, p):
     """The stages for the single packed row (B = 1) of a context-parallel case."""
     q, k, v, decay, beta, _ = stages(t, p)
@@ -116,9 +120,9 @@ def main(golden_dir):
             ref, mine = tensors[name], ours[name]
             rel = rel_rms(mine, ref)
             worst = max(worst, rel)
-            if not (rel <= 1e-11 and np.isfinite(mine).all()):
+            if not (rel <= TOLERANCE and np.isfinite(mine).all()):
                 ok = False
-                print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > 1e-11")
+                print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
         print(f"{'ok  ' if ok else 'FAIL'} {case['name']}: P = {len(tensors['splits']) - 1}, origin ranks {list(origin)}")
         passed += ok
         failed += not ok
