@@ -1,7 +1,8 @@
 """The one collection of tests, shared by `python3 -m k3ref.gpu_check run` and the pytest plugin.
 
 A test is one adapter x case x check, named `ADAPTER-CASE-CHECK` (golden checks: the golden
-case's name; checks that build their own inputs: the configuration they use). A mutant is
+case's name; checks that build their own inputs: the configuration they use; a check that
+takes no case at all: `ADAPTER-CHECK`). A mutant is
 one test, `MUTANT-zoo-caught`, that runs all of the mutant's checks and passes when at least
 one of them catches it. Known limitations (known_limitations.json, or a file given) mark
 tests as expected failures; they run strictly: a test so marked that passes is a failure
@@ -30,6 +31,8 @@ class Test:
 
     @property
     def id(self):
+        if self.case == "-":  # a check that takes no case
+            return f"{self.adapter.name}-{self.check}"
         return f"{self.adapter.name}-{self.case}-{self.check}"
 
 
