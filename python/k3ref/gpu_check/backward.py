@@ -1,6 +1,6 @@
 """Backward checks: a training kernel's gradients (autograd through FLA's chunk_kda)
-against k3ref's gradient goldens ("kda.backward", docs/backward.md), on one GPU and in
-context-parallel mode across 2 GPUs, rank by rank.
+against k3ref's gradient goldens ("kda.backward", docs/backward.md), on one GPU. The
+context-parallel backward, rank by rank over P GPUs, is cp_check.py's cp_backward.
 
 For each case the kernel runs the golden's inputs with requires_grad, and
 torch.autograd.backward((o, final_state), (d_o, d_final_state)) gives its gradients.
@@ -11,12 +11,11 @@ thresholds are the ones FLA's tests assert for its backward: 0.008 for dq, dk, d
 state gradient, 0.02 for dg, dbeta, dA_log and ddt_bias (docs/backward.md).
 
     PYTHONPATH=python python3 -m k3ref.gpu_check.backward --goldens goldens --fla-path DIR --out report/
-    PYTHONPATH=python torchrun --nproc_per_node 2 -m k3ref.gpu_check.backward --cp --goldens goldens ...
+    PYTHONPATH=python python3 -m k3ref.gpu_check.cp_check --kernel fla --backend nccl --ranks 2,4,8 --fla-path DIR ...
 """
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -107,7 +106,7 @@ def check_single(golden_dir, only=None):
             continue
         params = case.params["kda"]
         if "final_state_gradient" in case.params and not case.params["final_state_gradient"]:
-            continue  # the context-parallel case, checked by check_context_parallel
+            continue  # the context-parallel case: cp_check.py (cp_backward)
         s = dict(B=params["B"], T=params["T"], H=params["H"], HV=params["HV"], K=params["K"], V=params["V"])
         for adapter in adapters:
             row = {"kernel": adapter.name, "case": case.name}
@@ -130,51 +129,9 @@ def check_single(golden_dir, only=None):
 
 
 def check_context_parallel(golden_dir, only=None):
-    """Run under torchrun with 2 processes: each rank computes its slice of the gradients
-    in FLA's cp mode; rank 0 gathers and scores every rank's slice against the golden."""
-    import torch.distributed as dist
-    from fla.ops.cp import build_cp_context
-    from fla.ops.kda import chunk_kda
-
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    rows = []
-    for case in goldens.load_suite(golden_dir, ops=("kda.backward",)):
-        if case.params.get("final_state_gradient", True) or not _selected(case, only):
-            continue
-        splits = [int(x) for x in case.tensors["splits"]]
-        if len(splits) != world + 1:
-            continue
-        p = case.params["kda"]
-        t0, t1 = splits[rank], splits[rank + 1]
-        cu = case.tensors["cu_seqlens"].to(device)
-        ctx = build_cp_context(cu, group=dist.group.WORLD)
-        _progress(f"rank {rank}: {case.name} tokens [{t0}, {t1}), context built")
-        local = {n: _leaf(case.tensors[n][:, t0:t1], device) for n in ("q", "k", "v", "g", "beta")}
-        kw = dict(scale=p.get("scale"), use_qk_l2norm_in_kernel=bool(p.get("qk_l2norm")), cp_context=ctx)
-        if p.get("beta", "as_given") != "as_given":
-            kw["use_beta_sigmoid_in_kernel"] = True
-            kw["allow_neg_eigval"] = p["beta"] == "two_sigmoid"
-        o, _ = chunk_kda(local["q"], local["k"], local["v"], local["g"], local["beta"], **kw)[:2]
-        _progress(f"rank {rank}: forward done")
-        o.backward(case.tensors["d_o"][:, t0:t1].to(device).to(o.dtype))
-        _progress(f"rank {rank}: backward done")
-        mine = {g: local[INPUT_OF[g]].grad.detach().double() for g in ("dq", "dk", "dv", "dg", "dbeta")}
-        gathered = {}
-        for g, t in mine.items():
-            parts = [torch.empty_like(t) for _ in range(world)]
-            dist.all_gather(parts, t.contiguous())
-            gathered[g] = parts
-        if rank == 0:
-            for r in range(world):
-                a, b = splits[r], splits[r + 1]
-                rows.append({"kernel": "fla.chunk_kda[cp]", "case": f"{case.name} rank {r} tokens [{a}, {b})",
-                             "scores": [score(g, gathered[g][r].cpu(), case.tensors[g][:, a:b]) for g in gathered]})
-                rows[-1]["status"] = "passed" if all(x["passed"] for x in rows[-1]["scores"]) else "failed"
-    dist.destroy_process_group()
-    return rows if rank == 0 else None
+    """Moved to cp_check.py (per rank fragments, entering states, gradients and wire bytes, P = 2, 4, 8)."""
+    raise SystemExit("the context-parallel check is now: python3 -m k3ref.gpu_check.cp_check --kernel fla "
+                     "--backend nccl --ranks 2 --fla-path DIR --out DIR (docs/gpu_check.md)")
 
 
 def print_table(rows):
@@ -193,7 +150,7 @@ def main(argv=None):
     ap.add_argument("--goldens", default="goldens")
     ap.add_argument("--fla-path", help="directory holding the fla package (else the installed one)")
     ap.add_argument("--out", help="directory for backward.json")
-    ap.add_argument("--cp", action="store_true", help="context-parallel check (run under torchrun, 2 processes)")
+    ap.add_argument("--cp", action="store_true", help="moved: python3 -m k3ref.gpu_check.cp_check (exits with that line)")
     ap.add_argument("--cases", nargs="*", help="only these golden cases")
     args = ap.parse_args(argv)
     FlaAdapter.fla_path = args.fla_path
