@@ -288,7 +288,8 @@ def prepare(args, tests, suite, adapters):
         record = run(plan, adapters, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
                      progress=lambda line: print(line, flush=True))
         info["warmup"] = record
-        write_record(record, os.environ.get(CACHE_VARIABLE) or ".")
+        if any(g.get("status") != "skipped" for g in record["groups"]):
+            write_record(record, os.environ.get(CACHE_VARIABLE) or ".")
         print(table(record), flush=True)
     s = info["shape_plan"]
     print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
