@@ -194,6 +194,19 @@ class Checks(unittest.TestCase):
             plots = list((Path(d) / "plots").glob("*.png"))
             self.assertEqual(len(plots), 1)  # the golden failure has a plot; causality has no windows
             self.assertIn(f"plots/{plots[0].name}", html)
+        # Without matplotlib the report says so, at the top and where the plot would be.
+        real = report._matplotlib
+        report._matplotlib = lambda: (None, "not importable (ImportError: No module named 'matplotlib')")
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                report.write_all(Path(d), rows, res, summary)
+                html = (Path(d) / "report.html").read_text()
+                self.assertLess(html.index("<b>Plots were left out:</b> matplotlib is not importable"),
+                                html.index("kernels x checks"))
+                self.assertIn("plot left out: matplotlib is not importable", html)
+                self.assertFalse((Path(d) / "plots").exists())
+        finally:
+            report._matplotlib = real
 
 
 if __name__ == "__main__":
