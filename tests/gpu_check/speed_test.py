@@ -420,6 +420,32 @@ class CommandLine(unittest.TestCase):
             if saved is not None:
                 os.environ[warmup.CACHE_VARIABLE] = saved
 
+    def test_deep_mode_reaches_the_child_that_runs_the_check(self):
+        # No Triton here: the child's golden check says it found no autotuned kernel, which it
+        # only says in deep mode (K3REF_AUTOTUNE_CONFIGS=all inherited from this process).
+        import contextlib
+        import io
+
+        from k3ref.gpu_check import cli
+
+        saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", warmup.CACHE_VARIABLE, autotune.MODE_VARIABLE,
+                                                "TRITON_CACHE_AUTOTUNING")}
+        try:
+            with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(io.StringIO()):
+                rc = cli.main(["run", "--no-builtin", "--adapter", "k3ref.gpu_check.adapters:torch_test_kernels",
+                               "--only", "torch.fp64_bf16", "--checks", "golden", "--cases", "kda_t1",
+                               "--autotune-configs", "all", "--cache-dir", d, "--out", d + "/r", "--device", "cpu"])
+                rep = json.loads(Path(d, "r", "report.json").read_text())
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        self.assertEqual(rc, 0)
+        (res,) = rep["results"]
+        self.assertTrue(res["extra"]["isolated"])
+        self.assertEqual(res["extra"]["autotune_configs"], "all")
+        self.assertIn("no autotuned Triton kernel in this call", res["reason"])
+        self.assertEqual(rep["summary"]["autotune_configs"], "all")
+
     def test_prop_rejects_a_share_outside_0_1(self):
         from k3ref.gpu_check import cli
 
