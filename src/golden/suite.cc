@@ -1,6 +1,5 @@
 #include "k3ref/golden/suite.h"
 
-#include <atomic>
 #include <cctype>
 #include <chrono>
 #include <cmath>
@@ -9,9 +8,9 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <thread>
 
 #include "k3ref/error.h"
+#include "k3ref/exec/parallel.h"
 #include "k3ref/io/file.h"
 #include "k3ref/io/sha256.h"
 #include "k3ref/num/scalar.h"
@@ -156,36 +155,19 @@ Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& 
 
 std::vector<GeneratedCase> generate_cases(const std::vector<Case>& cases, int jobs, const Progress& progress) {
   std::vector<GeneratedCase> out(cases.size());
-  std::atomic<std::size_t> next{0}, done{0};
+  std::size_t done = 0;
   std::mutex report;
-  std::exception_ptr failure;
-  auto worker = [&] {
-    for (std::size_t i; (i = next.fetch_add(1)) < cases.size();) {
-      const auto start = std::chrono::steady_clock::now();
-      try {
-        const io::SafetensorsFile file = generator_for(cases[i].op).generate(cases[i]);
-        out[i] = GeneratedCase{cases[i], io::serialize_safetensors(file)};
-      } catch (...) {
-        std::lock_guard lock(report);
-        if (!failure) failure = std::current_exception();
-        continue;
-      }
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      std::lock_guard lock(report);
-      const std::size_t n = ++done;
-      if (progress) progress(n, cases.size(), cases[i].name, seconds);
-    }
-  };
-  const int threads = std::max(1, std::min<int>(jobs, static_cast<int>(cases.size())));
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t)
-    pool.emplace_back([&] {
-      worker();
-      num::release_thread_caches();
-    });
-  worker();
-  for (auto& th : pool) th.join();
-  if (failure) std::rethrow_exception(failure);
+  // The library's one thread pool; it rethrows the failure of the first case in suite order.
+  exec::parallel_for(static_cast<std::int64_t>(cases.size()), jobs, [&](std::int64_t item) {
+    const std::size_t i = static_cast<std::size_t>(item);
+    const auto start = std::chrono::steady_clock::now();
+    const io::SafetensorsFile file = generator_for(cases[i].op).generate(cases[i]);
+    out[i] = GeneratedCase{cases[i], io::serialize_safetensors(file)};
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::lock_guard lock(report);
+    const std::size_t n = ++done;
+    if (progress) progress(n, cases.size(), cases[i].name, seconds);
+  });
   return out;
 }
 
