@@ -104,6 +104,8 @@ class FailClosed(unittest.TestCase):
         self.run_ok("run", "--no-builtin", "--adapter", "test_adapters:Unloadable", "--cases", "kda_t1", code=1,
                     message="test.unloadable was asked for but is not available: ImportError: No module named "
                             "'not_installed_kernel'")
+        failures = ET.parse(self.out / "r" / "report.xml").getroot().findall("testsuite/testcase/failure")
+        self.assertEqual(len(failures), 8)  # the golden and the 7 other checks: failures in JUnit too, not skips
         self.run_ok("run", "--only", "fla.chunk_kda", "--device", "cpu", code=1,
                     message="fla.chunk_kda was asked for but is not available")
 
@@ -135,6 +137,10 @@ class FailClosed(unittest.TestCase):
         # A known failure is an expected failure ...
         self.run_ok("run", "--no-builtin", "--adapter", "test_adapters:Leaky", "--cases", "kda_t100", "--checks",
                     "golden", "--known-limitations", str(limits), code=0, message='"xfailed": 1')
+        # JUnit agrees with the exit code: the known failure is a skipped (xfail) case, not a failure.
+        case = ET.parse(self.out / "r" / "report.xml").getroot().find("testsuite/testcase")
+        self.assertEqual((case.get("name"), case.find("skipped").get("type")), ("test.leaky-kda_t100-golden", "xfail"))
+        self.assertIsNone(case.find("failure"))
         # ... and the day it passes the run fails until the entry is removed.
         limits.write_text(json.dumps({"entries": [dict(entry, adapter="test.correct")]}))
         self.run_ok("run", "--no-builtin", "--adapter", "test_adapters:Correct", "--cases", "kda_t100", "--checks",

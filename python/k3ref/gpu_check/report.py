@@ -33,28 +33,37 @@ def write_json(path, results, summary):
         json.dump(clean({"summary": summary, "results": [asdict(r) for r in results]}), f, indent=1)
 
 
-def write_junit(path, results):
+def write_junit(path, rows):
+    """JUnit XML with one test case per collected test (rows of cli.execute: test, verdict,
+    reason, results), judged as the run judges it: a verdict 'fail' is a failure (or an
+    error when a check crashed or raised), 'skip' and 'xfail' (a known limitation) are
+    skipped with their reason, so a JUnit consumer agrees with the exit code. A mutant is
+    one test case; what each of its checks did is in system-out."""
     suites = ET.Element("testsuites")
     by_adapter = {}
-    for r in results:
-        by_adapter.setdefault(r.adapter, []).append(r)
+    for row in rows:
+        by_adapter.setdefault(row[0].adapter.name, []).append(row)
     for adapter, rs in by_adapter.items():
-        mutant = adapter.startswith("mutant.")
-        suite = ET.SubElement(suites, "testsuite", name=adapter, tests=str(len(rs)),
-                              failures=str(sum(r.status == "fail" and not mutant for r in rs)),
-                              errors=str(sum(r.status == "error" and not mutant for r in rs)),
-                              skipped=str(sum(r.status == "skip" for r in rs)))
-        for r in rs:
-            tc = ET.SubElement(suite, "testcase", classname=adapter, name=f"{r.check}[{r.case}]", time=f"{r.seconds:.3f}")
-            if mutant:
-                # A mutant's failing check is the check working; the test case records it as output.
-                ET.SubElement(tc, "system-out").text = f"{r.status}: {r.reason}"
-            elif r.status == "fail":
-                ET.SubElement(tc, "failure", message=r.reason[:500]).text = r.reason
-            elif r.status == "error":
-                ET.SubElement(tc, "error", message=r.reason[:500]).text = r.extra.get("traceback", r.reason)
-            elif r.status == "skip":
-                ET.SubElement(tc, "skipped", message=r.reason[:500])
+        failures = sum(v == "fail" and not any(r.status == "error" for r in res) for _, v, _, res in rs)
+        errors = sum(v == "fail" and any(r.status == "error" for r in res) for _, v, _, res in rs)
+        suite = ET.SubElement(suites, "testsuite", name=adapter, tests=str(len(rs)), failures=str(failures),
+                              errors=str(errors), skipped=str(sum(v in ("skip", "xfail") for _, v, _, _ in rs)))
+        for t, v, reason, res in rs:
+            seconds = sum(r.seconds for r in res)
+            tc = ET.SubElement(suite, "testcase", classname=adapter, name=t.id, time=f"{seconds:.3f}")
+            if len(res) > 1:
+                ET.SubElement(tc, "system-out").text = "\n".join(f"{r.check}[{r.case}] {r.status}: {r.reason}"
+                                                                 for r in res)
+            if v == "fail":
+                crashed = next((r for r in res if r.status == "error"), None)
+                kind = "error" if crashed is not None else "failure"
+                detail = (crashed.extra.get("traceback") or crashed.extra.get("stderr_tail") or reason) if crashed \
+                    else reason
+                ET.SubElement(tc, kind, message=reason[:500]).text = detail
+            elif v == "skip":
+                ET.SubElement(tc, "skipped", message=reason[:500])
+            elif v == "xfail":
+                ET.SubElement(tc, "skipped", type="xfail", message=reason[:500])
     ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
 
 
@@ -216,7 +225,7 @@ def plot_failure(plt, res, path):
 
 def write_all(out, rows, results, summary):
     out = Path(out)
-    write_junit(out / "report.xml", results)
+    write_junit(out / "report.xml", rows)
     write_json(out / "report.json", results, summary)
     write_html(out / "report.html", rows, results, summary)
 
