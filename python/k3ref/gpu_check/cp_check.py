@@ -471,6 +471,7 @@ class FlaCpAdapter(TorchCpAdapter):
         return _module_version("fla")
 
     def rank_device(self, rank):
+        _add_path(_env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))  # a spawned rank imports fla itself
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
 
@@ -1043,8 +1044,10 @@ def cp_adapters():
         if kernel == "fla":
             out.append(FlaCpAdapter(P, backend))
         else:
+            # The fold applies an adjoint transition only on a rank holding just the middle of a
+            # document; the own case has one from P = 4 (below, the mutant equals the kernel).
             out += [TorchCpAdapter(P, m, backend) for m in TorchCpAdapter.MUTATIONS
-                    if m != "untransposed" or P >= 3]  # at P = 2 no adjoint transition is ever applied
+                    if m != "untransposed" or P >= 4]
     return out
 
 
