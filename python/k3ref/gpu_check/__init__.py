@@ -11,8 +11,9 @@ known limitations, verdicts), `isolation` (each adapter's checks in a child proc
 (the other families), `metrics` (error metrics, on the GPU through libk3gc when available),
 `lib` (ctypes binding of libk3gc.so), `reference` (fp64 KDA recurrence in PyTorch), `timing`
 (import, Triton compile, autotune and check time), `report` (HTML, JSON, JUnit), `prop`
-(property tests), `backward` (gradients), `bench` (comparator and reference speed), `cli`.
+(property tests), `backward` (gradients), `cp_check` (context parallelism over P ranks), `bench`
+(comparator and reference speed), `cli`.
 The pytest plugin is k3ref.pytest_plugin.
 """
 __all__ = ["adapters", "registry", "collection", "isolation", "checks", "attnres_check", "qb_check", "serving_check",
-           "metrics", "lib", "reference", "timing", "report", "prop", "backward", "bench", "cli"]
+           "metrics", "lib", "reference", "timing", "report", "prop", "backward", "cp_check", "bench", "cli"]
