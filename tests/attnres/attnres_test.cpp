@@ -345,8 +345,10 @@ TEST(AttnResDouble, BothFormsAgainst256Bits) {
   EXPECT_LE(e_direct, 2.3e-15);
   EXPECT_LE(e_two, 2.3e-15);
   const Outputs<HP> ref_two = block_forward(w, x.values.map<HP>([](double v) { return HP(v); }), 12, BlockForm::two_phase);
-  for (std::int64_t i = 0; i < ref.h.numel(); ++i)
-    EXPECT_LE(abs(ref.h.values()[i] - ref_two.h.values()[i]), HP(1e-70));
+  HP worst(0);
+  for (std::int64_t i = 0; i < ref.h.numel(); ++i) worst = std::max(worst, HP(abs(ref.h.values()[i] - ref_two.h.values()[i])));
+  std::printf("256 bits: two-phase vs direct max abs difference %.3e\n", static_cast<double>(worst));
+  EXPECT_LE(worst, HP(2.2e-78));  // measured 5.4e-79 (these fixed inputs); 4x
 }
 
 }  // namespace

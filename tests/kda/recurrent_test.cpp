@@ -338,8 +338,13 @@ TEST(KdaRecurrentHighPrecision, BaseEAndBase2GatesAgree) {
     opt.gate_base = GateBase::two;
     const auto two = recurrent_forward(in, opt);
     const HP diff = max_relative_difference(two.o, e.o);
-    EXPECT_LT(diff, HP(1e-70)) << "gate " << to_string(form) << ": relative difference " << diff;
-    EXPECT_LT(max_relative_difference(*two.final_state, *e.final_state), HP(1e-70));
+    std::printf("gate %-12s base e vs base 2: max relative difference o %.3e, final state %.3e\n",
+                std::string(to_string(form)).c_str(), static_cast<double>(diff),
+                static_cast<double>(max_relative_difference(*two.final_state, *e.final_state)));
+    // Measured (these fixed inputs): at most 2.8e-80 (o) and 2.8e-80 (state), a few 256-bit
+    // roundings; the bound is 4x that.
+    EXPECT_LT(diff, HP(1.2e-79)) << "gate " << to_string(form) << ": relative difference " << diff;
+    EXPECT_LT(max_relative_difference(*two.final_state, *e.final_state), HP(1.2e-79));
   }
 }
 
