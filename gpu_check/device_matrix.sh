@@ -6,7 +6,8 @@
 #   [STEPS="build cold warm propwarm prop"] gpu_check/device_matrix.sh [OUT_DIR]
 #   env: STEPS (the steps to run now, in order; steps of earlier calls stay in OUT_DIR, so one
 #        call may do "build cold" and the next "warm propwarm prop"), TP (third-party root,
-#        default .thirdparty), JOBS (warm-up workers, default nproc), PROP_SECONDS (default 180),
+#        default .thirdparty), JOBS (warm-up workers, default nproc), CHECK_JOBS (adapters checked
+#        side by side, default 8; 1 = the serial check phase), PROP_SECONDS (default 180),
 #        RUN_ARGS (extra arguments for both runs), PROP_ARGS (extra arguments for prop),
 #        PROP_KERNEL (default fla.chunk_kda),
 #        PYTHON (default python3)
@@ -18,6 +19,7 @@ PY=${PYTHON:-python3}
 TP=${TP:-$ROOT/.thirdparty}
 JOBS=${JOBS:-$(nproc)}
 PROP_SECONDS=${PROP_SECONDS:-180}
+CHECK_JOBS=${CHECK_JOBS:-8}   # adapters whose checks run side by side (run --check-jobs)
 STEPS=${STEPS:-build cold warm propwarm prop}
 mkdir -p "$OUT"
 CACHE=$OUT/cache   # emptied by the cold step; the warm run and prop reuse it
@@ -39,7 +41,8 @@ PATHS="--fla-path $TP/fla_pkg --flashkda-path $TP/FlashKDA --liger-path $TP/Lige
 
 run_matrix() {  # $1 = cold | warm
   local t0=$(date +%s.%N)
-  $PY -m k3ref.gpu_check run --out "$OUT/$1" --cache-dir "$CACHE" --jobs "$JOBS" $PATHS ${RUN_ARGS:-} \
+  $PY -m k3ref.gpu_check run --out "$OUT/$1" --cache-dir "$CACHE" --jobs "$JOBS" --check-jobs "$CHECK_JOBS" \
+    $PATHS ${RUN_ARGS:-} \
     > "$OUT/$1.log" 2>&1
   echo "$? $(elapsed "$t0")" > "$OUT/$1.rc_wall"
   tail -4 "$OUT/$1.log"

@@ -446,6 +446,35 @@ class CommandLine(unittest.TestCase):
         self.assertIn("no autotuned Triton kernel in this call", res["reason"])
         self.assertEqual(rep["summary"]["autotune_configs"], "all")
 
+    def test_check_jobs_give_the_serial_run_s_rows_and_timing(self):
+        import contextlib
+        import io
+
+        from k3ref.gpu_check import cli
+
+        saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", warmup.CACHE_VARIABLE, autotune.MODE_VARIABLE,
+                                                "TRITON_CACHE_AUTOTUNING")}
+        reps = []
+        try:
+            with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(io.StringIO()):
+                for jobs in ("1", "3"):
+                    rc = cli.main(["run", "--no-builtin", "--adapter", "k3ref.gpu_check.adapters:torch_test_kernels",
+                                   "--only", "torch.fp64_bf16,torch.fp64_bf16[ignore_initial_state]",
+                                   "--checks", "golden,causality", "--cases", "kda_t1", "--check-jobs", jobs,
+                                   "--cache-dir", d, "--out", f"{d}/r{jobs}", "--device", "cpu"])
+                    self.assertEqual(rc, 0)
+                    reps.append(json.loads(Path(d, f"r{jobs}", "report.json").read_text()))
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        serial, par = ([(r["adapter"], r["check"], r["case"], r["status"], r["reason"]) for r in rep["results"]]
+                       for rep in reps)
+        self.assertEqual(serial, par)
+        self.assertEqual(len(serial), 4)  # 2 kernels x (golden, causality)
+        for name, k in reps[1]["summary"]["kernels"].items():
+            self.assertEqual(k["timing"]["checks_run"], reps[0]["summary"]["kernels"][name]["timing"]["checks_run"])
+            self.assertTrue(k["available"])
+
     def test_prop_rejects_a_share_outside_0_1(self):
         from k3ref.gpu_check import cli
 

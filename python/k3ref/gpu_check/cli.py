@@ -185,10 +185,18 @@ def run_command(args):
 
     t0 = time.time()
     tests, speed = warmup.prepare(args, tests, suite, adapters)
-    with Runner(args.device, check_timeout=args.check_timeout, load_timeout=args.load_timeout,
-                isolate=not args.no_isolation, budget_s=args.budget,
-                progress=lambda line: print(line, flush=True)) as runner:
-        rows, results = execute(tests, runner, requested)
+    def make_runner():
+        return Runner(args.device, check_timeout=args.check_timeout, load_timeout=args.load_timeout,
+                      isolate=not args.no_isolation, budget_s=args.budget,
+                      progress=lambda line: print(line, flush=True))
+
+    if args.check_jobs > 1 and not args.no_isolation:  # isolation groups side by side (parallel.py)
+        from . import parallel
+
+        rows, results, runner = parallel.execute(tests, make_runner, requested, args.check_jobs, execute)
+    else:
+        with make_runner() as runner:
+            rows, results = execute(tests, runner, requested)
     passed, failures = verdict_of(rows, results)
     summary = report.summary(rows, results, runner, adapters, requested, args.device, time.time() - t0, passed,
                              failures, len(suite))

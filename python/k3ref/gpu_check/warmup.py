@@ -268,6 +268,9 @@ def add_run_options(p):
     p.add_argument("--jobs", type=int, default=None,
                    help="warm-up worker processes at a time (default: the CPU count)")
     p.add_argument("--warmup-timeout", type=float, default=1800.0, help="seconds one warm-up worker may take")
+    p.add_argument("--check-jobs", type=int, default=1,
+                   help="isolation groups (adapters) whose checks run at the same time, each in its own child "
+                        "(default 1: one after the other)")
     p.add_argument("--autotune-configs", choices=("winner", "all"), default="winner",
                    help="all: run every golden check once per autotune configuration of each autotuned kernel "
                         "(deep mode, slow); winner: only the configuration the autotuner picks (default)")
