@@ -120,6 +120,10 @@ class FailClosed(unittest.TestCase):
                         code=1, message="mutant mutant.test_unrunnable could not run: not available: RuntimeError: "
                                         "needs a device this host lacks")
         self.assertNotIn("NOT CAUGHT", r.stdout)
+        r = self.run_ok("run", "--no-builtin", "--adapter", "test_adapters:CrashOnLoadMutant", "--cases", "kda_t1",
+                        code=1, message="mutant mutant.test_crash_on_load could not run: could not load the kernel: "
+                                        "the child process killed by SIGABRT while loading the adapter")
+        self.assertNotIn("caught by", r.stdout)
         self.run_ok("run", "--no-builtin", "--adapter", "test_adapters:UncaughtMutant", "--cases", "kda_t1,kda_t100",
                     code=1, message="mutant mutant.test_no_mistake NOT CAUGHT by any of the 2 checks that ran")
         # libk3gc's mutants on a host without CUDA: could not run, a failure, never "not caught".

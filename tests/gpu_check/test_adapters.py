@@ -87,3 +87,12 @@ class UnrunnableMutant(UncaughtMutant):
 class UnknownPolicy(Correct):
     name = "test.unknown_policy"
     policy = "no-such-policy"
+
+
+class CrashOnLoadMutant(UncaughtMutant):
+    """A mutant whose import kills the process: it could not run, it was not caught."""
+
+    name = "mutant.test_crash_on_load"
+
+    def load(self):
+        os.abort()

@@ -176,13 +176,15 @@ def outcome(test, res, requested):
 def mutant_outcome(mt, results, requested):
     """(verdict, reason) of a mutant from its tests' results: caught when one check failed or
     erred; a mutant none of whose checks could run fails ('could not run'), never 'not caught'."""
-    caught = [f"{r.check}:{r.case}" for r in results if r.status in ("fail", "error")]
-    ran = [r for r in results if r.status != "skip"]
+    # A child that died while loading the mutant ran none of its checks: not a catch.
+    ran = [r for r in results if r.status != "skip" and not r.extra.get("load_failed")]
+    caught = [f"{r.check}:{r.case}" for r in ran if r.status in ("fail", "error")]
     if caught:
         verdict = ("fail", f"{mt.xfail} -- but it was caught: remove its entry") if mt.xfail else ("pass", "")
         return verdict[0], verdict[1] or ("caught by " + ", ".join(caught))
     if not ran:
-        reasons = sorted({r.reason for r in results}) or ["no check applies"]
+        reasons = sorted({r.reason for r in results if r.extra.get("load_failed")} or {r.reason for r in results}) \
+            or ["no check applies"]
         return "fail", f"mutant {mt.adapter.name} could not run: {reasons[0]}"
     if mt.xfail:
         return "xfail", f"{mt.xfail} (not caught by {len(ran)} checks)"

@@ -327,7 +327,7 @@ class Runner:
             w = self._worker(a)
         except ChildDied as e:
             return CheckResult(a.name, test.check, test.case, "error", f"could not load the kernel: {e}",
-                               extra={"crash": True})
+                               extra={"crash": True, "load_failed": True})
         if not w.loaded.get("available"):
             return self._unavailable(test, w.loaded)
         try:
