@@ -351,3 +351,182 @@ def test_traffic_beyond_the_formula_fails():
     assert w0["ops"] == ["all_gather(float64)", "send(float32)"] and w0["sent_bytes"] == 8 * 2 * 16 * 32 + state
     assert w1["ops"] == ["all_gather(float64)", "recv(float32)"] and w1["received_bytes"] == 8 * 2 * 16 * 32 + state
     assert "rank 0: forward wire: 2 call(s)" in res.reason
+
+
+# --------------------------------------------------------------------------- FlaCpAdapter's plumbing
+
+def _fake_fla():
+    """In-memory modules with the names and call structure FlaCpAdapter relies on in FLA
+    (fla.ops.cp.build_cp_context, chunk_delta_h's pre-processes calling all_gather_into_tensor
+    through their module globals, chunk_fwd / chunk_bwd calling those through theirs,
+    fla.ops.kda.chunk_kda), with FLA's documented semantics as read from its source: T split
+    evenly (ValueError otherwise), the pair hm [HV, K, V + K] (state columns first) of the last
+    local sequence computed only where it goes on, the fold from the origin rank, dht[-1] from
+    the later ranks. The arithmetic is the PyTorch CP kernel's (fp64, o rounded to bf16); gloo
+    has no all_gather_into_tensor, so the fake gathers a list. This tests the adapter's
+    plumbing on the CPU; what FLA really computes needs the GPUs."""
+    import types
+
+    dist = torch.distributed
+    mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.cp", "fla.ops.cp.chunk_delta_h",
+                                              "fla.ops.kda", "fla.ops.kda.chunk_fwd", "fla.ops.kda.chunk_bwd")}
+    cdh, kfwd, kbwd = mods["fla.ops.cp.chunk_delta_h"], mods["fla.ops.kda.chunk_fwd"], mods["fla.ops.kda.chunk_bwd"]
+
+    class Ctx:
+        pass
+
+    def build_cp_context(cu_seqlens, group=None, conv1d_kernel_size=None):
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        P, r, T = dist.get_world_size(), dist.get_rank(), cu[-1]
+        if T % P:
+            raise ValueError(f"`total_tokens` ({T}) must be divisible by `world_size` ({P}) for context parallelism.")
+        part = T // P
+        c = Ctx()
+        c.splits = [j * part for j in range(P + 1)]
+        c.plan = C.plan_split(cu, c.splits)
+        s = c.plan[r]
+        c.cu_seqlens = s.local_cu
+        c.is_first_rank, c.pre_num_ranks = not s.continues, r - s.origin_rank
+        end = cu[s.last_doc + 1]
+        last = max(j for j in range(P) if c.splits[j] < end)
+        c.is_last_rank, c.post_num_ranks = last == r, last - r
+        return c
+
+    def all_gather_into_tensor(inp, out=None, group=None, async_op=False):
+        parts = [torch.empty_like(inp) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, inp)
+        return torch.stack(parts), None
+
+    def fwd_pre(prep, context):
+        q, k, v, d, beta, scale, heads = prep
+        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+        a, b = context.cu_seqlens[-2], context.cu_seqlens[-1]
+        hm = torch.zeros(HV, K, V + K, dtype=torch.float32)
+        if not context.is_last_rank:
+            Z0 = torch.cat([torch.eye(K, dtype=torch.float64).expand(HV, K, K), torch.zeros(HV, K, V, dtype=torch.float64)], -1)
+            _, Z = C._run(q, k, v, d, beta, a, b, Z0, scale, heads, outputs=False)
+            hm = torch.cat([Z[..., K:], Z[..., :K]], -1).float()
+        ag, _ = cdh.all_gather_into_tensor(hm)
+        h0 = torch.zeros(len(context.cu_seqlens) - 1, HV, K, V, dtype=torch.float32)
+        if not context.is_first_rank:
+            r, h = dist.get_rank(), torch.zeros(HV, K, V, dtype=torch.float64)
+            for j in range(r - context.pre_num_ranks, r):
+                h = ag[j][..., V:].double() @ h + ag[j][..., :V].double()
+            h0[0] = h.float()
+        return h0
+
+    def bwd_pre(prep, d_o, context):
+        q, k, v, d, beta, scale, heads = prep
+        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+        a, b = context.cu_seqlens[0], context.cu_seqlens[1]
+        dhm = torch.zeros(HV, K, V + K, dtype=torch.float32)
+        if not context.is_first_rank:
+            G = C._adjoint(q, k, d, beta, d_o.double(), a, b, torch.zeros(HV, K, V, dtype=torch.float64), scale, heads)
+            Z0 = torch.cat([torch.eye(K, dtype=torch.float64).expand(HV, K, K), torch.zeros(HV, K, V, dtype=torch.float64)], -1)
+            _, Z = C._run(q, k, v, d, beta, a, b, Z0, scale, heads, outputs=False)
+            dhm = torch.cat([G, Z[..., :K].transpose(-1, -2)], -1).float()
+        ag, _ = cdh.all_gather_into_tensor(dhm)
+        dht = torch.zeros(len(context.cu_seqlens) - 1, HV, K, V, dtype=torch.float32)
+        if not context.is_last_rank:
+            r, g = dist.get_rank(), torch.zeros(HV, K, V, dtype=torch.float64)
+            for j in range(r + context.post_num_ranks, r, -1):
+                g = ag[j][..., V:].double() @ g + ag[j][..., :V].double()
+            dht[-1] = g.float()
+        return dht, None
+
+    def local_forward(t, params, context, h0, dht=None, d_o=None):
+        q, k, v, d, beta = C._prepare(t, params)
+        heads, scale = C._heads(q.shape[2], v.shape[2], q.device), C._scale(params, q.shape[3])
+        cu, rows, loss = context.cu_seqlens, [], 0
+        for j in range(len(cu) - 1):
+            start = h0[j].double() if j == 0 else torch.zeros_like(h0[0], dtype=torch.float64)
+            o, Z = C._run(q, k, v, d, beta, cu[j], cu[j + 1], start, scale, heads)
+            rows.append(o)
+            if d_o is not None:
+                loss = loss + (o * d_o[0, cu[j]:cu[j + 1]].double()).sum()
+                if j == len(cu) - 2:
+                    loss = loss + (Z * dht[-1].double()).sum()
+        return torch.cat(rows).unsqueeze(0), loss, (q, k, v, d, beta, scale, heads)
+
+    class ChunkKda(torch.autograd.Function):
+        @staticmethod
+        def forward(fctx, params, context, q, k, v, g, beta, A_log, dt_bias):
+            t = {n: x.detach().double() for n, x in dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log,
+                                                         dt_bias=dt_bias).items() if x is not None}
+            _, _, prep = local_forward(t, params, context, torch.zeros(1, v.shape[2], q.shape[3], v.shape[3]))
+            h0 = kfwd.chunk_gated_delta_rule_fwd_h_pre_process(prep, context)
+            o, _, _ = local_forward(t, params, context, h0)
+            fctx.save_for_backward(q, k, v, g, beta, *(x for x in (A_log, dt_bias) if x is not None))
+            fctx.extra = (params, context, h0, A_log is not None, dt_bias is not None)
+            return o.to(torch.bfloat16)
+
+        @staticmethod
+        def backward(fctx, d_o):
+            params, context, h0, has_a, has_b = fctx.extra
+            saved = list(fctx.saved_tensors)
+            names = ["q", "k", "v", "g", "beta"] + (["A_log"] if has_a else []) + (["dt_bias"] if has_b else [])
+            with torch.enable_grad():
+                t = {n: x.detach().double().requires_grad_(True) for n, x in zip(names, saved)}
+                _, _, prep = local_forward({n: x.detach() for n, x in t.items()}, params, context, h0)
+                dht, _ = kbwd.chunk_gated_delta_rule_bwd_dhu_pre_process(prep, d_o, context)
+                _, loss, _ = local_forward(t, params, context, h0, dht, d_o)
+                grads = dict(zip(names, torch.autograd.grad(loss, [t[n] for n in names])))
+            dtypes = {n: x.dtype for n, x in zip(names, saved)}
+            return (None, None) + tuple(grads[n].to(dtypes[n]) if n in grads else None
+                                        for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"))
+
+    def chunk_kda(q, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=False, cp_context=None,
+                  use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
+                  use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, **kw):
+        gate = "log_decay" if not use_gate_in_kernel else ("lower_bound" if lower_bound is not None else "softplus")
+        beta_form = "as_given" if not use_beta_sigmoid_in_kernel else ("two_sigmoid" if allow_neg_eigval else "sigmoid")
+        params = dict(gate=gate, lower_bound=lower_bound, beta=beta_form, qk_l2norm=use_qk_l2norm_in_kernel, scale=scale)
+        return ChunkKda.apply(params, cp_context, q, k, v, g, beta, A_log, dt_bias), None
+
+    cdh.all_gather_into_tensor = all_gather_into_tensor
+    cdh.chunk_gated_delta_rule_fwd_h_pre_process = fwd_pre
+    cdh.chunk_gated_delta_rule_bwd_dhu_pre_process = bwd_pre
+    kfwd.chunk_gated_delta_rule_fwd_h_pre_process = fwd_pre  # imported by name, as FLA's chunk_fwd does
+    kbwd.chunk_gated_delta_rule_bwd_dhu_pre_process = bwd_pre
+    mods["fla.ops.cp"].build_cp_context = build_cp_context
+    mods["fla.ops.kda"].chunk_kda = chunk_kda
+    mods["fla"].ops, mods["fla.ops"].cp, mods["fla.ops"].kda = mods["fla.ops"], mods["fla.ops.cp"], mods["fla.ops.kda"]
+    mods["fla.ops.cp"].chunk_delta_h = cdh
+    mods["fla.ops.kda"].chunk_fwd, mods["fla.ops.kda"].chunk_bwd = kfwd, kbwd
+    return mods
+
+
+class FlaOnFakeFla(C.FlaCpAdapter):
+    """FlaCpAdapter itself (its kwargs, capture, forward_rank, backward_rank, rules) on the CPU."""
+
+    backend = "gloo"
+    requires_cuda = False
+
+    def load(self):
+        import fla.ops.cp  # noqa: F401  (the fake, in sys.modules)
+
+    def rank_device(self, rank):
+        return torch.device("cpu")
+
+
+@needs_core
+@pytest.mark.parametrize("P", (2, 4))
+def test_fla_adapter_plumbing_on_a_fake_fla(P, monkeypatch):
+    for name, mod in _fake_fla().items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    adapter = FlaOnFakeFla(P, backend="gloo")
+    assert adapter.available(), adapter.unavailable_reason
+    results = _run_all(adapter)
+    assert len(results) == 3 + (P == 2)
+    for key, res in results.items():
+        assert res.status == "pass", f"{key}: {res.reason}"
+    fwd = results[("cp_forward", C.synthetic_name(P, True))]
+    assert "o under contract fla_chunk" in fwd.reason
+    w = fwd.extra["ranks"][0]["wire"]["forward"]
+    assert w["ops"] == ["all_gather(float32)"] and w["gathered_bytes"] == 4 * P * 4 * 16 * 32
+    judged = [n for row in fwd.extra["ranks"] for n, t in row["tensors"].items() if t.get("status") == "pass"]
+    assert judged.count("fragment_transition") == max(0, P - 3) and judged.count("entering_state") == P
+    bwd = results[("cp_backward", C.synthetic_name(P, True))]
+    assert all(row["tensors"]["arriving_state_gradient"]["status"] == "pass" for row in bwd.extra["ranks"]
+               if row["rank"] != "sum")
+    assert "refused on every rank" in results[("cp_uneven_tokens", C.synthetic_name(P))].reason

@@ -559,7 +559,8 @@ class FlaCpAdapter(TorchCpAdapter):
             if d_o is not None:
                 counter.phase = "backward"
                 o.backward(d_o.to(dev).to(o.dtype))
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         return o, leaves
 
     def forward_rank(self, ctx, local, params):
