@@ -73,7 +73,9 @@ RC_GTEST_PROP(DualHighPrecision, ElementaryFunctionsMatchFiniteDifferences, ()) 
   const Dual<HP> y = composite(Dual<HP>::variable(x));
   const HP fd = central_difference([&](const HP& t) { return composite(t); }, x);
   RC_ASSERT(y.value() == composite(x));
-  RC_ASSERT(abs(y.tangent() - fd) <= HP(1e-40) * (1 + abs(fd)));
+  // Measured over 1300 cases (seeds 20261130, 1-12): at most 1.8e-49, the h^2 truncation;
+  // the bound is about 50x that.
+  RC_ASSERT(abs(y.tangent() - fd) <= HP(1e-47) * (1 + abs(fd)));
 }
 
 TEST(Dual, ComparisonsLookAtTheValueOnly) {
