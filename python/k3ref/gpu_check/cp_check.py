@@ -399,8 +399,10 @@ class TorchCpAdapter(Adapter):
             loss = loss + (o * d_o[0, a:b]).sum()
             if j == len(s.local_cu) - 2 and s.carries:
                 loss = loss + (Z * arrive).sum()
-        names = [n for n in leaves if loss.requires_grad]
-        grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True) if names else []
+        names = list(leaves)
+        # An empty slice (or one whose loss reads no input) has zero gradients, of its own shape.
+        grads = (torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True) if loss.requires_grad
+                 else [None] * len(names))
         out = {"d" + n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(names, grads)}
         out["cp_entering_states"] = entering
         out["cp_entering_state_gradients"] = lam
