@@ -767,7 +767,8 @@ def launch(adapter, items, timeout=None):
     P = adapter.ranks
     timeout = float(os.environ.get("K3REF_CP_TIMEOUT", LAUNCH_TIMEOUT_S)) if timeout is None else timeout
     with tempfile.TemporaryDirectory(prefix="k3ref_cp_") as outdir:
-        method = "spawn" if adapter.backend == "nccl" else "fork"
+        # fork is cheap and keeps the parent's modules; CUDA needs spawn. $K3REF_CP_START_METHOD overrides.
+        method = os.environ.get("K3REF_CP_START_METHOD") or ("spawn" if adapter.backend == "nccl" else "fork")
         error = None
         t0 = time.perf_counter()
         try:
