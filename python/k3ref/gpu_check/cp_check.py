@@ -39,7 +39,6 @@ A rank that raises or a launch that times out is an error of every check of that
 k3ref.gpu_check.cp_check:cp_adapters` with $K3REF_CP_RANKS, $K3REF_CP_BACKEND, $K3REF_CP_KERNEL).
 """
 import datetime
-import math
 import os
 import sys
 import tempfile
@@ -568,7 +567,7 @@ class FlaCpAdapter(TorchCpAdapter):
     def forward_rank(self, ctx, local, params):
         seen = {}
         o, _ = self._run_fla(ctx, local, params, seen)
-        HV, V = o.shape[2], o.shape[3]
+        V = o.shape[3]
         hm = seen["gathered_inputs"][0]  # [HV, K, V + K]: the state, then the transition
         return {"o": o.detach(), "fragment_state": hm[..., :V], "fragment_transition": hm[..., V:],
                 "entering_state": seen.get("entering")}
