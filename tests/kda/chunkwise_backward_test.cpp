@@ -123,5 +123,25 @@ TEST(KdaChunkwiseBackward, ZeroDecayIsRefusedWithTheArgumentNamed) {
   }
 }
 
+// Gates steep enough that a cumulative decay over one chunk underflows double (e^-50 per
+// token, 16 tokens: e^-800 < 2^-1074): the inverse-decay form cannot run, and says so
+// instead of returning NaN gradients. One chunk of 8 tokens (e^-400, inverse finite) runs.
+TEST(KdaChunkwiseBackward, InverseDecayOverflowInDoubleIsRefused) {
+  const std::int64_t T = 16;
+  Inputs<double> in{Tensor<double>({1, T, 1, 2}, 0.5), Tensor<double>({1, T, 1, 2}, 0.5), Tensor<double>({1, T, 1, 2}, 1.0),
+                    Tensor<double>({1, T, 1, 2}, -50.0), Tensor<double>({1, T, 1}, 0.5), std::nullopt, std::nullopt,
+                    std::nullopt, std::nullopt};
+  const Cotangents<double> cot{Tensor<double>({1, T, 1, 2}, 1.0), std::nullopt};
+  try {
+    chunkwise_backward(in, Options<double>{}, cot, 16);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("no finite inverse"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'g'"), std::string::npos) << e.what();
+  }
+  const auto g = chunkwise_backward(in, Options<double>{}, cot, 8).gradients;
+  for (double x : g.dq.values()) EXPECT_TRUE(std::isfinite(x));
+}
+
 }  // namespace
 }  // namespace k3ref::kda

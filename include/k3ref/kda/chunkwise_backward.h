@@ -63,6 +63,17 @@ std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
   fopt.output_all_states = false;
   const ChunkStages<S> st = *chunkwise_core(p, initial_state, fopt, d, copt).stages;
   const std::int64_t C = st.chunk_size, K = d.K, V = d.V;
+  // The inverse-decay form divides by cumulative decays; in a format with a finite range
+  // 1 / a overflows for steep gates over a chunk (proofs/inverse_decay_overflow.md). Refuse
+  // rather than return gradients that are NaN without saying so.
+  if constexpr (std::is_floating_point_v<S>) {
+    for (std::int64_t i = 0; i < st.decay.numel(); ++i)
+      if (!std::isfinite(S(1) / st.decay.data()[i]))
+        throw InvalidArgument("kda::chunkwise_backward: argument 'g': a cumulative decay of " +
+                              std::to_string(static_cast<double>(st.decay.data()[i])) + " within a chunk of " +
+                              std::to_string(C) + " tokens has no finite inverse in this scalar type (the "
+                              "inverse-decay form overflows); use a smaller chunk_size or a wider tier");
+  }
   const std::int64_t chunks = st.chunk_starts.dim(0);
 
   ChunkBackwardStages<S> bs;
