@@ -374,6 +374,12 @@ class Warmup(unittest.TestCase):
                     s.recipe = {"config": dict(checks.CONFIGS[0], H=g["H"], HV=g["HV"], K=g["K"], V=g["V"]),
                                 "T": 20, "cu_seqlens": None}
                 rec = warmup.run(plan, [a], "cpu", jobs=2)
+                # The same units again into the same cache directory: recorded as finished, so no
+                # worker starts; a unit of another shape is not taken as warm.
+                warmup.write_record(rec, cache)
+                again = warmup.run(plan, [a], "cpu", jobs=2, warm=warmup.warm_keys(cache))
+                other_group = next(iter(plan.groups()))[1]
+                other = warmup.unit_key(a.name, other_group, [{"T": 21}])
             finally:
                 sys.path.remove(d)
                 sys.modules.pop("speed_kernel", None)
@@ -394,6 +400,10 @@ class Warmup(unittest.TestCase):
                             "the two workers did not overlap")
             self.assertEqual(len(list((cache / "triton").glob("kernel_*"))), 3)
             self.assertEqual(cache, Path(d) / "cache")
+            self.assertEqual([g["status"] for g in again["groups"]], ["warm", "warm"])
+            self.assertEqual(again["totals"]["compiles"], 0)
+            self.assertEqual({g["key"] for g in again["groups"]}, {g["key"] for g in rec["groups"]})
+            self.assertNotIn(other, {g["key"] for g in rec["groups"]})
 
 
 class CommandLine(unittest.TestCase):

@@ -197,17 +197,56 @@ def _run_unit(unit, device, timeout, env):
         return rec
 
 
-def run(plan, adapters, device, jobs=None, timeout=1800.0, progress=None, env=None):
+def run(plan, adapters, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None):
     """Warms up every group of the plan, `jobs` worker processes at a time. Returns the
-    record: {jobs, wall_s, groups: [per group], totals}."""
-    return run_units(units(plan, adapters), device, jobs, timeout, progress, env)
+    record: {jobs, wall_s, groups: [per group], totals}. `warm`: keys (unit_key) of units an
+    earlier warm-up finished into the same cache directory; they are not run again."""
+    return run_units(units(plan, adapters), device, jobs, timeout, progress, env, warm)
 
 
-def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None):
+def versions():
+    """What a compiled kernel depends on besides its shape: a cache written under other
+    versions is not taken as warm."""
+    out = {"python": sys.version.split()[0]}
+    for mod in ("torch", "triton"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            out[mod] = None
+    return out
+
+
+def unit_key(adapter_name, group, recipes):
+    return json.dumps([adapter_name, sorted(dict(group).items()), recipes, versions()], sort_keys=True, default=str)
+
+
+def warm_keys(directory):
+    """Keys of the units recorded as finished ('ok') in DIR/warmup.json. Each worker only
+    compiles into the Triton cache of DIR, so a unit finished there is compiled and autotuned:
+    running it again costs a process start and imports (about 20 s for FLA) and compiles
+    nothing. If DIR/triton was emptied by hand, the checks compile what they need (slower,
+    not wrong)."""
+    path = Path(directory) / "warmup.json" if directory else None
+    if path is None or not path.is_file():
+        return set()
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return set()
+    return {g["key"] for g in record.get("groups", []) if g.get("status") in ("ok", "warm") and g.get("key")}
+
+
+def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None):
     jobs = max(1, int(jobs or os.cpu_count() or 1))
     todo, skipped = [], []
+    warm = warm or set()
     for unit in work:
         a = unit[0]
+        key = unit_key(a.name, unit[1], unit[2])
+        if key in warm:
+            skipped.append({"adapter": a.name, "group": dict(unit[1]), "shapes": len(unit[2]), "status": "warm",
+                            "reason": "compiled into this cache directory by an earlier warm-up", "key": key})
+            continue
         why = a.probe(device) if hasattr(a, "probe") else None
         if why:
             skipped.append({"adapter": a.name, "group": dict(unit[1]), "shapes": len(unit[2]), "status": "skipped",
@@ -219,6 +258,7 @@ def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None):
 
     def one(unit):
         rec = _run_unit(unit, device, timeout, env or {})
+        rec["key"] = unit_key(unit[0].name, unit[1], unit[2])
         if progress:
             progress(f"warm-up {rec['adapter']} {short_group(rec['group'])}: {rec.get('status')} "
                      f"{rec.get('wall_s', 0):.1f}s (compile {rec.get('compile_s', 0):.1f}s, "
@@ -289,9 +329,10 @@ def prepare(args, tests, suite, adapters):
             "shape_plan": plan.summary(), "autotune_configs": os.environ[autotune.MODE_VARIABLE]}
     if not getattr(args, "no_warmup", False) and plan.shapes:
         record = run(plan, adapters, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
-                     progress=lambda line: print(line, flush=True))
+                     progress=lambda line: print(line, flush=True),
+                     warm=warm_keys(os.environ.get(CACHE_VARIABLE)))
         info["warmup"] = record
-        if any(g.get("status") != "skipped" for g in record["groups"]):
+        if any(g.get("status") not in ("skipped", "warm") for g in record["groups"]):
             write_record(record, os.environ.get(CACHE_VARIABLE) or ".")
         print(table(record), flush=True)
     s = info["shape_plan"]
@@ -341,7 +382,7 @@ def command(args):
         print(json.dumps(s["shapes"]))
         return 0
     record = run(plan, adapters, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
-                 progress=lambda line: print(line, flush=True))
+                 progress=lambda line: print(line, flush=True), warm=warm_keys(os.environ.get(CACHE_VARIABLE)))
     record["shape_plan"] = s
     write_record(record, os.environ.get(CACHE_VARIABLE))
     print(table(record))
