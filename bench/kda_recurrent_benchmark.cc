@@ -1,5 +1,5 @@
-// Throughput of the double KDA recurrence in token-heads per second, at the
-// sizes of a K3 layer (K = V = 128, T = 4096, H = 4). bench/compare_with_torch.py runs it
+// Throughput of the double KDA recurrence in token-heads per second, at
+// K = V = 128, T = 4096, H = 4. bench/compare_with_torch.py runs it
 // beside a plain PyTorch float64 loop of the same recurrence and prints the ratio.
 #include <benchmark/benchmark.h>
 
