@@ -3,7 +3,7 @@
 does at the edges of its serving arguments, as read from fla/ops/kda/fused_recurrent.py
 (docs/serving.md). Each prints what it observed and whether that matches the prediction.
 Needs a CUDA device and FLA (set K3REF_FLA_PATH to a checkout); exit 77 otherwise.
-Not part of the CPU test suite. Usage: fla_serving_repros.py
+Not part of the CPU test suite. Usage: K3REF_FLA_PATH=<dir holding fla> python3 repro.py
 """
 import os
 import sys
