@@ -43,21 +43,7 @@ py::dict kda_chunkwise(const py::dict& inputs, const py::dict& options, const st
     put_outputs(r, out.out);
     if (out.stages) {
       const auto& st = *out.stages;
-      auto stage = [&](const char* name, const Tensor<S>& t) {
-        if (t.rank() != 0) r[name] = to_numpy(t);  // rank 0: a tensor this form does not have
-      };
-      stage("decay", st.decay);
-      stage("q_decay", st.q_decay);
-      stage("k_decay", st.k_decay);
-      stage("k_inv", st.k_inv);
-      stage("k_restore", st.k_restore);
-      stage("L", st.L);
-      stage("INV", st.inv);
-      stage("M_qk", st.m_qk);
-      stage("w", st.w);
-      stage("u_pre", st.u_pre);
-      stage("u", st.u);
-      stage("chunk_states", st.chunk_states);
+      kda::for_each_stage(st, [&](const char* name, const Tensor<S>& t) { r[name] = to_numpy(t); });
       r["chunk_starts"] = to_numpy(st.chunk_starts);
     }
     return r;

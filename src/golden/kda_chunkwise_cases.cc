@@ -41,23 +41,10 @@ io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
   out.final_state = round_to_double(*exact.out.final_state);
   kda::add_outputs(file, out);
   std::string names = "o,final_state";
-  auto stage = [&](const char* name, const Tensor<G>& t) {
-    if (t.rank() == 0) return;  // a tensor the form does not have
+  kda::for_each_stage(st, [&](const char* name, const Tensor<G>& t) {
     file.tensors.emplace_back(name, io::from_f64(round_to_double(t), DType::F64));
     names += std::string(",") + name;
-  };
-  stage("decay", st.decay);
-  stage("q_decay", st.q_decay);
-  stage("k_decay", st.k_decay);
-  stage("k_inv", st.k_inv);
-  stage("k_restore", st.k_restore);
-  stage("L", st.L);
-  stage("INV", st.inv);
-  stage("M_qk", st.m_qk);
-  stage("w", st.w);
-  stage("u_pre", st.u_pre);
-  stage("u", st.u);
-  stage("chunk_states", st.chunk_states);
+  });
   file.tensors.emplace_back("chunk_starts", io::from_i64(st.chunk_starts, DType::I64));
   file.metadata = metadata_of(c, golden_float_precision(), names);
   return file;

@@ -26,6 +26,7 @@
 
 #include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "k3ref/kda/precision_contract.h"
@@ -85,6 +86,19 @@ struct ChunkStages {
   Tensor<S> chunk_states;  // [chunks, HV, K, V] (V-first from chunkwise_forward if the options say so): state entering each chunk
   Tensor<std::int64_t> chunk_starts;  // [chunks, 3]: batch row, first token, length
 };
+
+// Calls f(name, tensor) for each floating-point stage tensor the form has (a tensor of rank 0
+// is one it does not have), in the order and under the names of the stage goldens
+// (docs/chunkwise.md); `chunk_starts` is the integer index beside them.
+template <class S, class F>
+void for_each_stage(const ChunkStages<S>& st, F&& f) {
+  const std::pair<const char*, const Tensor<S>*> stages[] = {
+      {"decay", &st.decay}, {"q_decay", &st.q_decay}, {"k_decay", &st.k_decay}, {"k_inv", &st.k_inv},
+      {"k_restore", &st.k_restore}, {"L", &st.L}, {"INV", &st.inv}, {"M_qk", &st.m_qk}, {"w", &st.w},
+      {"u_pre", &st.u_pre}, {"u", &st.u}, {"chunk_states", &st.chunk_states}};
+  for (const auto& [name, t] : stages)
+    if (t->rank() != 0) f(name, *t);
+}
 
 template <class S>
 struct ChunkwiseOutputs {
