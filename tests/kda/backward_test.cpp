@@ -86,16 +86,7 @@ Inputs<To> lift(const Inputs<From>& in) {
 }
 template <class To, class From>
 Options<To> lift(const Options<From>& o) {
-  Options<To> r;
-  if (o.scale) r.scale = To(*o.scale);
-  if (o.lower_bound) r.lower_bound = To(*o.lower_bound);
-  r.qk_l2norm = o.qk_l2norm;
-  r.gate = o.gate;
-  r.gate_base = o.gate_base;
-  r.beta = o.beta;
-  r.state_layout = o.state_layout;
-  r.num_threads = o.num_threads;
-  return r;
+  return convert_options<To>(o);
 }
 
 // L = sum o . dO + sum S_T . dF by the forward itself.

@@ -508,22 +508,6 @@ void flashkda_item(const KernelContract& c, const PreparedInputs<S>& p, const Di
   }
 }
 
-template <class T, class S>
-Options<T> convert_options(const Options<S>& o) {
-  Options<T> r;
-  r.gate = o.gate;
-  r.gate_base = o.gate_base;
-  r.beta = o.beta;
-  r.qk_l2norm = o.qk_l2norm;
-  r.state_layout = o.state_layout;
-  r.output_all_states = o.output_all_states;
-  r.output_final_state = o.output_final_state;
-  r.num_threads = o.num_threads;
-  if (o.scale) r.scale = static_cast<T>(*o.scale);
-  if (o.lower_bound) r.lower_bound = static_cast<T>(*o.lower_bound);
-  return r;
-}
-
 }  // namespace detail
 
 // The kernel's contract evaluated on `in` with the options of `k3ref kda`: o and the final
@@ -554,7 +538,7 @@ Outputs<S> evaluate_contract(const KernelContract& c, const Inputs<S>& in, const
       f.A_log = narrow_opt(in.A_log);
       f.dt_bias = narrow_opt(in.dt_bias);
       f.cu_seqlens = in.cu_seqlens;
-      const Outputs<float> rf = recurrent_forward(f, detail::convert_options<float>(opt));
+      const Outputs<float> rf = recurrent_forward(f, convert_options<float>(opt));
       Outputs<double> r;
       r.o = rf.o.map<double>([&](float v) { return c.round(Site::output, static_cast<double>(v)); });
       if (rf.final_state) r.final_state = rf.final_state->map<double>([](float v) { return static_cast<double>(v); });

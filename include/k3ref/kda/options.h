@@ -59,6 +59,23 @@ struct Options {
   int num_threads = 1;             // parallel over (sequence, value head); never changes a result
 };
 
+// The same options for another scalar (the two numeric fields converted, the rest copied).
+template <class To, class From>
+Options<To> convert_options(const Options<From>& o) {
+  Options<To> r;
+  if (o.scale) r.scale = static_cast<To>(*o.scale);
+  r.qk_l2norm = o.qk_l2norm;
+  r.gate = o.gate;
+  r.gate_base = o.gate_base;
+  if (o.lower_bound) r.lower_bound = static_cast<To>(*o.lower_bound);
+  r.beta = o.beta;
+  r.state_layout = o.state_layout;
+  r.output_final_state = o.output_final_state;
+  r.output_all_states = o.output_all_states;
+  r.num_threads = o.num_threads;
+  return r;
+}
+
 template <class S>
 struct Inputs {
   Tensor<S> q;     // [B, T, H, K]
