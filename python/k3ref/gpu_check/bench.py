@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from . import lib, metrics, reference
+from . import checks, lib, metrics, reference
 
 
 def _median_ms(fn, reps=5):
@@ -107,8 +107,8 @@ def reference_agreement(T=300, H=2, K=128, V=128):
     o, f = lib.kda_forward(inputs, params, precision=0)
     o_t, f_t = reference.kda_forward(inputs, params)
     m = metrics.compare_torch(o, o_t, torch.float64)
-    first = {k: (v[:, :131].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in inputs.items()}
-    second = {k: (v[:, 131:].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in inputs.items()}
+    first = checks.token_range(inputs, 0, 131)
+    second = checks.token_range(inputs, 131, None)
     o1, f1 = lib.kda_forward(first, params, precision=0)
     second["initial_state"] = f1
     o2, f2 = lib.kda_forward(second, params, precision=0)

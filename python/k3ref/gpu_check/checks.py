@@ -132,6 +132,15 @@ def _multiple(adapter):
     return rule.multiple if rule is not None and rule.metric == "floor" else 4.0
 
 
+TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
+
+
+def token_range(inputs, start, stop):
+    """The inputs of tokens [start, stop) (contiguous copies); per-sequence and per-head
+    inputs (initial state, A_log, dt_bias, cu_seqlens) as they are."""
+    return {k: (v[:, start:stop].contiguous() if k in TOKEN_INPUTS else v) for k, v in inputs.items()}
+
+
 def _snapshot(inputs):
     return {k: v.clone() for k, v in inputs.items()}
 
@@ -272,7 +281,7 @@ def check_suffix(adapter, device, seed=2):
 
     def body():
         inputs, params = make_problem(c, T_META + 28, seed, device)
-        short = {k: (v[:, :T_META].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in inputs.items()}
+        short = token_range(inputs, 0, T_META)
         o_long, _ = _run(adapter, inputs, params)
         o_short, _ = _run(adapter, short, params)
         ok, reason, ratio = _agree(o_short, o_long[:, :T_META].contiguous(), _multiple(adapter))
@@ -294,7 +303,7 @@ def check_varlen(adapter, device, seed=3):
         o_var, f_var = _run(adapter, inputs, params)
         worst = (True, "bitwise equal", 0.0)
         for n, (b, e) in enumerate(zip(cu[:-1], cu[1:])):
-            part = {k: (v[:, b:e].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in inputs.items()}
+            part = token_range(inputs, b, e)
             part.pop("cu_seqlens")
             part["initial_state"] = inputs["initial_state"][n : n + 1].contiguous()
             p = dict(params, cu_seqlens=None)
@@ -321,8 +330,8 @@ def check_split(adapter, device, seed=4):
     def body():
         inputs, params = make_problem(c, T_META, seed, device)
         o_full, f_full = _run(adapter, inputs, params)
-        first = {k: (v[:, :P_SPLIT].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in inputs.items()}
-        second = {k: (v[:, P_SPLIT:].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in inputs.items()}
+        first = token_range(inputs, 0, P_SPLIT)
+        second = token_range(inputs, P_SPLIT, None)
         o1, f1 = _run(adapter, first, params)
         second["initial_state"] = f1.float().contiguous()
         o2, f2 = _run(adapter, second, params)
