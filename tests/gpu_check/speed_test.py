@@ -345,8 +345,52 @@ FAKE = {
                 q = inputs["q"]
                 TUNER.run((q.shape[2], q.shape[3], inputs["v"].shape[3], "cu_seqlens" in inputs))
                 return super().run(inputs, params)
+        class CrashKernel(WarmKernel):
+            # dies (exit code 3) on K = 16 and sleeps past any timeout on V = 24: what a kernel
+            # that aborts or hangs does to a warm-up worker
+            def run(self, inputs, params, out=None):
+                import os, time
+                if inputs["q"].shape[3] == 16:
+                    os._exit(3)
+                if inputs["v"].shape[3] == 24:
+                    time.sleep(60)
+                return super().run(inputs, params)
         """),
 }
+
+
+class FakeTriton:
+    """The stand-ins above on sys.path in a temporary directory, the cache configured into
+    it; restores sys.path, the modules and the environment."""
+
+    def __enter__(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        d = self.d = self.tmp.name
+        for rel, text in FAKE.items():
+            (Path(d) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(d) / rel).write_text(text)
+        sys.path.insert(0, d)
+        self.saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", warmup.CACHE_VARIABLE, "TRITON_CACHE_AUTOTUNING")}
+        self.cache = warmup.configure_cache(Path(d) / "cache")
+        import speed_kernel
+
+        return speed_kernel
+
+    def __exit__(self, *exc):
+        sys.path.remove(self.d)
+        sys.modules.pop("speed_kernel", None)
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self.tmp.cleanup()
+
+
+def unit_of(adapter, H, K, V, T=20):
+    """One warm-up unit of one config-built shape (the recipe the checks' shapes use)."""
+    group = (("H", H), ("HV", H), ("K", K), ("V", V))
+    return (adapter, group, [{"config": dict(checks.CONFIGS[0], H=H, HV=H, K=K, V=V), "T": T, "cu_seqlens": None}])
 
 
 class Warmup(unittest.TestCase):
@@ -404,6 +448,40 @@ class Warmup(unittest.TestCase):
             self.assertEqual(again["totals"]["compiles"], 0)
             self.assertEqual({g["key"] for g in again["groups"]}, {g["key"] for g in rec["groups"]})
             self.assertNotIn(other, {g["key"] for g in rec["groups"]})
+
+
+    def test_one_worker_runs_every_unit_costliest_first(self):
+        with FakeTriton() as k:
+            a = k.WarmKernel()
+            light = unit_of(a, 1, 16, 16)
+            heavy = (a, (("H", 2), ("HV", 2), ("K", 32), ("V", 32)), unit_of(a, 2, 32, 32)[2] * 3)
+            rec = warmup.run_units([light, heavy], "cpu", jobs=1)
+        self.assertEqual(rec["errors"], 0, json.dumps(rec["groups"])[:2000])
+        g_light, g_heavy = rec["groups"]  # in the order given
+        self.assertEqual((g_light["shapes"], g_heavy["shapes"]), (1, 3))
+        self.assertLess(g_heavy["finished"], g_light["started"], "the costlier unit did not run first")
+        self.assertEqual(g_light["pid"], g_heavy["pid"], "the second unit did not reuse the worker")
+        self.assertEqual((g_light["worker_process"], g_heavy["worker_process"]), (1, 1))
+        self.assertEqual(rec["totals"]["worker_processes"], 1)
+        # counters per unit, not cumulative over the worker's life
+        self.assertEqual((g_heavy["compiles"], g_light["compiles"]), (3, 1))
+
+    def test_a_unit_that_kills_or_hangs_its_worker_is_its_error_and_the_next_gets_a_new_one(self):
+        with FakeTriton() as k:
+            a = k.CrashKernel()
+            a.warmup_weight = 1
+            crash, hang, fine = unit_of(a, 1, 16, 16), unit_of(a, 1, 32, 24), unit_of(a, 1, 32, 32)
+            crash = (a, crash[1], crash[2] * 3)  # costliest: runs first
+            hang = (a, hang[1], hang[2] * 2)     # then this one
+            rec = warmup.run_units([fine, hang, crash], "cpu", jobs=1, timeout=4.0)
+        g_fine, g_hang, g_crash = rec["groups"]
+        self.assertEqual(rec["errors"], 2)
+        self.assertEqual(g_crash["status"], "error")
+        self.assertIn("warm-up worker exited with 3", g_crash["reason"])
+        self.assertEqual(g_hang["status"], "error")
+        self.assertIn("killed after 4 s", g_hang["reason"])
+        self.assertEqual(g_fine["status"], "ok", g_fine)
+        self.assertEqual(g_fine["worker_process"], 3, "a new worker after the crash and after the hang")
 
 
 class CommandLine(unittest.TestCase):

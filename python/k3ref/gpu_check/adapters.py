@@ -245,6 +245,9 @@ class FlaAdapter(KdaAdapter):
             self.contract = ("Triton; chunks of 64 in UT form, bf16 tensor-core products with fp32 accumulation, "
                              "fp32 state, output rounded to bf16")
             self.contract_name = "fla_chunk_safe_gate" if safe_gate else "fla_chunk"
+            # The warm-up's scheduler starts the costliest units first: a chunk_kda group autotunes
+            # 50-110 configurations (~150 s on a busy H200), a fused_recurrent group compiles one (~1 s).
+            self.warmup_weight = 100
 
     def load(self):
         _need_cuda()

@@ -798,6 +798,7 @@ class FlaChunkIntermediateAdapter(ServingAdapter):
     # H200 (1.34e-3 on the sequences with tokens, FLA bc3b101d); empty sequences stay bitwise.
     state_bound = Bound(torch.bfloat16, 4.0)
     varlen_shape = dict(H=1, HV=2, K=16, V=32)
+    warmup_weight = 100  # chunk_kda autotunes (warmup.cost_estimate)
     h_bound = Bound(torch.bfloat16, 3.0)
     policy = "floor:3"
     policy_reason = "chunked UT transform, bf16 products (2.0x-2.7x the bf16 floor on o), h stored in bf16"

@@ -12,10 +12,11 @@ after the run and restores it before the next (docs/verify-your-kernel.md); the 
 record is DIR/warmup.json. TRITON_CACHE_AUTOTUNING=1 (unless set) extends the autotune cache to
 every autotuner.
 
-The warm-up takes the shape plan (shapes.py) and starts one worker process per shape group of
-the kernels compiled at run time (Triton), at most `--jobs` at a time (default: the CPU
-count). A worker loads the adapter once and runs the kernel on inputs of each of the group's
-shapes (the golden case itself, or the inputs the metamorphic check builds), so Triton
+The warm-up takes the shape plan (shapes.py): one unit per shape group of the kernels compiled
+at run time (Triton). `--jobs` worker processes (default: the CPU count) each take the next
+unit when free, costliest first (cost_estimate), and keep their imports from one unit to the
+next (torch and FLA cost ~20 s a process on a busy machine: paid per worker, not per unit).
+A unit loads the adapter and runs the kernel on inputs of each of the group's shapes (the golden case itself, or the inputs the metamorphic check builds), so Triton
 compiles and autotunes them into the cache; its results are discarded, only the time is kept:
 per group wall, compile and autotune seconds (timing.py's hooks), the number of
 compilations and configurations benchmarked, the autotuned kernels the calls reached with
@@ -85,17 +86,20 @@ def inputs_of(adapter, recipe, device):
 # --------------------------------------------------------------------------- the worker process
 
 def child(job_path, out_path):
-    """Runs one group's shapes (the job pickled at job_path); writes its record as JSON."""
+    """Runs one group's shapes (the job pickled at job_path); writes its record as JSON.
+    Called once per unit by a worker (serve): imports made for an earlier unit are kept, so
+    only a worker's first unit pays them (import_s); the counters are this unit's alone."""
     with open(job_path, "rb") as f:
         job = pickle.load(f)
     sys.path[:] = job["sys_path"]
     os.environ.update(job.get("env", {}))
     t0 = time.perf_counter()
-    rec = {"started": time.time(), "shapes": len(job["recipes"]), "errors": [], "kernels": []}
+    rec = {"started": time.time(), "shapes": len(job["recipes"]), "errors": [], "kernels": [], "pid": os.getpid()}
     from . import autotune, timing
 
     status = timing.install()
     rec["timing"] = dict(status)
+    before = timing.COUNTERS.snapshot()
     from .registry import import_module_of
 
     for spec in job.get("modules", ()):
@@ -132,10 +136,34 @@ def child(job_path, out_path):
         rec["kernels"] = [autotuner_info(u) for u in seen.values()]
         rec["uncovered_keys"] = uncovered_keys(rec["kernels"])
         rec["status"] = "error" if rec["errors"] else "ok"
-    rec.update(timing.COUNTERS.snapshot())
+    rec.update({k: v - before[k] for k, v in timing.COUNTERS.snapshot().items()})
     rec["wall_s"] = time.perf_counter() - t0
     rec["finished"] = time.time()
     Path(out_path).write_text(json.dumps(rec))
+    return 0
+
+
+DONE = "k3ref-warmup-done"
+
+
+def serve():
+    """A worker: runs units (a job path and an output path per line of stdin) one after the
+    other in this process and answers each with a line on the protocol stream. The imports of
+    torch and of the kernel (about 20 s for FLA on a busy machine) are paid once per worker,
+    not once per unit. Anything a kernel prints goes to stderr, so stdout carries only the
+    protocol."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        job_path, out_path = line.rstrip("\n").split("\t")
+        try:
+            child(job_path, out_path)
+        except BaseException as e:  # this unit's error; the worker takes the next one
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            Path(out_path).write_text(json.dumps({"status": "error", "errors": [f"{type(e).__name__}: {e}"[:300]],
+                                                  "reason": f"{type(e).__name__}: {e}"[:300]}))
+        proto.write(f"{DONE}\t{out_path}\n")
     return 0
 
 
@@ -164,12 +192,76 @@ def units(plan, adapters):
     return out
 
 
-def _run_unit(unit, device, timeout, env):
-    adapter, group, recipes = unit
-    package_root = str(Path(__file__).resolve().parents[2])
-    base = {"adapter": adapter.name, "group": dict(group), "shapes": len(recipes)}
-    with tempfile.TemporaryDirectory(prefix="k3ref_warmup_") as d:
-        job, out = Path(d) / "job.pickle", Path(d) / "out.json"
+class Worker:
+    """One warm-up worker process (serve) and the units sent to it. A unit that kills the
+    process or outlasts the timeout is that unit's error; the next unit gets a new process."""
+
+    def __init__(self, workdir):
+        self.workdir, self.proc, self.lines, self.stderr_path, self.started = workdir, None, None, None, 0
+
+    def _start(self):
+        import queue
+        import threading
+
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self.started += 1
+        self.stderr_path = Path(self.workdir) / f"stderr_{self.started}.txt"
+        with open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "k3ref.gpu_check.warmup", "--serve"], env=env,
+                                         text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+        self.lines = queue.Queue()
+
+        def read(stream, q):
+            for line in stream:
+                q.put(line)
+            q.put(None)  # end of stream: the process exited
+
+        threading.Thread(target=read, args=(self.proc.stdout, self.lines), daemon=True).start()
+
+    def _stderr_tail(self):
+        try:
+            tail = [line for line in self.stderr_path.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            tail = []
+        return tail[-1] if tail else "(no stderr)"
+
+    def _release(self):
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except Exception:
+                pass
+        self.proc = None
+
+    def _stop(self):
+        if self.proc is not None:
+            try:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+            except Exception:
+                pass
+            self._release()
+
+    def close(self):
+        """Ends the worker: stdin closed, so it leaves its loop and exits."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except Exception:
+            self._stop()
+            return
+        self._release()
+
+    def run(self, unit, device, timeout, env, index):
+        import queue
+
+        adapter, group, recipes = unit
+        base = {"adapter": adapter.name, "group": dict(group), "shapes": len(recipes)}
+        job, out = Path(self.workdir) / f"job_{index}.pickle", Path(self.workdir) / f"out_{index}.json"
         spec = getattr(adapter, "_k3ref_spec", None)
         try:
             payload = pickle.dumps({"sys_path": list(sys.path), "env": dict(env), "device": str(device),
@@ -178,23 +270,45 @@ def _run_unit(unit, device, timeout, env):
         except Exception as e:
             return dict(base, status="error", reason=f"the adapter cannot be pickled: {type(e).__name__}: {e}"[:300])
         job.write_bytes(payload)
-        child_env = dict(os.environ)
-        child_env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        first = self.started
         t0 = time.perf_counter()
         try:
-            p = subprocess.run([sys.executable, "-m", "k3ref.gpu_check.warmup", "--child", str(job), str(out)],
-                               env=child_env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return dict(base, status="error", reason=f"warm-up worker killed after {timeout:g} s",
-                        wall_s=time.perf_counter() - t0)
-        if p.returncode != 0 or not out.is_file():
-            tail = [line for line in (p.stderr or "").splitlines() if line.strip()]
-            return dict(base, status="error", wall_s=time.perf_counter() - t0,
-                        reason=f"warm-up worker exited with {p.returncode}: {tail[-1] if tail else '(no stderr)'}"[:300])
+            self.proc.stdin.write(f"{job}\t{out}\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # the process is gone; the read below sees the end of its stream
+        deadline = t0 + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                self._stop()
+                return dict(base, status="error", reason=f"warm-up worker killed after {timeout:g} s",
+                            wall_s=time.perf_counter() - t0)
+            if line is None:
+                rc = self.proc.wait()
+                self._release()
+                return dict(base, status="error", wall_s=time.perf_counter() - t0,
+                            reason=f"warm-up worker exited with {rc}: {self._stderr_tail()}"[:300])
+            if line.startswith(DONE):
+                break
+        if not out.is_file():
+            return dict(base, status="error", wall_s=time.perf_counter() - t0, reason="warm-up worker wrote no record")
         rec = json.loads(out.read_text())
         rec.update(base)
         rec["process_s"] = time.perf_counter() - t0
+        rec["worker_process"] = first
         return rec
+
+
+def cost_estimate(unit):
+    """What the scheduler sorts by, largest first (longest processing time first: the units
+    that autotune start before the ones that only compile, so none of them is left for the
+    end). An adapter may state `warmup_weight` (relative cost of one shape); the default is 1."""
+    adapter, _, recipes = unit
+    return float(getattr(adapter, "warmup_weight", 1) or 1) * max(1, len(recipes))
 
 
 def run(plan, adapters, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None):
@@ -254,23 +368,47 @@ def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, 
         else:
             todo.append(unit)
     t0 = time.perf_counter()
-    done = []
+    # Longest first, then `jobs` persistent workers each take the next unit when free.
+    order = sorted(range(len(todo)), key=lambda i: -cost_estimate(todo[i]))
+    done = [None] * len(todo)
+    import itertools
+    import threading
 
-    def one(unit):
-        rec = _run_unit(unit, device, timeout, env or {})
-        rec["key"] = unit_key(unit[0].name, unit[1], unit[2])
-        if progress:
-            progress(f"warm-up {rec['adapter']} {short_group(rec['group'])}: {rec.get('status')} "
-                     f"{rec.get('wall_s', 0):.1f}s (compile {rec.get('compile_s', 0):.1f}s, "
-                     f"autotune {rec.get('autotune_s', 0):.1f}s)")
-        return rec
+    lock, counter = threading.Lock(), itertools.count()
+    pending = iter(order)
+
+    def slot(workdir):
+        w = Worker(workdir)
+        try:
+            while True:
+                with lock:
+                    i = next(pending, None)
+                if i is None:
+                    return
+                unit = todo[i]
+                rec = w.run(unit, device, timeout, env or {}, next(counter))
+                rec["key"] = unit_key(unit[0].name, unit[1], unit[2])
+                rec["slot"] = Path(workdir).name
+                done[i] = rec
+                if progress:
+                    progress(f"warm-up {rec['adapter']} {short_group(rec['group'])}: {rec.get('status')} "
+                             f"{rec.get('wall_s', 0):.1f}s (import {rec.get('import_s', 0) or 0:.1f}s, compile "
+                             f"{rec.get('compile_s', 0):.1f}s, autotune {rec.get('autotune_s', 0):.1f}s)")
+        finally:
+            w.close()
 
     if todo:
-        with ThreadPoolExecutor(max_workers=min(jobs, len(todo))) as pool:
-            done = list(pool.map(one, todo))
+        with tempfile.TemporaryDirectory(prefix="k3ref_warmup_") as d:
+            n = min(jobs, len(todo))
+            dirs = [Path(d) / f"worker{j}" for j in range(n)]
+            for p in dirs:
+                p.mkdir()
+            with ThreadPoolExecutor(max_workers=n) as pool:
+                list(pool.map(slot, dirs))
     groups = done + skipped
     totals = {k: sum(g.get(k, 0) or 0 for g in groups) for k in ("compile_s", "autotune_s", "compiles",
-                                                               "configs_benchmarked")}
+                                                               "configs_benchmarked", "import_s")}
+    totals["worker_processes"] = len({(g.get("slot"), g.get("worker_process")) for g in done if g.get("slot")})
     return {"jobs": jobs, "wall_s": time.perf_counter() - t0, "groups": groups, "totals": totals,
             "errors": sum(g.get("status") == "error" for g in groups)}
 
@@ -456,7 +594,7 @@ def prop_rate(seconds, examples):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        sys.exit(child(sys.argv[2], sys.argv[3]))
-    print("usage: python3 -m k3ref.gpu_check warmup ... (the --child form is internal)", file=sys.stderr)
+    if len(sys.argv) == 2 and sys.argv[1] == "--serve":
+        sys.exit(serve())
+    print("usage: python3 -m k3ref.gpu_check warmup ... (the --serve form is internal)", file=sys.stderr)
     sys.exit(2)
