@@ -6,7 +6,8 @@ attention over N <= 32 stacked sources `V [N, B, T, D]` with a query `w_query [D
 RMSNorm weight `w_norm [D]`; `rstd = rsqrt(mean(v^2) + eps)` in fp32; the key is
 `(v * rstd)` ROUNDED TO w_norm's DTYPE, times w_norm; score = w_query . key; softmax over
 the N sources; h = sum alpha_i v_i in fp32, stored in V's dtype. It returns
-(h, V, alpha [B*T, N] fp32, rstd).
+(h, V, alpha [B*T, N] fp32, rstd). With w_norm in bf16 the product `x.to(bf16) * w_norm` is a
+bf16 multiplication: the key is rounded twice, x to bf16 and then the product to bf16.
 
 Mapping onto k3ref (docs/attnres.md): slot l of a full case attends over v_0 .. v_{l-1}
 with row l-1 of queries and norm_weights; a block case's slot attends over the block sums
@@ -16,10 +17,13 @@ and its outputs are judged against the reference on exactly those inputs (the k3
 at 256 bits, or fp64 PyTorch); the golden h itself is the reference of full cases, whose
 inputs are bf16-exact.
 
-Tolerance: the rounding of the key to bf16 is part of Liger's precision contract and
-dominates its error, so the floor is that contract evaluated in emulation (fp64 with the
-key rounded to bf16 and h rounded to bf16, `contract_forward`), and the policy is
-rel RMS(h) <= 2 x max(contract floor, bf16 output floor).
+Tolerance: the roundings of the key are part of Liger's precision contract and dominate its
+error, so the floor is that contract evaluated in emulation (fp64 with the normalised key
+rounded to bf16, the product with w_norm rounded to bf16, and h rounded to bf16,
+`contract_forward`), and the policy is rel RMS(h) <= 2 x max(contract floor, bf16 output floor).
+The first model rounded only the normalised key: on an H200 Liger failed 4 of 7 goldens at
+2.03x-2.24x of it, every miss one slot; a CPU stand-in with Liger's arithmetic gives the same
+slots at the same ratios, and with the product's rounding modelled all are within 1.0x.
 """
 import importlib
 import os
@@ -36,13 +40,15 @@ MULTIPLE = 2.0
 
 
 def rms_key(v, w_norm, eps, key_dtype):
-    """Liger's key: (v * rsqrt(mean(v^2) + eps)) rounded to key_dtype, times w_norm (fp64 otherwise)."""
+    """Liger's key: x = v * rsqrt(mean(v^2) + eps); with a key_dtype, x rounded to it and the
+    product x * w_norm rounded to it again (the kernel multiplies in that dtype); fp64 without."""
     v = v.to(torch.float64)
     rstd = torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
     x = v * rstd
-    if key_dtype is not None:
-        x = x.to(key_dtype).to(torch.float64)
-    return x * w_norm.to(torch.float64)
+    if key_dtype is None:
+        return x * w_norm.to(torch.float64)
+    x = x.to(key_dtype).to(torch.float64)
+    return (x * w_norm.to(torch.float64)).to(key_dtype).to(torch.float64)
 
 
 def exact_forward(V, w_query, w_norm, eps):
@@ -54,7 +60,7 @@ def exact_forward(V, w_query, w_norm, eps):
 
 
 def contract_forward(V, w_query, w_norm, eps):
-    """Liger's precision contract in emulation: the key rounded to w_norm's dtype, h to V's."""
+    """Liger's precision contract in emulation: the key rounded to w_norm's dtype twice (rms_key), h to V's."""
     k = rms_key(V, w_norm, eps, w_norm.dtype if w_norm.dtype != torch.float32 else None)
     alpha = torch.softmax((k * w_query.to(torch.float64)).sum(-1), dim=0)
     h = (alpha.unsqueeze(-1) * V.to(torch.float64)).sum(0)
@@ -88,9 +94,10 @@ class LigerAttnResAdapter(Adapter):
     kind = "kernel"
     golden_ops = ("attnres.full", "attnres.block", "attnres.phase1")
     policy = "liger-attnres"  # the policy table's; this adapter also takes the emulated contract floor when larger
-    policy_reason = (f"rel RMS of h <= {MULTIPLE:g} x max(bf16 floor, emulated contract: key rounded to bf16, "
-                     "fp32 softmax and sum)")
-    contract = "Triton; fp32 RMS norm and softmax, the normalised key rounded to bf16 before the weight, bf16 h"
+    policy_reason = (f"rel RMS of h <= {MULTIPLE:g} x max(bf16 floor, emulated contract: key rounded to bf16 "
+                     "before and after the weight, fp32 softmax and sum)")
+    contract = ("Triton; fp32 RMS norm and softmax, the normalised key rounded to bf16, its product with the "
+                "bf16 weight rounded to bf16, bf16 h")
     liger_path = None  # else $K3REF_LIGER_PATH: a checkout's root (holding src/liger_kernel) or a directory holding liger_kernel
     _unpicklable = ("_imported",)
 
@@ -179,8 +186,8 @@ class LigerAttnResAdapter(Adapter):
 
 
 class LigerCompatibleEmulation:
-    """A CPU stand-in with Liger's signature and arithmetic (fp32, key rounded to w_norm's
-    dtype), for the host-side tests of this adapter. `wrong`: 'no_norm_weight' drops w_norm,
+    """A CPU stand-in with Liger's signature and arithmetic (fp32; the normalised key rounded to
+    w_norm's dtype and multiplied by w_norm in that dtype), for the host-side tests of this adapter. `wrong`: 'no_norm_weight' drops w_norm,
     'no_rms' skips the normalisation (each a plausible kernel bug). A class, so that it can
     be pickled into the harness's child process."""
 
@@ -193,7 +200,7 @@ class LigerCompatibleEmulation:
         v = V.reshape(N, -1, D).float()
         rstd = torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
         x = v if wrong == "no_rms" else v * rstd
-        k = x.to(w_norm.dtype).float() * (1.0 if wrong == "no_norm_weight" else w_norm.float())
+        k = (x.to(w_norm.dtype) if wrong == "no_norm_weight" else x.to(w_norm.dtype) * w_norm).float()
         scores = (k * w_query.float()).sum(-1)  # [N, tokens]
         alpha = torch.softmax(scores, dim=0)
         h = (alpha.unsqueeze(-1) * v).sum(0).to(V.dtype)
