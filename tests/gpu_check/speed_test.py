@@ -484,6 +484,59 @@ class Warmup(unittest.TestCase):
         self.assertEqual(g_fine["worker_process"], 3, "a new worker after the crash and after the hang")
 
 
+    def test_a_unit_sharing_autotuned_kernels_waits_for_the_first_of_its_dims(self):
+        dims = (("varlen", False), ("state_layout", "k_first"))
+        with FakeTriton() as k:
+            a = k.WarmKernel()
+            a.warmup_share = "fake"
+            lead = unit_of(a, 1, 16, 16)
+            lead = (a, lead[1] + dims, lead[2])
+            follower = (a, lead[1] + (("beta", "sigmoid"),), lead[2] * 2)  # costlier, but second of its dims
+            other = (a, (("H", 2), ("HV", 2), ("K", 32), ("V", 32)) + dims, unit_of(a, 2, 32, 32)[2])
+            self.assertEqual(warmup.autotune_dims(lead), warmup.autotune_dims(follower))
+            self.assertNotEqual(warmup.autotune_dims(other), warmup.autotune_dims(lead))
+            order, waits = warmup.schedule([lead, follower, other])
+            self.assertEqual(waits, {1: 0})
+            self.assertEqual(order, [0, 2, 1])  # the follower's cost counted as a fifth: 2/5 < 1
+            rec = warmup.run_units([lead, follower, other], "cpu", jobs=3)
+        g_lead, g_follower, g_other = rec["groups"]
+        self.assertEqual(rec["errors"], 0, json.dumps(rec["groups"])[:2000])
+        self.assertGreaterEqual(g_follower["started"], g_lead["finished"], "ran beside the unit it waits for")
+        self.assertEqual(g_follower["waited_for"], warmup.short_group(lead[1]))
+        self.assertLess(g_other["started"], g_lead["finished"], "a unit of other dims did not run beside")
+
+    def test_checks_of_an_adapter_start_when_its_own_units_are_done(self):
+        import threading
+
+        release = threading.Event()
+
+        class Stand:  # what Background needs of an adapter in a unit
+            def __init__(self, name):
+                self.name = name
+
+        a = Stand("triton.kernel")
+        todo = [(a, (("H", 1),), []), (a, (("H", 2),), [])]
+
+        def run(selected, on_unit_done):
+            for unit in selected[0]:
+                release.wait(10)
+                on_unit_done(unit[0].name)
+            return {"groups": [], "wall_s": 0.0, "totals": {}, "jobs": 1, "errors": 0}
+
+        bg = warmup.Background(todo, [], run)
+        self.assertEqual(bg.waiting(["triton.kernel"]), 2)
+        self.assertEqual(bg.waiting(["aot.kernel"]), 0)
+        bg.wait(["aot.kernel"])  # nothing to compile: returns at once
+        waiter = threading.Thread(target=bg.wait, args=(["triton.kernel"],))
+        waiter.start()
+        waiter.join(0.3)
+        self.assertTrue(waiter.is_alive(), "the Triton adapter's checks did not wait for its warm-up")
+        release.set()
+        waiter.join(10)
+        self.assertFalse(waiter.is_alive())
+        self.assertEqual(bg.finish()["errors"], 0)
+
+
 class CommandLine(unittest.TestCase):
     def test_options(self):
         from k3ref.gpu_check import cli

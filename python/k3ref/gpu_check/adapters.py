@@ -248,6 +248,7 @@ class FlaAdapter(KdaAdapter):
             # The warm-up's scheduler starts the costliest units first: a chunk_kda group autotunes
             # 50-110 configurations (~150 s on a busy H200), a fused_recurrent group compiles one (~1 s).
             self.warmup_weight = 100
+            self.warmup_share = "fla.chunk_kda"  # its autotuned kernels, keyed on warmup.AUTOTUNE_DIMS
 
     def load(self):
         _need_cuda()

@@ -184,16 +184,25 @@ def run_command(args):
     from . import warmup
 
     t0 = time.time()
-    tests, speed = warmup.prepare(args, tests, suite, adapters)
+    side_by_side = args.check_jobs > 1 and not args.no_isolation
+    # Side by side, the warm-up runs beside the checks: an adapter's checks start once its own
+    # units are compiled (at once for kernels built ahead of time).
+    tests, speed, background = warmup.prepare(args, tests, suite, adapters, background=side_by_side)
+
     def make_runner():
         return Runner(args.device, check_timeout=args.check_timeout, load_timeout=args.load_timeout,
                       isolate=not args.no_isolation, budget_s=args.budget,
                       progress=lambda line: print(line, flush=True))
 
-    if args.check_jobs > 1 and not args.no_isolation:  # isolation groups side by side (parallel.py)
+    if side_by_side:  # isolation groups side by side (parallel.py)
         from . import parallel
 
-        rows, results, runner = parallel.execute(tests, make_runner, requested, args.check_jobs, execute)
+        try:
+            rows, results, runner = parallel.execute(tests, make_runner, requested, args.check_jobs, execute,
+                                                     ready=background)
+        finally:
+            if background is not None:
+                warmup.finish_warmup(speed, background.finish())
     else:
         with make_runner() as runner:
             rows, results = execute(tests, runner, requested)

@@ -8,6 +8,9 @@ part the order is the collection's (after the shape plan's ordering), so a group
 still run together in one child; the rows and results come back in the collection's order,
 and the merged timing and availability are those the serial run records. `--no-isolation`
 runs serially (the checks would share this process).
+
+With `ready` (warmup.Background: the warm-up running beside), a part starts once the warm-up
+units of its adapters are done, and parts with nothing left to compile go first.
 """
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,7 +34,7 @@ class Merged:
         return self.loaded.get(adapter.name)
 
 
-def execute(tests, make_runner, requested, jobs, execute_serial):
+def execute(tests, make_runner, requested, jobs, execute_serial, ready=None):
     """(rows, results, merged runner) of the tests, `jobs` isolation groups at a time.
     `execute_serial(tests, runner, requested)` is cli.execute; make_runner() a new Runner."""
     parts, order = {}, []
@@ -41,8 +44,13 @@ def execute(tests, make_runner, requested, jobs, execute_serial):
             parts[key] = []
             order.append(key)
         parts[key].append((n, t))
+    names = {key: sorted({t.adapter.name for _, t in parts[key]}) for key in order}
+    if ready is not None:  # stable: the collection's order among parts equally far from ready
+        order.sort(key=lambda key: ready.waiting(names[key]) > 0)
 
     def one(key):
+        if ready is not None:
+            ready.wait(names[key])
         with make_runner() as runner:
             rows, results = execute_serial([t for _, t in parts[key]], runner, requested)
         return key, rows, runner

@@ -350,8 +350,9 @@ def warm_keys(directory):
     return {g["key"] for g in record.get("groups", []) if g.get("status") in ("ok", "warm") and g.get("key")}
 
 
-def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None):
-    jobs = max(1, int(jobs or os.cpu_count() or 1))
+def select(work, device, warm=None):
+    """(units to run, records of the units not run): warm ones (finished into this cache
+    directory by an earlier warm-up) and those whose kernel cannot run here (probe)."""
     todo, skipped = [], []
     warm = warm or set()
     for unit in work:
@@ -367,29 +368,93 @@ def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, 
                             "reason": why})
         else:
             todo.append(unit)
+    return todo, skipped
+
+
+AUTOTUNE_DIMS = ("H", "HV", "K", "V", "varlen", "state_layout")
+
+
+def autotune_dims(unit):
+    """What the autotuned kernels of a unit key on, for adapters that share them
+    (`warmup_share`: FLA's chunk adapters name one family): the head counts and sizes, varlen
+    and the state layout (FLA's autotune keys; the gate, beta and norm flags select extra
+    kernels but leave these kernels' keys alone). None: nothing known to be shared."""
+    adapter, group, _ = unit
+    share = getattr(adapter, "warmup_share", None)
+    g = dict(group)
+    if not share or not all(k in g for k in AUTOTUNE_DIMS):
+        return None
+    return (share,) + tuple(g[k] for k in AUTOTUNE_DIMS)
+
+
+def schedule(todo):
+    """(order, first): the units by cost, largest first, and per unit the index of the unit it
+    waits for. The first unit of each autotune_dims benchmarks the shared kernels' configurations
+    into the cache; a later unit of the same dims started beside it would benchmark them again
+    (measured on an H200: three such units at 85 configurations each, side by side), so it waits
+    for the first and then benchmarks only its own kernels (6-31 configurations measured): its
+    cost is counted as a fifth."""
+    first, waits_for = {}, {}
+    for i, unit in enumerate(todo):
+        d = autotune_dims(unit)
+        if d is None:
+            continue
+        if d in first:
+            waits_for[i] = first[d]
+        else:
+            first[d] = i
+    cost = {i: cost_estimate(u) / (5.0 if i in waits_for else 1.0) for i, u in enumerate(todo)}
+    return sorted(range(len(todo)), key=lambda i: -cost[i]), waits_for
+
+
+def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None, on_unit_done=None,
+              selected=None):
+    """Runs the units (after select) on `jobs` persistent workers; on_unit_done(adapter name)
+    after each. Returns the warm-up record."""
+    jobs = max(1, int(jobs or os.cpu_count() or 1))
+    todo, skipped = selected if selected is not None else select(work, device, warm)
     t0 = time.perf_counter()
-    # Longest first, then `jobs` persistent workers each take the next unit when free.
-    order = sorted(range(len(todo)), key=lambda i: -cost_estimate(todo[i]))
+    order, waits_for = schedule(todo)
     done = [None] * len(todo)
     import itertools
     import threading
 
-    lock, counter = threading.Lock(), itertools.count()
-    pending = iter(order)
+    cond, counter = threading.Condition(), itertools.count()
+    remaining = list(order)
+    finished = set()
+
+    def take():
+        """The next unit in order whose first-of-dims has finished; waits while none is free."""
+        with cond:
+            while remaining:
+                for i in remaining:
+                    if waits_for.get(i) is None or waits_for[i] in finished:
+                        remaining.remove(i)
+                        return i
+                cond.wait()
+            return None
 
     def slot(workdir):
         w = Worker(workdir)
         try:
             while True:
-                with lock:
-                    i = next(pending, None)
+                i = take()
                 if i is None:
                     return
                 unit = todo[i]
-                rec = w.run(unit, device, timeout, env or {}, next(counter))
+                try:
+                    rec = w.run(unit, device, timeout, env or {}, next(counter))
+                finally:
+                    with cond:
+                        finished.add(i)
+                        cond.notify_all()
                 rec["key"] = unit_key(unit[0].name, unit[1], unit[2])
                 rec["slot"] = Path(workdir).name
+                if i in waits_for:
+                    rec["waited_for"] = short_group(todo[waits_for[i]][1])
                 done[i] = rec
+                if on_unit_done:
+                    on_unit_done(unit[0].name)
                 if progress:
                     progress(f"warm-up {rec['adapter']} {short_group(rec['group'])}: {rec.get('status')} "
                              f"{rec.get('wall_s', 0):.1f}s (import {rec.get('import_s', 0) or 0:.1f}s, compile "
@@ -411,6 +476,53 @@ def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, 
     totals["worker_processes"] = len({(g.get("slot"), g.get("worker_process")) for g in done if g.get("slot")})
     return {"jobs": jobs, "wall_s": time.perf_counter() - t0, "groups": groups, "totals": totals,
             "errors": sum(g.get("status") == "error" for g in groups)}
+
+
+class Background:
+    """The warm-up in a thread beside the check phase: `wait(names)` returns once every unit of
+    those adapters has run (at once for adapters with none: kernels built ahead of time, or
+    warm), so their checks start while Triton still compiles the others."""
+
+    def __init__(self, todo, skipped, run):
+        import threading
+
+        self.cond = threading.Condition()
+        self.pending = {}
+        for unit in todo:
+            self.pending[unit[0].name] = self.pending.get(unit[0].name, 0) + 1
+        self.record, self.error = None, None
+
+        def body():
+            try:
+                self.record = run((todo, skipped), self._unit_done)
+            except BaseException as e:  # the checks then compile what they need
+                self.error = e
+            finally:
+                with self.cond:
+                    self.pending.clear()
+                    self.cond.notify_all()
+
+        self.thread = threading.Thread(target=body, daemon=True)
+        self.thread.start()
+
+    def _unit_done(self, name):
+        with self.cond:
+            self.pending[name] = self.pending.get(name, 1) - 1
+            self.cond.notify_all()
+
+    def waiting(self, names):
+        with self.cond:
+            return sum(self.pending.get(n, 0) for n in names)
+
+    def wait(self, names):
+        with self.cond:
+            self.cond.wait_for(lambda: all(self.pending.get(n, 0) <= 0 for n in names))
+
+    def finish(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.record
 
 
 def short_group(group):
@@ -454,10 +566,12 @@ def add_run_options(p):
                         "(deep mode, slow); winner: only the configuration the autotuner picks (default)")
 
 
-def prepare(args, tests, suite, adapters):
+def prepare(args, tests, suite, adapters, background=False):
     """Before `run` executes its tests: the shape plan (metamorphic configs chosen, tests
     ordered by shape), deep mode passed to the children, and the warm-up unless --no-warmup.
-    Returns (tests, record for the report's summary)."""
+    Returns (tests, record for the report's summary, None), the warm-up done; with
+    `background`, (tests, record, Background) with the warm-up running: the caller waits per
+    adapter (Background.wait) and calls finish_background at the end."""
     from . import autotune, shapes
 
     os.environ[autotune.MODE_VARIABLE] = getattr(args, "autotune_configs", "winner") or "winner"
@@ -465,18 +579,31 @@ def prepare(args, tests, suite, adapters):
     tests = shapes.order(tests, plan)
     info = {"cache_dir": os.environ.get(CACHE_VARIABLE), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
             "shape_plan": plan.summary(), "autotune_configs": os.environ[autotune.MODE_VARIABLE]}
-    if not getattr(args, "no_warmup", False) and plan.shapes:
-        record = run(plan, adapters, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
-                     progress=lambda line: print(line, flush=True),
-                     warm=warm_keys(os.environ.get(CACHE_VARIABLE)))
-        info["warmup"] = record
-        if any(g.get("status") not in ("skipped", "warm") for g in record["groups"]):
-            write_record(record, os.environ.get(CACHE_VARIABLE) or ".")
-        print(table(record), flush=True)
     s = info["shape_plan"]
     print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
           f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS)", flush=True)
-    return tests, info
+    handle = None
+    if not getattr(args, "no_warmup", False) and plan.shapes:
+        selected = select(units(plan, adapters), args.device, warm_keys(os.environ.get(CACHE_VARIABLE)))
+
+        def go(sel, on_unit_done=None):
+            return run_units(None, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
+                             progress=lambda line: print(line, flush=True), on_unit_done=on_unit_done, selected=sel)
+
+        if background:
+            handle = Background(selected[0], selected[1], go)
+            info["warmup_beside_checks"] = True
+        else:
+            finish_warmup(info, go(selected))
+    return tests, info, handle
+
+
+def finish_warmup(info, record):
+    """The warm-up's record into the run's summary and DIR/warmup.json; its table printed."""
+    info["warmup"] = record
+    if any(g.get("status") not in ("skipped", "warm") for g in record["groups"]):
+        write_record(record, os.environ.get(CACHE_VARIABLE) or ".")
+    print(table(record), flush=True)
 
 
 def add_subparser(sub, kernel_options):
