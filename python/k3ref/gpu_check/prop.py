@@ -333,13 +333,19 @@ def run_case(adapter, case, device):
             torch.cuda.synchronize()
     except Exception as e:  # a kernel that raises on a valid case fails it
         return False, f"raised {type(e).__name__}: {str(e).splitlines()[0][:200]}", src
-    if getattr(adapter, "contract_name", None):  # docs/contracts.md; tiny cases: the nominal floor too
+    ok, reason = judge(adapter, inputs, params, o, final, ref_o, ref_f)
+    return ok, reason, src
+
+
+def judge(adapter, inputs, params, o, final, ref_o, ref_f):
+    """(passed, reason): the kernel's contract where it has one (docs/contracts.md; tiny cases:
+    the nominal floor too), else its policy; the property and a replay judge alike."""
+    if getattr(adapter, "contract_name", None):
         from . import contracts
         ok, reason, _ = contracts.judge(adapter, inputs, params, o, final, (ref_o, ref_f),
                                         floor=lambda r: max(contracts._bf16_floor(r), M.nominal_floor(r, torch.bfloat16)))
-        return ok, reason, src
-    ok, reason = judge_outputs(adapter, o, final, ref_o, ref_f)
-    return ok, reason, src
+        return ok, reason
+    return judge_outputs(adapter, o, final, ref_o, ref_f)
 
 
 def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failures", device="cpu", log=print,
@@ -400,7 +406,7 @@ def replay(adapter, path, device):
         return None, "unsupported: " + why
     inputs = {k: v.to(device) for k, v in case.inputs.items()}
     o, final = adapter.run(inputs, case.params)
-    return judge_outputs(adapter, o, final, case.expected["o"], case.expected["final_state"])
+    return judge(adapter, case.inputs, case.params, o, final, case.expected["o"], case.expected["final_state"])
 
 
 def main(args):
