@@ -2,6 +2,7 @@
 k3ref.gpu_check.contracts: rounding nowhere the contracts are the recurrence; with their
 roundings the FlashKDA contract reproduces FlashKDA's own output bit for bit (kernel data
 captured on an H200, FlashKDA 1ce47ea, T = 1); verdict arithmetic; one-line errors."""
+import json
 import math
 from pathlib import Path
 
@@ -201,3 +202,41 @@ def test_fla_chunk_contract_reproduces_the_kernel():
     for h in range(2):
         ratio = rel(o_kernel[:, :, h], ref[:, :, h]) / rel(con[:, :, h], ref[:, :, h])
         assert 0.99 <= ratio <= 1.01, (h, ratio)
+
+
+def test_flashkda_beta_is_its_tanh_approx_sigmoid():
+    # The case prop found on an H200 (T = 2, beta logits -8.69 and -12): with the exact sigmoid the
+    # kernel's o is 2.04x off the contract's error; FlashKDA computes 0.5 + 0.5 tanh.approx(x / 2),
+    # which loses up to 1 % of beta at such logits. With the measured sigmoid
+    # (gpu_check/flashkda_sigmoid.py) the contract is the kernel bit for bit.
+    arrays, meta = _safetensors.load(DATA / "flashkda_1ce47ea_t2_negative_beta.safetensors")
+    t = {n: torch.from_numpy(arrays[n]) for n in arrays}
+    params = json.loads(meta["params"])
+    inputs = {n: t[n].to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t[n]
+              for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}  # the reader widens bf16
+    o, final = contracts.contract_outputs("flashkda", inputs, params)
+    assert torch.equal(o.float(), t["o_kernel"]), f"rel RMS {rel(o, t['o_kernel'].double()):.3e}"
+    assert torch.equal(final.float(), t["final_state_kernel"]), f"rel RMS {rel(final, t['final_state_kernel'].double()):.3e}"
+    exact = k3ref.kda_contract(inputs, "flashkda", gate="lower_bound", lower_bound=-1.0, beta="sigmoid", l2norm=True,
+                               threads=1)["o"]
+    floor = contracts._bf16_floor(t["o_reference"])
+    ratio = rel(t["o_kernel"].double(), t["o_reference"]) / max(rel(exact, t["o_reference"]), floor)
+    assert 2.0 < ratio < 2.1, ratio  # the gap the table closes (2.04x measured)
+
+
+def test_flashkda_sigmoid_table_is_the_sigmoid_up_to_the_measured_tanh_error():
+    from k3ref.gpu_check import flashkda_sigmoid
+
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double()
+    finite = torch.isfinite(x)
+    got = flashkda_sigmoid.sigmoid(x.to(torch.bfloat16))[finite]
+    x = x[finite]
+    exact = torch.sigmoid(x)
+    # 0.5 + 0.5 t: tanh.approx's absolute error (7.05e-6 measured) halved, plus fp32 rounding
+    assert float((got - exact).abs().max()) <= 0.5 * 7.05e-6 + 2**-25
+    order = torch.argsort(x)
+    assert bool((got[order][1:] >= got[order][:-1]).all())  # monotone
+    assert bool((got[x <= -16] == 0).all()) and bool((got[x >= 16] == 1).all())
+    assert float(((got - exact).abs() / exact)[x >= -4].max()) < 1e-4
+    with pytest.raises(ValueError, match="bf16 values"):
+        flashkda_sigmoid.sigmoid(torch.tensor([0.1], dtype=torch.float64))

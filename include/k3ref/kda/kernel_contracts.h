@@ -23,7 +23,9 @@
 //
 // Modelled, not emulated bit for bit (each bound is in docs/contracts.md): exp2 / exp as
 // correctly rounded fp32 of the exact decay (ex2.approx: 2 ulp of fp32), sigmoid via
-// tanh.approx as the exact sigmoid, FLA's fp32 cumulative sums of log2 decays as exact,
+// tanh.approx as the exact sigmoid (for FlashKDA's beta the GPU harness passes the kernel's own
+// values as BetaForm::as_given, measured per bf16 logit: the approximation cancels for negative
+// logits, up to 1 % of beta at -12), FLA's fp32 cumulative sums of log2 decays as exact,
 // tensor-core accumulation as sequential fp32 sums.
 #pragma once
 

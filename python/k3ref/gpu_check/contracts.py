@@ -71,9 +71,15 @@ def contract_outputs(contract, inputs, params):
         if t is not None and t.dtype != torch.bfloat16:
             raise ValueError(f"contracts: contract {contract!r} models bf16 q, k, v and o; tensor '{name}' is {t.dtype}")
     tensors = {n: t.detach().cpu() for n, t in inputs.items() if n in _INPUTS and t is not None}
+    beta = params.get("beta", "as_given")
+    if contract == "flashkda" and beta == "sigmoid" and "beta" in tensors:
+        # FlashKDA's sigmoid is 0.5 + 0.5 tanh.approx(x / 2): measured per bf16 logit (flashkda_sigmoid.py)
+        from . import flashkda_sigmoid
+
+        tensors["beta"], beta = flashkda_sigmoid.sigmoid(tensors["beta"]), "as_given"
     out = _k3ref().kda_contract(tensors, contract, gate=params.get("gate", "log_decay"),
                                 gate_base=params.get("gate_base", "e"), lower_bound=params.get("lower_bound"),
-                                beta=params.get("beta", "as_given"), l2norm=bool(params.get("qk_l2norm")),
+                                beta=beta, l2norm=bool(params.get("qk_l2norm")),
                                 scale=params.get("scale"), state_layout=params.get("state_layout", "k_first"),
                                 threads=params.get("threads", 2))
     return out["o"], out.get("final_state")
