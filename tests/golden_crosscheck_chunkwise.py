@@ -15,7 +15,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import kda_forward, load, rel_rms, stages  # noqa: E402  (the one NumPy oracle)
 
-TOLERANCE = 3e-14  # about 5x the measured worst stage difference (5.4e-15)
+TOLERANCE = 2e-14  # about 5x the measured worst stage difference (4.1e-15, generator version 2; 5.4e-15 on version 1)
 
 
 def prepared(t, p):

@@ -22,7 +22,7 @@
 #include "k3ref/check/metrics.h"
 #include "k3ref/check/policy_table.h"
 #include "k3ref/error.h"
-#include "k3ref/golden/suite.h"
+#include "golden/suite.h"
 #include "k3ref/io/file.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/kda/kda_io.h"

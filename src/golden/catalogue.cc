@@ -1,11 +1,32 @@
-#include "k3ref/golden/catalogue.h"
+#include "golden/catalogue.h"
 
 #include <cmath>
 
 #include "k3ref/error.h"
+#include "k3ref/io/sha256.h"
 #include "k3ref/num/scalar.h"
 
 namespace k3ref::golden {
+
+// Each family file defines its Family family_<name>(); the build lists them
+// (src/golden/meson.build, golden_families -> golden_families.inc).
+#define K3REF_GOLDEN_FAMILY(name) Family family_##name();
+#include "golden_families.inc"
+#undef K3REF_GOLDEN_FAMILY
+
+std::uint64_t case_seed(const std::string& op, const std::string& name) {
+  const std::string key = op + "/" + name;
+  const std::string hex = io::sha256_hex(std::span(reinterpret_cast<const std::uint8_t*>(key.data()), key.size()));
+  // Bytes 0..7 of the digest, byte 0 the least significant.
+  std::uint64_t seed = 0;
+  for (int i = 7; i >= 0; --i) seed = (seed << 8) | std::stoull(hex.substr(2 * static_cast<std::size_t>(i), 2), nullptr, 16);
+  return seed;
+}
+
+Case make_case(std::string name, std::string op, nlohmann::json params) {
+  const std::uint64_t seed = case_seed(op, name);
+  return Case{std::move(name), std::move(op), seed, std::move(params)};
+}
 
 Tensor<double> draw_uniform_rounded(num::Random& rng, const Shape& shape, double lo, double hi, num::Format format) {
   Tensor<double> t(shape);
@@ -29,24 +50,25 @@ std::map<std::string, std::string> metadata_of(const Case& c, const std::string&
 
 std::string golden_float_precision() { return std::to_string(num::golden_bits) + "-bit binary float"; }
 
-const std::vector<Generator>& generators() {
-  static const std::vector<Generator> all = {
-      {"kda.recurrent", generate_kda_recurrent, golden_float_precision()},
-      {"kda.chunkwise_flashkda", generate_kda_chunkwise, golden_float_precision()},
-      {"kda.chunkwise_fla", generate_kda_chunkwise, golden_float_precision()},
-      {"qb.solver", generate_qb_solver, "exact (rational, or double proven exact)"},
-      {"qb.online", generate_qb_online, "exact rational"},
-      {"attnres.full", generate_attnres, golden_float_precision()},
-      {"attnres.block", generate_attnres, golden_float_precision()},
-      {"attnres.phase1", generate_attnres, golden_float_precision()},
-      {"kcp.context_parallel", generate_kcp_context_parallel, golden_float_precision()},
-      {"kda.backward", generate_kda_backward, golden_float_precision()},
-      {"serving.decode", generate_serving, golden_float_precision()},
-      {"serving.verify", generate_serving, golden_float_precision()},
-      {"serving.checkpoints", generate_serving, golden_float_precision()},
-      {"serving.rollback", generate_serving, golden_float_precision()},
-      // Each operator family registers its generator here (one line per op).
+Tensor<double> round_to_double(const Tensor<num::golden_float>& t) {
+  return t.map<double>([](const num::golden_float& x) { return num::to_double_rne(x); });
+}
+
+const std::vector<Family>& families() {
+  static const std::vector<Family> all = {
+#define K3REF_GOLDEN_FAMILY(name) family_##name(),
+#include "golden_families.inc"
+#undef K3REF_GOLDEN_FAMILY
   };
+  return all;
+}
+
+const std::vector<Generator>& generators() {
+  static const std::vector<Generator> all = [] {
+    std::vector<Generator> g;
+    for (const Family& f : families()) g.insert(g.end(), f.generators.begin(), f.generators.end());
+    return g;
+  }();
   return all;
 }
 
@@ -61,10 +83,8 @@ std::vector<std::string> suite_names() { return {"default"}; }
 std::vector<Case> suite(const std::string& name) {
   if (name == "default") {
     std::vector<Case> cases;
-    // Each operator family appends its default cases here (one line per family).
-    for (auto family : {kda_default_cases, kda_chunkwise_default_cases, qb_default_cases, attnres_default_cases, kcp_default_cases,
-                        kda_backward_default_cases, serving_default_cases}) {
-      auto more = family();
+    for (const Family& f : families()) {
+      auto more = f.default_cases();
       cases.insert(cases.end(), more.begin(), more.end());
     }
     return cases;

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "k3ref/golden/catalogue.h"
+#include "golden/catalogue.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
 #include "k3ref/num/scalar.h"
@@ -148,7 +148,7 @@ void add_solver_outputs(io::SafetensorsFile& file, const Tensor<S>& scores, cons
                               io::from_f64(Tensor<double>({static_cast<std::int64_t>(gap.size())}, gap), DType::F64));
 }
 
-Case solver_case(const std::string& name, std::uint64_t seed, std::int64_t m, std::int64_t n, std::int64_t k,
+Case solver_case(const std::string& name, std::int64_t m, std::int64_t n, std::int64_t k,
                  int iterations, json scores, bool exact_rational, bool optimum, std::vector<int> selection_iterations) {
   if (selection_iterations.empty())
     for (int t = 1; t <= iterations; ++t) selection_iterations.push_back(t);
@@ -162,10 +162,8 @@ Case solver_case(const std::string& name, std::uint64_t seed, std::int64_t m, st
             {"optimum", optimum},
             {"selection_iterations", selection_iterations},
             {"tie_rule", "biased desc, raw desc, expert index asc"}};
-  return Case{name, "qb.solver", seed, p};
+  return make_case(name, "qb.solver", p);
 }
-
-}  // namespace
 
 io::SafetensorsFile generate_qb_solver(const Case& c) {
   const json& p = c.params;
@@ -270,18 +268,17 @@ io::SafetensorsFile generate_qb_online(const Case& c) {
 
 std::vector<Case> qb_default_cases() {
   std::vector<Case> cases;
-  std::uint64_t seed = 0x7162;  // "qb"; each case gets the next seed
   auto dyadic = [](double lo, double hi, int bits) { return json{{"kind", "dyadic"}, {"lo", lo}, {"hi", hi}, {"bits", bits}}; };
   auto levels = [](int l) { return json{{"kind", "levels"}, {"levels", l}}; };
   // Small cases with the exact optimum, its dual, and the duality gap of every iterate.
-  cases.push_back(solver_case("qb_solver_m16_n8_k2", seed++, 16, 8, 2, 6, dyadic(0, 1, 8), true, true, {}));
-  cases.push_back(solver_case("qb_solver_m24_n6_k2_tie_heavy", seed++, 24, 6, 2, 6, levels(4), true, true, {}));
-  cases.push_back(solver_case("qb_solver_m8_n4_k1_all_equal", seed++, 8, 4, 1, 3, levels(1), true, true, {}));
-  cases.push_back(solver_case("qb_solver_m12_n4_k3", seed++, 12, 4, 3, 6, dyadic(-1, 1, 8), true, true, {}));
+  cases.push_back(solver_case("qb_solver_m16_n8_k2", 16, 8, 2, 6, dyadic(0, 1, 8), true, true, {}));
+  cases.push_back(solver_case("qb_solver_m24_n6_k2_tie_heavy", 24, 6, 2, 6, levels(4), true, true, {}));
+  cases.push_back(solver_case("qb_solver_m8_n4_k1_all_equal", 8, 4, 1, 3, levels(1), true, true, {}));
+  cases.push_back(solver_case("qb_solver_m12_n4_k3", 12, 4, 3, 6, dyadic(-1, 1, 8), true, true, {}));
   // Medium, iterates only.
-  cases.push_back(solver_case("qb_solver_m128_n32_k4", seed++, 128, 32, 4, 8, dyadic(0, 1, 8), true, false, {}));
+  cases.push_back(solver_case("qb_solver_m128_n32_k4", 128, 32, 4, 8, dyadic(0, 1, 8), true, false, {}));
   // The K3 shape: 896 experts, top-16, 4480 tokens (q = 80; 4096 tokens would give q = 73.14).
-  cases.push_back(solver_case("qb_solver_k3_m4480_n896_k16", seed++, 4480, 896, 16, 6,
+  cases.push_back(solver_case("qb_solver_k3_m4480_n896_k16", 4480, 896, 16, 6,
                               json{{"kind", "low_rank"}, {"d", 16}}, false, false, {1, 6}));
   // Online: QB (bias of batch t routes t+1) against the sign update on the same batches.
   auto online = [&](const std::string& name, std::int64_t batches, std::int64_t m, std::int64_t n, std::int64_t k,
@@ -297,11 +294,20 @@ std::vector<Case> qb_default_cases() {
               {"center_bias", true},
               {"sign_gamma", {1, 256}},
               {"tie_rule", "biased desc, raw desc, expert index asc"}};
-    cases.push_back(Case{name, "qb.online", seed++, p});
+    cases.push_back(make_case(name, "qb.online", p));
   };
   online("qb_online_m32_n8_k2", 6, 32, 8, 2, 8, 1);
   online("qb_online_m48_n16_k4_tie_heavy", 6, 48, 16, 4, 3, 2);
   return cases;
+}
+
+}  // namespace
+
+Family family_qb() {
+  return {"qb",
+          {{"qb.solver", generate_qb_solver, "exact (rational, or double proven exact)"},
+           {"qb.online", generate_qb_online, "exact rational"}},
+          qb_default_cases};
 }
 
 }  // namespace k3ref::golden

@@ -14,7 +14,7 @@
 #include <cmath>
 #include <string>
 
-#include "k3ref/golden/catalogue.h"
+#include "golden/kda_family.h"
 #include "k3ref/kcp/replay.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/serving/checkpoint.h"
@@ -51,22 +51,10 @@ struct Drawn {
   std::int64_t HV, K, V;
 };
 
-// Inputs as kda.recurrent draws them: bf16 q, k (entries within 1/sqrt(K) without the L2
-// norm), v, g, beta; fp32 A_log (A in [1, 16]) and dt_bias.
+// The inputs as every KDA family draws them (draw_kda_inputs).
 Drawn draw_inputs(const json& kp, num::Random& rng) {
-  const std::int64_t T = kp.at("T"), H = kp.at("H"), HV = kp.at("HV"), K = kp.at("K"), V = kp.at("V");
-  const bool l2 = kp.at("qk_l2norm");
-  const double kw = l2 ? 1.0 : 1.0 / std::sqrt(static_cast<double>(K));
-  Drawn d{{}, HV, K, V};
-  d.in.q = draw_uniform_rounded(rng, {1, T, H, K}, -1, 1, Format::bf16);
-  d.in.k = draw_uniform_rounded(rng, {1, T, H, K}, -kw, kw, Format::bf16);
-  d.in.v = draw_uniform_rounded(rng, {1, T, HV, V}, -1, 1, Format::bf16);
-  d.in.g = draw_uniform_rounded(rng, {1, T, HV, K}, kp.at("g_range")[0], kp.at("g_range")[1], Format::bf16);
-  d.in.beta = draw_uniform_rounded(rng, {1, T, HV}, kp.at("beta_range")[0], kp.at("beta_range")[1], Format::bf16);
-  if (kp.at("A_log")) d.in.A_log = draw_uniform_rounded(rng, {HV}, 0, std::log(16.0), Format::fp32);
-  if (kp.at("dt_bias")) d.in.dt_bias = draw_uniform_rounded(rng, {HV, K}, -1, 1, Format::fp32);
-  if (!kp.at("cu_seqlens").is_null()) d.in.cu_seqlens = kp.at("cu_seqlens").get<std::vector<std::int64_t>>();
-  return d;
+  const KdaParams p = kda_params_from_json(kp);
+  return Drawn{draw_kda_inputs(p, rng), p.HV, p.K, p.V};
 }
 
 serving::PoolLayout pool_layout_of(const json& p, const Drawn& d) {
@@ -100,18 +88,6 @@ Tensor<double> buffer_tensor(const std::vector<G>& b) {
 }
 Tensor<std::int64_t> ints(const std::vector<std::int64_t>& v) { return Tensor<std::int64_t>({static_cast<std::int64_t>(v.size())}, v); }
 
-void add_inputs(io::SafetensorsFile& f, const kda::Inputs<double>& in) {
-  f.tensors.emplace_back("q", io::from_f64(in.q, DType::BF16));
-  f.tensors.emplace_back("k", io::from_f64(in.k, DType::BF16));
-  f.tensors.emplace_back("v", io::from_f64(in.v, DType::BF16));
-  f.tensors.emplace_back("g", io::from_f64(in.g, DType::BF16));
-  f.tensors.emplace_back("beta", io::from_f64(in.beta, DType::BF16));
-  if (in.initial_state) f.tensors.emplace_back("initial_state", io::from_f64(*in.initial_state, DType::F32));
-  if (in.A_log) f.tensors.emplace_back("A_log", io::from_f64(*in.A_log, DType::F32));
-  if (in.dt_bias) f.tensors.emplace_back("dt_bias", io::from_f64(*in.dt_bias, DType::F32));
-  if (in.cu_seqlens) f.tensors.emplace_back("cu_seqlens", io::from_i64(ints(*in.cu_seqlens), DType::I64));
-}
-
 void add_pool(io::SafetensorsFile& f, const serving::StatePool<double>& pool) {
   const auto& L = pool.layout;
   f.tensors.emplace_back("pool", io::from_f64(buffer_tensor(pool.buffer), DType::F32));
@@ -130,7 +106,7 @@ io::SafetensorsFile generate_pool_case(const Case& c) {
   auto work = lift_pool<G>(pool);
   const kda::Inputs<G> in = kda::lift<G>(d.in);
   io::SafetensorsFile f;
-  add_inputs(f, d.in);
+  add_kda_inputs(f, d.in);
   add_pool(f, pool);
   std::string outputs;
   if (c.op == "serving.decode") {
@@ -166,9 +142,8 @@ io::SafetensorsFile generate_pool_case(const Case& c) {
 io::SafetensorsFile generate_checkpoint_case(const Case& c) {
   const json& p = c.params;
   num::Random rng(c.seed);
-  Drawn d = draw_inputs(p.at("kda"), rng);
-  const bool v_first = p.at("kda").at("state_layout") == "v_first";
-  d.in.initial_state = draw_uniform_rounded(rng, v_first ? Shape{1, d.HV, d.V, d.K} : Shape{1, d.HV, d.K, d.V}, -1, 1, Format::bf16);
+  const Drawn d = draw_inputs(p.at("kda"), rng);
+  if (!d.in.initial_state) throw InvalidArgument("serving.checkpoints: case " + c.name + " needs an initial state");
   const std::int64_t T = d.in.q.dim(1);
   std::vector<std::int64_t> bounds;
   for (const auto& [kind, block] : p.at("blocks").items()) {
@@ -185,7 +160,7 @@ io::SafetensorsFile generate_checkpoint_case(const Case& c) {
   Shape shape{static_cast<std::int64_t>(states.size())};
   shape.insert(shape.end(), states.at(0).shape().begin(), states.at(0).shape().end());
   io::SafetensorsFile f;
-  add_inputs(f, d.in);
+  add_kda_inputs(f, d.in);
   f.tensors.emplace_back("checkpoint_positions", io::from_i64(ints(bounds), DType::I64));
   f.tensors.emplace_back("o", io::from_f64(to_double(single.o), DType::F64));
   f.tensors.emplace_back("final_state", io::from_f64(to_double(*single.final_state), DType::F64));
@@ -314,8 +289,6 @@ json pool_json(std::int64_t slots, std::int64_t stride_padding, std::int64_t off
   return {{"slots", slots}, {"slot_stride", s.HV * s.K * s.V + stride_padding}, {"offset", offset}};
 }
 
-}  // namespace
-
 io::SafetensorsFile generate_serving(const Case& c) {
   if (c.op == "serving.checkpoints") return generate_checkpoint_case(c);
   if (c.op == "serving.rollback") return generate_rollback_case(c);
@@ -324,9 +297,8 @@ io::SafetensorsFile generate_serving(const Case& c) {
 
 std::vector<Case> serving_default_cases() {
   std::vector<Case> cases;
-  std::uint64_t seed = 0x73657276;  // "serv"
   auto add = [&](const std::string& name, const std::string& op, const json& params) {
-    cases.push_back(Case{name, op, seed++, params});
+    cases.push_back(make_case(name, op, params));
   };
   // Decode: one token per sequence, as an engine's decode step; the slots named out of
   // order; unnamed slots between them. K != V everywhere, so a K/V layout swap cannot hide.
@@ -403,6 +375,17 @@ std::vector<Case> serving_default_cases() {
     add("serving_rollback_accepted_" + std::string(a == 3 ? "L" : std::to_string(a)), "serving.rollback",
         {{"H", 1}, {"HV", 2}, {"K", 8}, {"V", 12}, {"W", 4}, {"L", 3}, {"accepted", a}});
   return cases;
+}
+
+}  // namespace
+
+Family family_serving() {
+  return {"serving",
+          {{"serving.decode", generate_serving, golden_float_precision()},
+           {"serving.verify", generate_serving, golden_float_precision()},
+           {"serving.checkpoints", generate_serving, golden_float_precision()},
+           {"serving.rollback", generate_serving, golden_float_precision()}},
+          serving_default_cases};
 }
 
 }  // namespace k3ref::golden

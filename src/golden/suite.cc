@@ -1,4 +1,4 @@
-#include "k3ref/golden/suite.h"
+#include "golden/suite.h"
 
 #include <cctype>
 #include <chrono>

@@ -9,7 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "k3ref/golden/suite.h"
+#include "golden/suite.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/num/float_format.h"
 

@@ -22,7 +22,7 @@
 #include <string>
 
 #include "k3ref/check/metrics.h"
-#include "k3ref/golden/catalogue.h"
+#include "golden/kda_family.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/kda/chunkwise.h"
 #include "k3ref/kda/kda_io.h"

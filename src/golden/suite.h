@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "k3ref/golden/catalogue.h"
+#include "golden/catalogue.h"
 
 namespace k3ref::golden {
 
