@@ -50,7 +50,7 @@ def check(name, derivative, gradient, direction, failures, worst):
 
 def check_case(case, golden_dir, rng, worst):
     t, _ = load(Path(golden_dir) / case["file"])
-    p = case["params"]["kda"]
+    p = case["params"]  # the KDA keys beside the backward parameters
     t = {n: np.asarray(a, dtype=np.float64) if a.dtype != np.int64 else a for n, a in t.items()}
     B, T, HV, V = t["v"].shape
     K = t["q"].shape[3]

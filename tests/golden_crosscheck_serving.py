@@ -64,7 +64,7 @@ def run_tokens(q, k, v, decay, beta, scale, begin, end, S0):
 
 
 def pool_case(t, p, op):
-    kp = p["kda"]
+    kp = p  # the KDA keys beside the serving parameters
     q, k, v, decay, beta, scale = prepared(t, kp)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     pool = Pool(t["pool"], t["pool_geometry"], HV, K, V)
@@ -133,7 +133,7 @@ def pool_case(t, p, op):
 
 
 def checkpoint_case(t, p):
-    kp = p["kda"]
+    kp = p  # the KDA keys beside the serving parameters
     q, k, v, decay, beta, scale = prepared(t, kp)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     v_first = kp["state_layout"] == "v_first"

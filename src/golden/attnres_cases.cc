@@ -101,7 +101,7 @@ io::SafetensorsFile generate_attnres(const Case& c) {
     file.tensors.emplace_back("phase1_max", io::from_f64(lower(*out.phase1_max), DType::F64));
     file.tensors.emplace_back("phase1_sum", io::from_f64(lower(*out.phase1_sum), DType::F64));
   }
-  file.metadata = metadata_of(c, golden_float_precision(), outputs);
+  file.metadata = metadata_of(c, golden_float_precision(), file, outputs);
   return file;
 }
 
@@ -134,9 +134,9 @@ std::vector<Case> attnres_default_cases() {
 
 Family family_attnres() {
   return {"attnres",
-          {{"attnres.full", generate_attnres, golden_float_precision()},
-           {"attnres.block", generate_attnres, golden_float_precision()},
-           {"attnres.phase1", generate_attnres, golden_float_precision()}},
+          {{"attnres.full", generate_attnres, golden_float_precision(), {"liger-attnres"}},
+           {"attnres.block", generate_attnres, golden_float_precision(), {"liger-attnres"}},
+           {"attnres.phase1", generate_attnres, golden_float_precision(), {"liger-attnres"}}},
           attnres_default_cases};
 }
 

@@ -1,7 +1,10 @@
 #include "golden/catalogue.h"
 
+#include <algorithm>
 #include <cmath>
+#include <set>
 
+#include "k3ref/check/policy_table.h"
 #include "k3ref/error.h"
 #include "k3ref/io/sha256.h"
 #include "k3ref/num/scalar.h"
@@ -38,14 +41,59 @@ Tensor<double> draw_uniform_rounded(num::Random& rng, const Shape& shape, double
 }
 
 std::map<std::string, std::string> metadata_of(const Case& c, const std::string& reference_precision,
-                                               const std::string& outputs) {
-  return {{"k3ref.case", c.name},
+                                               const io::SafetensorsFile& file, const std::string& outputs,
+                                               const std::string& layout) {
+  const std::string where = "golden: case '" + c.name + "' (" + c.op + ")";
+  const check::PolicyTable& table = check::PolicyTable::builtin();
+  const check::OperatorSpec* spec = table.find_operator(c.op);
+  if (!spec) throw InvalidArgument(where + ": the operator is not in policy/policies.json");
+  std::set<std::string> in_file;
+  for (const auto& [name, t] : file.tensors) in_file.insert(name);
+  auto listed = [&](const std::string& csv, const char* what) {
+    std::vector<std::string> names = csv.empty() ? std::vector<std::string>{} : check::expand_outputs(csv);
+    for (const std::string& n : names)
+      if (!in_file.count(n)) throw InvalidArgument(where + ": " + what + " tensor '" + n + "' is not in the file");
+    return names;
+  };
+  const std::vector<std::string> output_names = listed(outputs, "output"), layout_names = listed(layout, "layout");
+  std::set<std::string> not_inputs(output_names.begin(), output_names.end());
+  not_inputs.insert(layout_names.begin(), layout_names.end());
+  auto is_table_input = [&](const std::string& n) {
+    return std::find(spec->inputs.begin(), spec->inputs.end(), n) != spec->inputs.end();
+  };
+  std::string inputs;
+  for (const auto& [name, t] : file.tensors) {
+    if (not_inputs.count(name)) continue;
+    if (!is_table_input(name)) throw InvalidArgument(where + ": tensor '" + name + "' is not an input of the operator in policy/policies.json");
+    inputs += (inputs.empty() ? "" : ",") + name;
+  }
+  for (const std::string& n : layout_names)
+    if (!is_table_input(n)) throw InvalidArgument(where + ": layout tensor '" + n + "' is not an input of the operator in policy/policies.json");
+  // Per output the first preferred policy with a rule for it.
+  nlohmann::json policies = nlohmann::json::object();
+  const std::vector<std::string>& preferred = generator_for(c.op).policies;
+  for (const std::string& n : output_names) {
+    for (const std::string& p : preferred)
+      if (table.rules(p, c.op).count(n)) {
+        policies[n] = p;
+        break;
+      }
+    if (!policies.contains(n)) throw InvalidArgument(where + ": no preferred policy has a rule for output '" + n + "'");
+  }
+  std::string outputs_list, layout_list;
+  for (const std::string& n : output_names) outputs_list += (outputs_list.empty() ? "" : ",") + n;
+  for (const std::string& n : layout_names) layout_list += (layout_list.empty() ? "" : ",") + n;
+  return {{"k3ref.schema", golden_schema_version},
+          {"k3ref.case", c.name},
           {"k3ref.op", c.op},
           {"k3ref.seed", std::to_string(c.seed)},
           {"k3ref.params", c.params.dump()},
           {"k3ref.generator_version", generator_version},
           {"k3ref.reference_precision", reference_precision},
-          {"k3ref.outputs", outputs}};
+          {"k3ref.inputs", inputs},
+          {"k3ref.outputs", outputs_list},
+          {"k3ref.layout", layout_list},
+          {"k3ref.policies", policies.dump()}};
 }
 
 std::string golden_float_precision() { return std::to_string(num::golden_bits) + "-bit binary float"; }

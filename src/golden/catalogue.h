@@ -29,7 +29,10 @@ namespace k3ref::golden {
 
 // Bumped whenever a change alters the bytes of any generated file (docs/golden-format.md,
 // "Versions", says what each version changed).
-inline constexpr const char* generator_version = "2";
+inline constexpr const char* generator_version = "3";
+// The layout of a golden file's metadata and parameters (docs/golden-format.md, "Schema"),
+// written as `k3ref.schema`.
+inline constexpr const char* golden_schema_version = "2";
 
 struct Case {
   std::string name;       // file stem, unique in a suite
@@ -50,6 +53,9 @@ struct Generator {
   std::string op;
   std::function<io::SafetensorsFile(const Case&)> generate;
   std::string reference_precision;  // recorded in the manifest
+  // Named policies of policy/policies.json, in order of preference: each expected output's
+  // recommended policy (`k3ref.policies`) is the first of them with a rule for it.
+  std::vector<std::string> policies;
 };
 
 // An operator family: its generators and the cases it contributes to the default suite.
@@ -74,11 +80,17 @@ std::vector<std::string> suite_names();
 // arithmetic and IEEE operations in a fixed order: the same bytes everywhere.
 Tensor<double> draw_uniform_rounded(num::Random& rng, const Shape& shape, double lo, double hi, num::Format format);
 
-// The `__metadata__` every golden file carries (docs/golden-format.md): the case, its
-// operator, seed, parameters, the generator version, the reference precision and the
-// names of the output tensors.
+// The `__metadata__` every golden file carries (docs/golden-format.md, "Schema"): the schema
+// version, the case, its operator, seed, parameters, the generator version, the reference
+// precision, and every tensor of `file` in exactly one of three lists: `outputs` (the
+// expected outputs, comma-separated), `layout` (index tensors describing the layout, e.g.
+// chunk_starts) and the inputs (every other tensor, in file order); per output the
+// recommended policy. Throws InvalidArgument when a listed name is not in the file, an input
+// or layout tensor is not an input of the operator in the policy table, or no preferred
+// policy has a rule for an output.
 std::map<std::string, std::string> metadata_of(const Case& c, const std::string& reference_precision,
-                                               const std::string& outputs);
+                                               const io::SafetensorsFile& file, const std::string& outputs,
+                                               const std::string& layout = "");
 // "256-bit binary float": the reference precision of the goldens computed at golden_bits.
 std::string golden_float_precision();
 // A golden-precision tensor rounded to double (round to nearest even), as goldens store it.

@@ -75,7 +75,8 @@ io::SafetensorsFile generate_kcp_context_parallel(const Case& c) {
   file.tensors.emplace_back("o", io::from_f64(to_double(cp.out.o), DType::F64));
   file.tensors.emplace_back("final_state", io::from_f64(to_double(*cp.out.final_state), DType::F64));
   file.metadata =
-      metadata_of(c, golden_float_precision(), "o,final_state,fragment_transition,fragment_state,entering_state");
+      metadata_of(c, golden_float_precision(), file, "o,final_state,fragment_transition,fragment_state,entering_state",
+                  "origin_rank");
   return file;
 }
 
@@ -139,7 +140,7 @@ std::vector<Case> kcp_default_cases() {
 }  // namespace
 
 Family family_kcp() {
-  return {"kcp", {{"kcp.context_parallel", generate_kcp_context_parallel, golden_float_precision()}}, kcp_default_cases};
+  return {"kcp", {{"kcp.context_parallel", generate_kcp_context_parallel, golden_float_precision(), {"chunk"}}}, kcp_default_cases};
 }
 
 }  // namespace k3ref::golden

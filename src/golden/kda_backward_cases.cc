@@ -63,7 +63,7 @@ Tensor<G> stack_ranks(const std::vector<Tensor<G>>& per_rank) {
 }
 
 io::SafetensorsFile generate_kda_backward(const Case& c) {
-  const json& kda_params = c.params.at("kda");
+  const json& kda_params = c.params;  // the KDA keys sit beside the backward parameters
   // The case's own stream: its inputs when it names no recurrence case, then the upstream gradients.
   num::Random rng(c.seed);
   const kda::Inputs<double> in =
@@ -118,7 +118,7 @@ io::SafetensorsFile generate_kda_backward(const Case& c) {
     output("cp_entering_states", stack_ranks(cp.entering_states));
     output("cp_entering_state_gradients", stack_ranks(cp.state.entering_gradients));
   }
-  file.metadata = metadata_of(c, golden_float_precision(), names);
+  file.metadata = metadata_of(c, golden_float_precision(), file, names, "chunk_starts");
   return file;
 }
 
@@ -150,18 +150,20 @@ std::vector<Case> kda_backward_default_cases() {
   // initial state and no final-state gradient (the mode supports neither), a document
   // crossing the split at 48 and a 1-token document.
   {
-    json kda = recurrence_case("kda_varlen", "a backward case").params;
-    kda["T"] = 96;
-    kda["K"] = 64;
-    kda["V"] = 64;
-    kda["cu_seqlens"] = {0, 30, 31, 96};
-    kda["initial_state"] = false;
+    json p = recurrence_case("kda_varlen", "a backward case").params;
+    p["T"] = 96;
+    p["K"] = 64;
+    p["V"] = 64;
+    p["cu_seqlens"] = {0, 30, 31, 96};
+    p["initial_state"] = false;
     // Its own inputs (no base case): drawn from its own seed.
-    cases.push_back(make_case("kda_backward_cp2_varlen", "kda.backward",
-                              {{"kda", kda}, {"splits", {0, 48, 96}}, {"final_state_gradient", false}}));
+    p["splits"] = {0, 48, 96};
+    p["final_state_gradient"] = false;
+    cases.push_back(make_case("kda_backward_cp2_varlen", "kda.backward", p));
   }
   for (const Pick& pick : picks) {
-    json params = {{"base_case", pick.base}, {"kda", recurrence_case(pick.base, "a backward case").params}};
+    json params = recurrence_case(pick.base, "a backward case").params;
+    params["base_case"] = pick.base;
     if (!pick.splits.empty()) params["splits"] = pick.splits;
     cases.push_back(make_case("kda_backward" + pick.base.substr(3), "kda.backward", params));
   }
@@ -171,7 +173,7 @@ std::vector<Case> kda_backward_default_cases() {
 }  // namespace
 
 Family family_kda_backward() {
-  return {"kda_backward", {{"kda.backward", generate_kda_backward, golden_float_precision()}}, kda_backward_default_cases};
+  return {"kda_backward", {{"kda.backward", generate_kda_backward, golden_float_precision(), {"chunk"}}}, kda_backward_default_cases};
 }
 
 }  // namespace k3ref::golden

@@ -139,7 +139,7 @@ io::SafetensorsFile generate_kda_recurrent(const Case& c) {
   add_kda_inputs(file, in);
   kda::add_outputs(file, out);
   file.metadata =
-      metadata_of(c, golden_float_precision(), exact.all_states ? "o,final_state,all_states" : "o,final_state");
+      metadata_of(c, golden_float_precision(), file, exact.all_states ? "o,final_state,all_states" : "o,final_state");
   return file;
 }
 
@@ -223,7 +223,7 @@ Case recurrence_case(const std::string& name, const std::string& who) {
 }
 
 Family family_kda() {
-  return {"kda", {{"kda.recurrent", generate_kda_recurrent, golden_float_precision()}}, kda_default_cases};
+  return {"kda", {{"kda.recurrent", generate_kda_recurrent, golden_float_precision(), {"recurrent"}}}, kda_default_cases};
 }
 
 }  // namespace k3ref::golden

@@ -19,7 +19,7 @@ using nlohmann::json;
 using G = num::golden_float;
 
 io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
-  const json& kda_params = c.params.at("kda");
+  const json& kda_params = c.params;  // the KDA keys sit beside the chunk parameters
   const kda::Inputs<double> in = recurrence_inputs(recurrence_case(c.params.at("base_case").get<std::string>(), "chunkwise case " + c.name));
 
   kda::ChunkwiseOptions copt;
@@ -42,7 +42,7 @@ io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
     names += std::string(",") + name;
   });
   file.tensors.emplace_back("chunk_starts", io::from_i64(st.chunk_starts, DType::I64));
-  file.metadata = metadata_of(c, golden_float_precision(), names);
+  file.metadata = metadata_of(c, golden_float_precision(), file, names, "chunk_starts");
   return file;
 }
 
@@ -57,7 +57,12 @@ std::vector<Case> kda_chunkwise_default_cases() {
   std::vector<Case> cases;
   auto add = [&](const std::string& base_name, const char* form, std::int64_t C) {
     const Case base = recurrence_case(base_name, "a chunkwise case");
-    json params = {{"base_case", base_name}, {"form", form}, {"chunk_size", C}, {"sub_chunk", 16}, {"kda", base.params}};
+    // The base case's KDA parameters and, beside them, the chunk form's.
+    json params = base.params;
+    params["base_case"] = base_name;
+    params["form"] = form;
+    params["chunk_size"] = C;
+    params["sub_chunk"] = 16;
     cases.push_back(make_case("kda_chunkwise_" + std::string(form) + "_c" + std::to_string(C) + base_name.substr(3),
                               std::string("kda.chunkwise_") + form, params));
   };
@@ -70,8 +75,8 @@ std::vector<Case> kda_chunkwise_default_cases() {
 
 Family family_kda_chunkwise() {
   return {"kda_chunkwise",
-          {{"kda.chunkwise_flashkda", generate_kda_chunkwise, golden_float_precision()},
-           {"kda.chunkwise_fla", generate_kda_chunkwise, golden_float_precision()}},
+          {{"kda.chunkwise_flashkda", generate_kda_chunkwise, golden_float_precision(), {"flashkda"}},
+           {"kda.chunkwise_fla", generate_kda_chunkwise, golden_float_precision(), {"chunk"}}},
           kda_chunkwise_default_cases};
 }
 

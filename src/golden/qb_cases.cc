@@ -1,3 +1,10 @@
+// One convention for the expert bias in every QB golden (docs/qb.md, "Goldens"): `beta`,
+// SUBTRACTED from the scores before the top-k (selection = top-k of s - beta), stored as the
+// algorithm's own state: the solver's iterates `beta`, online QB's `qb_beta` (mean-centred by
+// the algorithm when center_bias is set), the sign update's `sign_beta` (= -b of DeepSeek's
+// added bias). No storage-side re-centring: a mean over n experts is not exact in binary for
+// n not a power of two, and the solver's stored (alpha, beta) must stay an exact dual point.
+//
 // The Quantile Balancing goldens: the alternating solver's iterates ("qb.solver") with,
 // on small sizes, the exact balanced optimum and its dual; and the online form against the
 // sign-update baseline ("qb.online"). Scores are exact in BF16 (dyadic with <= 8
@@ -93,20 +100,20 @@ Tensor<double> stack(const std::vector<std::vector<double>>& rows) {
   return out;
 }
 
-template <class S>
-std::vector<double> as_f64(const std::vector<S>& v) {
-  std::vector<double> out;
-  out.reserve(v.size());
-  for (const S& x : v) out.push_back(to_f64(x));
-  return out;
-}
-
 io::RawTensor i32(const Tensor<std::int64_t>& t) { return io::from_i64(t, DType::I32); }
 
 Tensor<std::int64_t> stack_i64(const std::vector<std::vector<std::int64_t>>& rows) {
   const std::int64_t t = static_cast<std::int64_t>(rows.size()), w = rows.empty() ? 0 : rows[0].size();
   Tensor<std::int64_t> out({t, w});
   for (std::int64_t a = 0; a < t; ++a) std::copy(rows[a].begin(), rows[a].end(), out.data() + a * w);
+  return out;
+}
+
+template <class S>
+std::vector<double> as_f64(const std::vector<S>& v) {
+  std::vector<double> out;
+  out.reserve(v.size());
+  for (const S& x : v) out.push_back(to_f64(x));
   return out;
 }
 
@@ -207,7 +214,7 @@ io::SafetensorsFile generate_qb_solver(const Case& c) {
     }
     add_solver_outputs(file, in.scores, p, trace, std::optional<double>{});
   }
-  file.metadata = metadata_of(c, precision, outputs);
+  file.metadata = metadata_of(c, precision, file, outputs, "selection_iterations");
   return file;
 }
 
@@ -239,12 +246,12 @@ io::SafetensorsFile generate_qb_online(const Case& c) {
   io::SafetensorsFile file;
   file.tensors.emplace_back("affinities", io::from_f64(affinities, DType::BF16));
   auto add = [&](const std::string& prefix, const std::vector<qb::RoutedBatch<Q>>& routed) {
-    Tensor<double> bias({batches, n}), weights({batches, m, k}), vio({batches});
+    Tensor<double> beta({batches, n}), weights({batches, m, k}), vio({batches});
     Tensor<std::int64_t> selection({batches, m, k}), loads({batches, n});
     for (std::int64_t b = 0; b < batches; ++b) {
       const auto& r = routed[b];
       for (std::int64_t j = 0; j < n; ++j) {
-        bias(b, j) = to_f64(r.bias[j]);
+        beta(b, j) = to_f64(r.bias[j]);
         loads(b, j) = r.loads[j];
       }
       for (std::int64_t e = 0; e < m * k; ++e) {
@@ -253,7 +260,7 @@ io::SafetensorsFile generate_qb_online(const Case& c) {
       }
       vio(b) = to_f64(r.max_vio);
     }
-    file.tensors.emplace_back(prefix + "_bias", io::from_f64(bias, DType::F64));
+    file.tensors.emplace_back(prefix + "_beta", io::from_f64(beta, DType::F64));
     file.tensors.emplace_back(prefix + "_selection", i32(selection));
     file.tensors.emplace_back(prefix + "_weights", io::from_f64(weights, DType::F64));
     file.tensors.emplace_back(prefix + "_loads", i32(loads));
@@ -261,8 +268,7 @@ io::SafetensorsFile generate_qb_online(const Case& c) {
   };
   add("qb", qb::route_online_qb(exact, opt));
   add("sign", qb::route_online_sign_update(exact, k, gamma, opt.routed_scaling_factor));
-  file.metadata = metadata_of(c, "exact rational",
-                              "{qb,sign}_{bias,selection,weights,loads,max_vio}");
+  file.metadata = metadata_of(c, "exact rational", file, "{qb,sign}_{beta,selection,weights,loads,max_vio}");
   return file;
 }
 
@@ -305,8 +311,8 @@ std::vector<Case> qb_default_cases() {
 
 Family family_qb() {
   return {"qb",
-          {{"qb.solver", generate_qb_solver, "exact (rational, or double proven exact)"},
-           {"qb.online", generate_qb_online, "exact rational"}},
+          {{"qb.solver", generate_qb_solver, "exact (rational, or double proven exact)", {"qb-exact"}},
+           {"qb.online", generate_qb_online, "exact rational", {"qb-exact"}}},
           qb_default_cases};
 }
 

@@ -251,6 +251,8 @@ TEST(GoldenManifest, HostileManifestsGetOneLineErrorsNamingTheCase) {
       {manifest(entry("a", "b.safetensors", sha, "1")), "case 'a'"},
       {manifest(entry("a", "a.safetensors", "xyz", "1")), "sha256"},
       {manifest(entry("a", "a.safetensors", sha, "-1")), "seed"},
+      {R"({"format": "k3ref-golden-manifest", "suite": "default", "generator_version": "1", "schema": 2, "cases": []})",
+       "field 'schema'"},
       {manifest(entry("a", "a.safetensors", sha, "1") + "," + entry("a", "a.safetensors", sha, "2")), "twice"},
   };
   for (const auto& [text, needle] : hostile) {
