@@ -47,6 +47,28 @@ TEST(GoldenSuite, CatalogueNamesAreUniqueAndEveryCaseHasAGenerator) {
   EXPECT_THROW(suite("no-such-suite"), InvalidArgument);
 }
 
+// The registry (src/golden/meson.build's golden_families): every family contributes cases, each
+// of its cases is of one of its own operators, and no operator belongs to two families.
+TEST(GoldenSuite, EveryFamilyOwnsItsOperatorsAndCases) {
+  std::set<std::string> family_names, ops;
+  std::size_t cases = 0;
+  for (const Family& f : families()) {
+    EXPECT_TRUE(family_names.insert(f.name).second) << f.name;
+    std::set<std::string> own;
+    for (const Generator& g : f.generators) {
+      EXPECT_TRUE(ops.insert(g.op).second) << g.op << " registered twice";
+      EXPECT_FALSE(g.policies.empty()) << g.op << ": no recommended policy";
+      own.insert(g.op);
+    }
+    const auto mine = f.default_cases();
+    EXPECT_FALSE(mine.empty()) << f.name;
+    for (const Case& c : mine) EXPECT_TRUE(own.count(c.op)) << f.name << ": case " << c.name << " of foreign op " << c.op;
+    cases += mine.size();
+  }
+  EXPECT_EQ(family_names, (std::set<std::string>{"attnres", "kcp", "kda", "kda_backward", "kda_chunkwise", "qb", "serving"}));
+  EXPECT_EQ(cases, suite("default").size());
+}
+
 TEST(GoldenSuite, RegenerationIsByteIdenticalWhateverTheThreadCount) {
   const auto cases = cheap_cases();
   const auto once = generate_cases(cases, 1, {});
