@@ -69,6 +69,37 @@ TEST(GoldenSuite, EveryFamilyOwnsItsOperatorsAndCases) {
   EXPECT_EQ(cases, suite("default").size());
 }
 
+// The schema's lists (docs/golden-format.md): every tensor in exactly one of inputs, outputs,
+// layout, in agreement with the policy table; the generator refuses anything else.
+TEST(GoldenSuite, MetadataListsEveryTensorOnceAndRefusesWhatThePolicyTableDoesNotKnow) {
+  const Case c = make_case("kda_schema_probe", "kda.recurrent", nlohmann::json::object());
+  io::SafetensorsFile file;
+  for (const char* name : {"q", "k", "v", "g", "beta", "o", "final_state"})
+    file.tensors.emplace_back(name, io::from_f64(Tensor<double>({1}, std::vector<double>{1.0}), DType::F64));
+  const auto meta = metadata_of(c, "test", file, "o,final_state");
+  EXPECT_EQ(meta.at("k3ref.schema"), golden_schema_version);
+  EXPECT_EQ(meta.at("k3ref.inputs"), "q,k,v,g,beta");
+  EXPECT_EQ(meta.at("k3ref.outputs"), "o,final_state");
+  EXPECT_EQ(meta.at("k3ref.layout"), "");
+  EXPECT_EQ(nlohmann::json::parse(meta.at("k3ref.policies")),
+            nlohmann::json({{"o", "recurrent"}, {"final_state", "recurrent"}}));
+  auto refused = [&](const io::SafetensorsFile& f, const std::string& outputs, const std::string& layout,
+                     const std::string& needle) {
+    try {
+      (void)metadata_of(c, "test", f, outputs, layout);
+      ADD_FAILURE() << "accepted outputs '" << outputs << "' layout '" << layout << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused(file, "o,final_state,all_states", "", "output tensor 'all_states' is not in the file");
+  refused(file, "o", "final_state", "layout tensor 'final_state' is not an input");
+  io::SafetensorsFile extra = file;
+  extra.tensors.emplace_back("mystery", io::from_f64(Tensor<double>({1}, std::vector<double>{0.0}), DType::F64));
+  refused(extra, "o,final_state", "", "tensor 'mystery' is not an input of the operator");
+  refused(extra, "o,final_state,mystery", "", "no preferred policy has a rule for output 'mystery'");
+}
+
 TEST(GoldenSuite, RegenerationIsByteIdenticalWhateverTheThreadCount) {
   const auto cases = cheap_cases();
   const auto once = generate_cases(cases, 1, {});
