@@ -64,6 +64,16 @@ def test_every_golden_follows_the_schema(name):
     assert set(case.tolerances()) == set(case.outputs)
 
 
+def test_every_seed_is_the_sha256_of_the_cases_operator_and_name():
+    # An independent SHA-256 (hashlib): the seed depends on nothing but "<op>/<name>", so adding
+    # or inserting a case leaves every other case's bytes as they are (docs/golden-format.md).
+    import hashlib
+    for c in MANIFEST:
+        want = int.from_bytes(hashlib.sha256(f"{c['op']}/{c['name']}".encode()).digest()[:8], "little")
+        assert c["seed"] == want, c["name"]
+        assert goldens.load_case(c["name"], GOLDENS).metadata["k3ref.seed"] == str(want), c["name"]
+
+
 def test_qb_expert_bias_has_one_name_and_sign():
     # beta, subtracted from the scores before the top-k, in the solver and the online goldens alike.
     online = goldens.load_case("qb_online_m32_n8_k2", GOLDENS)
