@@ -1,6 +1,6 @@
 // libFuzzer target: the golden manifest reader. Any input must parse or raise FileError.
 #include "k3ref/error.h"
-#include "k3ref/golden/suite.h"
+#include "golden/suite.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   try {

@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import kda_forward, load, sequences  # noqa: E402  (the one NumPy oracle)
 
 H_STEP = 1e-30
-TOLERANCE = 1.5e-15  # relative to sum |gradient * E|; measured worst 2.5e-16 (about 6x)
+# Relative to sum |gradient * E|; about 5x the measured worst, 1.18e-15 (kda_backward_fla_chunk_like,
+# generator version 2; 2.5e-16 on version 1's inputs).
+TOLERANCE = 6e-15
 
 
 def forward(t, p, inject=None, record=None):
@@ -48,7 +50,7 @@ def check(name, derivative, gradient, direction, failures, worst):
 
 def check_case(case, golden_dir, rng, worst):
     t, _ = load(Path(golden_dir) / case["file"])
-    p = case["params"]["kda"]
+    p = case["params"]  # the KDA keys beside the backward parameters
     t = {n: np.asarray(a, dtype=np.float64) if a.dtype != np.int64 else a for n, a in t.items()}
     B, T, HV, V = t["v"].shape
     K = t["q"].shape[3]

@@ -15,7 +15,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import kda_forward, load, rel_rms, stages  # noqa: E402  (the one NumPy oracle)
 
-TOLERANCE = 3e-14  # about 5x the measured worst stage difference (5.4e-15)
+TOLERANCE = 2e-14  # about 5x the measured worst stage difference (4.1e-15, generator version 2; 5.4e-15 on version 1)
 
 
 def prepared(t, p):
@@ -90,12 +90,11 @@ def main(golden_dir):
         if not case["op"].startswith("kda.chunkwise_"):
             continue
         tensors, meta = load(Path(golden_dir) / case["file"])
-        params = case["params"]
-        p = params["kda"]
-        ours = chunk_stages(tensors, p, params["form"], params["chunk_size"])
+        p = case["params"]  # the KDA keys and the chunk form's, one object (docs/golden-format.md)
+        ours = chunk_stages(tensors, p, p["form"], p["chunk_size"])
         ours.update({n: x for n, x in kda_forward(tensors, p).items() if n in ("o", "final_state")})
         ok = True
-        names = meta["k3ref.outputs"].split(",") + ["chunk_starts"]
+        names = meta["k3ref.outputs"].split(",") + meta["k3ref.layout"].split(",")  # layout: chunk_starts
         for name in names:
             ref, mine = tensors[name], ours[name]
             if name == "chunk_starts":

@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import load, rel_rms, run, stages  # noqa: E402  (the one NumPy oracle)
 
 
-# Bound on the relative RMS difference: about 5x the measured worst (3.1e-16).
-TOLERANCE = 1.5e-15
+# Bound on the relative RMS difference: about 5x the measured worst, 2.2e-15 (fragment_transition of
+# kcp_p4_docs_fla_gate: products of 20 to 31 factors (I - beta k k^T) Diag(a) of norm about 1
+# whose entries fall to 8e-7 .. 4e-32; generator version 2; 3.1e-16 on version 1's inputs).
+TOLERANCE = 1.1e-14
 
 
 def prepared(t, p):

@@ -22,7 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import load, rel_rms, run, stages as prepared  # noqa: E402  (the one NumPy oracle)
 
-# Bound on the relative RMS difference: about 5x the measured worst (3.3e-16).
+# Bound on the relative RMS difference: about 4x the measured worst (4.1e-16, generator version 2;
+# 3.3e-16 on version 1's inputs).
 TOLERANCE = 1.7e-15
 PAD = -1
 PADDING_VALUE = 2.0**100  # what the generator writes between and around slots
@@ -63,7 +64,7 @@ def run_tokens(q, k, v, decay, beta, scale, begin, end, S0):
 
 
 def pool_case(t, p, op):
-    kp = p["kda"]
+    kp = p  # the KDA keys beside the serving parameters
     q, k, v, decay, beta, scale = prepared(t, kp)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     pool = Pool(t["pool"], t["pool_geometry"], HV, K, V)
@@ -132,7 +133,7 @@ def pool_case(t, p, op):
 
 
 def checkpoint_case(t, p):
-    kp = p["kda"]
+    kp = p  # the KDA keys beside the serving parameters
     q, k, v, decay, beta, scale = prepared(t, kp)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     v_first = kp["state_layout"] == "v_first"

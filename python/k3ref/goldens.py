@@ -3,13 +3,17 @@ tolerances, and the k3ref reference that reproduces them.
 
     from k3ref import goldens
     case = goldens.load_case("kda_varlen")          # a name in the golden directory, or a path
-    case.inputs        # {name: tensor} as stored (bf16 inputs stay bf16)
+    case.inputs        # {name: tensor} as stored (bf16 inputs stay bf16): the file's k3ref.inputs
     case.expected      # {name: tensor} the outputs (float64), in the file's output order
-    case.params        # the generator's parameters (dict)
+    case.layout        # {name: tensor} index tensors describing the layout (chunk_starts, ...)
+    case.params        # the generator's parameters (dict), all of them in one object
     case.options       # keyword arguments of the matching k3ref reference (CLI option names)
-    case.tolerances("recurrent")   # {output: Rule} from the policy table (k3ref.policy)
+    case.recommended_policies      # {output: policy name} the file recommends (policy/policies.json)
+    case.tolerances()  # {output: Rule} under the recommended policies, or tolerances("recurrent")
     goldens.reference(case, precision="mp256")      # k3ref's outputs for the case's inputs
 
+Files follow the golden schema (docs/golden-format.md, "Schema"; `k3ref.schema` = SCHEMA):
+every tensor is listed in exactly one of `k3ref.inputs`, `k3ref.outputs`, `k3ref.layout`.
 Files are read with the `safetensors` package when it is installed, else with
 k3ref._safetensors (the project's own reader); both give the same tensors. The golden
 directory: the `directory` argument, else $K3REF_GOLDENS, else the checkout's goldens/ when
@@ -25,22 +29,8 @@ import torch
 
 from . import _safetensors
 
-# Input tensor names per operator family: what the matching reference accepts. Every other
-# tensor of a file is an expected output (k3ref.outputs) or layout information (chunk_starts,
-# origin_rank), kept in GoldenCase.tensors.
-_KDA_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
-INPUT_NAMES = {
-    "kda.recurrent": _KDA_INPUTS,
-    "kda.chunkwise_fla": _KDA_INPUTS,
-    "kda.chunkwise_flashkda": _KDA_INPUTS,
-    "kda.backward": _KDA_INPUTS + ("d_o", "d_final_state", "splits"),
-    "kcp.context_parallel": _KDA_INPUTS + ("splits",),
-    "attnres.full": ("values", "queries", "norm_weights"),
-    "attnres.block": ("values", "queries", "norm_weights"),
-    "attnres.phase1": ("values", "queries", "norm_weights"),
-    "qb.solver": ("scores",),
-    "qb.online": ("affinities",),
-}
+# The golden schema this module reads (docs/golden-format.md, "Schema").
+SCHEMA = "2"
 # The operators goldens.reference() computes.
 REFERENCE_OPS = ("kda.recurrent", "kda.chunkwise_fla", "kda.chunkwise_flashkda", "kda.backward",
                  "kcp.context_parallel", "attnres.full", "attnres.block", "attnres.phase1", "qb.solver")
@@ -113,12 +103,19 @@ class GoldenCase:
     tensors: dict                  # every tensor of the file, in file order
     outputs: list                  # the names of k3ref.outputs, expanded, in order
     metadata: dict = field(default_factory=dict)
+    input_names: list = field(default_factory=list)    # k3ref.inputs
+    layout_names: list = field(default_factory=list)   # k3ref.layout
+    recommended_policies: dict = field(default_factory=dict)  # k3ref.policies: {output: policy}
 
     @property
     def inputs(self):
-        """The tensors the matching reference takes (INPUT_NAMES of the operator)."""
-        names = INPUT_NAMES.get(self.op, ())
-        return {n: self.tensors[n] for n in names if n in self.tensors}
+        """The tensors the operator takes (the file's k3ref.inputs), in file order."""
+        return {n: self.tensors[n] for n in self.input_names}
+
+    @property
+    def layout(self):
+        """Index tensors describing the layout (the file's k3ref.layout): chunk_starts, ..."""
+        return {n: self.tensors[n] for n in self.layout_names}
 
     @property
     def expected(self):
@@ -131,8 +128,9 @@ class GoldenCase:
 
     @property
     def kda_params(self):
-        """The KDA parameters (nested under "kda" for the chunkwise and backward families)."""
-        return self.params.get("kda", self.params)
+        """The KDA parameters: the case's one parameter object (the KDA keys sit beside the
+        family's own)."""
+        return self.params
 
     @property
     def options(self):
@@ -145,8 +143,7 @@ class GoldenCase:
             if op == "kda.recurrent":
                 o["all_states"] = bool(p["all_states"])
             elif op.startswith("kda.chunkwise_"):
-                o.update(chunk_form=self.params["form"], chunk_size=self.params["chunk_size"],
-                         sub_chunk=self.params["sub_chunk"], stages=True)
+                o.update(chunk_form=p["form"], chunk_size=p["chunk_size"], sub_chunk=p["sub_chunk"], stages=True)
             elif op == "kcp.context_parallel":
                 o["merge"] = self.params["merge"]
             return o
@@ -163,13 +160,21 @@ class GoldenCase:
         t = table if isinstance(table, _policy.PolicyTable) else _policy.load_table(table)
         return {name: t.about.get(name, "") for name in t.policy_names() if self.op in t.operators_of(name)}
 
-    def tolerances(self, policy="floor:2", table=None):
+    def tolerances(self, policy=None, table=None):
         """{output: k3ref.policy.Rule}: the metric, floor dtype and bound that `policy` sets for
-        each expected output of this operator (the policy table, docs/tolerances.md)."""
+        each expected output of this operator (the policy table, docs/tolerances.md); without
+        a policy, each output's recommended policy (the file's k3ref.policies)."""
         from . import policy as _policy
-        rules = _policy.load_table(table).rules(policy, self.op) if not isinstance(table, _policy.PolicyTable) \
-            else table.rules(policy, self.op)
-        return {n: rules[n] for n in self.outputs if n in rules}
+        t = table if isinstance(table, _policy.PolicyTable) else _policy.load_table(table)
+        if policy is not None:
+            rules = t.rules(policy, self.op)
+            return {n: rules[n] for n in self.outputs if n in rules}
+        out = {}
+        for n in self.outputs:
+            if n not in self.recommended_policies:
+                raise ValueError(f"k3ref.goldens: case '{self.name}' recommends no policy for output '{n}'")
+            out[n] = t.rules(self.recommended_policies[n], self.op)[n]
+        return out
 
 
 def load_case(name_or_path, directory_=None, *, reader="auto"):
@@ -180,12 +185,22 @@ def load_case(name_or_path, directory_=None, *, reader="auto"):
     if not p.is_file():
         raise FileNotFoundError(f"k3ref.goldens: no golden file {p}")
     tensors, meta = read_tensors(p, reader)
+    if meta.get("k3ref.schema") != SCHEMA:
+        raise ValueError(f"{p}: golden schema {meta.get('k3ref.schema', '(none)')!r}, this k3ref reads {SCHEMA!r} "
+                         "(docs/golden-format.md): regenerate it with this version's `k3ref golden generate`")
     try:
-        params = json.loads(meta.get("k3ref.params", "{}"))
-    except ValueError as e:
-        raise ValueError(f"{p}: metadata 'k3ref.params' is not JSON ({e})") from None
+        params = json.loads(meta["k3ref.params"])
+        policies = json.loads(meta["k3ref.policies"])
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{p}: metadata 'k3ref.params' / 'k3ref.policies' missing or not JSON ({e})") from None
+    lists = {key: expand_outputs(meta.get(f"k3ref.{key}", "")) for key in ("inputs", "outputs", "layout")}
+    listed = lists["inputs"] + lists["outputs"] + lists["layout"]
+    if sorted(listed) != sorted(tensors):
+        raise ValueError(f"{p}: k3ref.inputs, k3ref.outputs and k3ref.layout must list every tensor exactly once "
+                         f"(listed {sorted(listed)}, file holds {sorted(tensors)})")
     return GoldenCase(name=meta.get("k3ref.case", p.stem), op=meta.get("k3ref.op", ""), path=p, params=params,
-                      tensors=tensors, outputs=expand_outputs(meta.get("k3ref.outputs", "")), metadata=meta)
+                      tensors=tensors, outputs=lists["outputs"], metadata=meta, input_names=lists["inputs"],
+                      layout_names=lists["layout"], recommended_policies=policies)
 
 
 def case_names(directory_=None, ops=None):

@@ -89,7 +89,7 @@ def assert_kda_close(actual, expected_or_case, policy="floor:2", *, op=None, ten
         expected, op = case.expected, op or case.op
         known = [n for n in getattr(case, "tensors", {}) if n not in expected]
         params = getattr(case, "params", {}) or {}
-        layout = params.get("kda", params).get("state_layout", "k_first") if isinstance(params, dict) else layout
+        layout = params.get("state_layout", "k_first") if isinstance(params, dict) else layout
     else:
         expected = {name: case} if isinstance(case, torch.Tensor) else case
         if not hasattr(expected, "keys"):

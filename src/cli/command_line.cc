@@ -22,7 +22,7 @@
 #include "k3ref/check/metrics.h"
 #include "k3ref/check/policy_table.h"
 #include "k3ref/error.h"
-#include "k3ref/golden/suite.h"
+#include "golden/suite.h"
 #include "k3ref/io/file.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/kda/kda_io.h"
@@ -343,6 +343,27 @@ int compare_command(const CompareArgs& a) {
     check::JudgeRequest q;
     q.op = op;
     q.policy = a.policy;
+    if (a.policy == "recommended") {
+      // The policy the golden recommends for its outputs (k3ref.policies, docs/golden-format.md).
+      const std::string* listed = meta("k3ref.policies");
+      if (!listed) throw FileError(a.golden + ": no 'k3ref.policies' metadata: --policy recommended needs a schema-2 golden");
+      std::set<std::string> named;
+      try {
+        const nlohmann::json j = nlohmann::json::parse(*listed);
+        if (!j.is_object() || j.empty()) throw std::invalid_argument("not a non-empty object");
+        for (const auto& [output, name] : j.items()) {
+          if (!name.is_string()) throw std::invalid_argument("value for " + io::excerpt(output) + " is not a string");
+          named.insert(name.get<std::string>());
+        }
+      } catch (const std::exception& e) {
+        throw FileError(a.golden + ": metadata 'k3ref.policies' is not an object of policy names (" +
+                        io::excerpt(e.what(), 120) + ")");
+      }
+      if (named.size() != 1)
+        throw InvalidArgument(a.golden + ": its outputs recommend " + std::to_string(named.size()) +
+                              " policies; name one with --policy");
+      q.policy = *named.begin();
+    }
     // Tensors by name, indexed once: SafetensorsFile::find is a linear scan, and a golden
     // may list many thousands of outputs.
     std::unordered_map<std::string, const io::RawTensor*> golden_tensors, candidate_tensors;
@@ -443,7 +464,8 @@ int run(int argc, const char* const* argv, bool execute) {
   cmp->add_option("--candidate", cmp_args.candidate, "The kernel's outputs (same tensor names)")->required();
   cmp->add_option("--policy", cmp_args.policy,
                   "Tolerance policy (per tensor rules from the policy table):\n" +
-                      check::policy_table_help(check::PolicyTable::builtin()))
+                      check::policy_table_help(check::PolicyTable::builtin()) +
+                      "recommended      the policy the golden recommends for its outputs (k3ref.policies)\n")
       ->capture_default_str();
   cmp->add_option("--policy-table", cmp_args.policy_table,
                   "Policy table file (default: the built-in copy of policy/policies.json)");

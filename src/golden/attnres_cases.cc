@@ -6,7 +6,7 @@
 #include <string>
 
 #include "k3ref/attnres/attnres.h"
-#include "k3ref/golden/catalogue.h"
+#include "golden/catalogue.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
 #include "k3ref/num/scalar.h"
@@ -49,12 +49,7 @@ AttnResParams from_json(const json& j) {
 
 // Uniform in [lo, hi], rounded to bf16: the stored value is exactly what the reference reads.
 Tensor<double> draw(num::Random& rng, const Shape& shape, double lo, double hi) {
-  Tensor<double> t(shape);
-  for (double& x : t.values()) {
-    const double u = std::ldexp(static_cast<double>(rng.next_u64() >> 11), -53);
-    x = num::round_to(Format::bf16, lo + (hi - lo) * u);
-  }
-  return t;
+  return draw_uniform_rounded(rng, shape, lo, hi, Format::bf16);
 }
 
 struct Drawn {
@@ -70,8 +65,6 @@ Drawn make_inputs(const AttnResParams& p, std::uint64_t seed) {
   x.norm_weights = draw(rng, {p.L + 1, p.d}, p.norm_weight_lo, p.norm_weight_hi);
   return x;
 }
-
-}  // namespace
 
 io::SafetensorsFile generate_attnres(const Case& c) {
   const AttnResParams p = from_json(c.params);
@@ -108,17 +101,16 @@ io::SafetensorsFile generate_attnres(const Case& c) {
     file.tensors.emplace_back("phase1_max", io::from_f64(lower(*out.phase1_max), DType::F64));
     file.tensors.emplace_back("phase1_sum", io::from_f64(lower(*out.phase1_sum), DType::F64));
   }
-  file.metadata = metadata_of(c, golden_float_precision(), outputs);
+  file.metadata = metadata_of(c, golden_float_precision(), file, outputs);
   return file;
 }
 
 std::vector<Case> attnres_default_cases() {
   std::vector<Case> cases;
-  std::uint64_t seed = 0x61747472;  // "attr"; each case gets the next seed
   auto add = [&](const std::string& name, const std::string& op, auto&& configure) {
     AttnResParams p;
     configure(p);
-    cases.push_back(Case{name, op, seed++, to_json(p)});
+    cases.push_back(make_case(name, op, to_json(p)));
   };
   // Full AttnRes: every layer attends over every earlier layer output.
   add("attnres_full_l8", "attnres.full", [](AttnResParams& p) { p.L = 8; p.T = 3; p.d = 64; });
@@ -136,6 +128,16 @@ std::vector<Case> attnres_default_cases() {
   add("attnres_phase1_k3_like", "attnres.phase1", [](AttnResParams& p) { p.L = 24; p.block_size = 12; p.T = 2; p.d = 512; });
   add("attnres_phase1_remainder", "attnres.phase1", [](AttnResParams& p) { p.L = 7; p.block_size = 3; p.T = 2; p.d = 48; });
   return cases;
+}
+
+}  // namespace
+
+Family family_attnres() {
+  return {"attnres",
+          {{"attnres.full", generate_attnres, golden_float_precision(), {"liger-attnres"}},
+           {"attnres.block", generate_attnres, golden_float_precision(), {"liger-attnres"}},
+           {"attnres.phase1", generate_attnres, golden_float_precision(), {"liger-attnres"}}},
+          attnres_default_cases};
 }
 
 }  // namespace k3ref::golden

@@ -1,7 +1,8 @@
 // KDA gradient goldens ("kda.backward"). Each case reuses a recurrence case's inputs
-// (same parameters and seed, so the same bytes), draws upstream gradients d_o (bf16
-// values, as a training kernel receives them) and d_final_state (fp32 container, bf16
-// values) from its own stream, and stores every input's gradient at golden precision:
+// (drawn in memory from that case's parameters and seed, so the same bytes as its file
+// holds) or, without `base_case`, draws its own from its seed; it draws upstream gradients
+// d_o (bf16 values, as a training kernel receives them) and d_final_state (fp32 container,
+// bf16 values) from its own stream, and stores every input's gradient at golden precision:
 // dq, dk, dv, dg (with respect to g as stored: the raw gate when the gate is applied in
 // the kernel), dbeta (before its activation), d_initial_state, dA_log and ddt_bias. Beside
 // them, the chunkwise backward's stages at C = 64 (the state entering each chunk and the
@@ -16,7 +17,7 @@
 #include <cmath>
 #include <string>
 
-#include "k3ref/golden/catalogue.h"
+#include "golden/kda_family.h"
 #include "k3ref/kcp/backward.h"
 #include "k3ref/kda/backward.h"
 #include "k3ref/kda/chunkwise_backward.h"
@@ -61,17 +62,16 @@ Tensor<G> stack_ranks(const std::vector<Tensor<G>>& per_rank) {
   return Tensor<G>(shape, std::move(data));
 }
 
-}  // namespace
-
 io::SafetensorsFile generate_kda_backward(const Case& c) {
-  const json& kda_params = c.params.at("kda");
-  const Case base{c.params.at("base_case").get<std::string>(), "kda.recurrent", c.seed, kda_params};
-  const io::SafetensorsFile inputs_file = generate_kda_recurrent(base);
-  const kda::Inputs<double> in = kda::inputs_from_file(inputs_file, base.name);
+  const json& kda_params = c.params;  // the KDA keys sit beside the backward parameters
+  // The case's own stream: its inputs when it names no recurrence case, then the upstream gradients.
+  num::Random rng(c.seed);
+  const kda::Inputs<double> in =
+      c.params.contains("base_case")
+          ? recurrence_inputs(recurrence_case(c.params.at("base_case").get<std::string>(), "backward case " + c.name))
+          : draw_kda_inputs(kda_params_from_json(kda_params), rng);
   const kda::Options<G> opt = kda_golden_options(kda_params);
 
-  // Upstream gradients from a stream of their own (the inputs' stream is the base case's).
-  num::Random rng(c.seed ^ 0x64f0ull);  // "d_o"
   const std::int64_t B = in.v.dim(0), T = in.v.dim(1), HV = in.v.dim(2), V = in.v.dim(3), K = in.q.dim(3);
   const std::int64_t N = in.cu_seqlens ? static_cast<std::int64_t>(in.cu_seqlens->size()) - 1 : B;
   const bool v_first = opt.state_layout == kda::StateLayout::v_first;
@@ -89,8 +89,7 @@ io::SafetensorsFile generate_kda_backward(const Case& c) {
   require_agreement(chunked.gradients, grad, "chunkwise", c.name);
 
   io::SafetensorsFile file;
-  for (const char* name : kda::input_names)
-    if (const io::RawTensor* t = inputs_file.find(name)) file.tensors.emplace_back(name, *t);
+  add_kda_inputs(file, in);
   file.tensors.emplace_back("d_o", io::from_f64(d_o, DType::BF16));
   file.tensors.emplace_back("d_final_state", io::from_f64(d_final, DType::F32));
   std::string names;
@@ -119,7 +118,7 @@ io::SafetensorsFile generate_kda_backward(const Case& c) {
     output("cp_entering_states", stack_ranks(cp.entering_states));
     output("cp_entering_state_gradients", stack_ranks(cp.state.entering_gradients));
   }
-  file.metadata = metadata_of(c, golden_float_precision(), names);
+  file.metadata = metadata_of(c, golden_float_precision(), file, names, "chunk_starts");
   return file;
 }
 
@@ -146,35 +145,35 @@ std::vector<Case> kda_backward_default_cases() {
                                    {"kda_gate_softplus", {}},
                                    {"kda_gate_lower_bound", {}},
                                    {"kda_fla_chunk_like", {}}};
-  const std::vector<Case> recurrent = kda_default_cases();
   std::vector<Case> cases;
   // For a context-parallel kernel across 2 devices (FLA's cp mode): T divisible by 2, no
   // initial state and no final-state gradient (the mode supports neither), a document
   // crossing the split at 48 and a 1-token document.
   {
-    const Case* varlen = nullptr;
-    for (const Case& r : recurrent)
-      if (r.name == "kda_varlen") varlen = &r;
-    json kda = varlen->params;
-    kda["T"] = 96;
-    kda["K"] = 64;
-    kda["V"] = 64;
-    kda["cu_seqlens"] = {0, 30, 31, 96};
-    kda["initial_state"] = false;
-    cases.push_back(Case{"kda_backward_cp2_varlen", "kda.backward", 0x6b6470ull,
-                         {{"base_case", "kda_backward_cp2_varlen_inputs"}, {"kda", kda}, {"splits", {0, 48, 96}},
-                          {"final_state_gradient", false}}});
+    json p = recurrence_case("kda_varlen", "a backward case").params;
+    p["T"] = 96;
+    p["K"] = 64;
+    p["V"] = 64;
+    p["cu_seqlens"] = {0, 30, 31, 96};
+    p["initial_state"] = false;
+    // Its own inputs (no base case): drawn from its own seed.
+    p["splits"] = {0, 48, 96};
+    p["final_state_gradient"] = false;
+    cases.push_back(make_case("kda_backward_cp2_varlen", "kda.backward", p));
   }
   for (const Pick& pick : picks) {
-    const Case* base = nullptr;
-    for (const Case& r : recurrent)
-      if (r.name == pick.base) base = &r;
-    if (!base) throw InvalidArgument("golden: backward case refers to unknown recurrence case '" + pick.base + "'");
-    json params = {{"base_case", pick.base}, {"kda", base->params}};
+    json params = recurrence_case(pick.base, "a backward case").params;
+    params["base_case"] = pick.base;
     if (!pick.splits.empty()) params["splits"] = pick.splits;
-    cases.push_back(Case{"kda_backward" + pick.base.substr(3), "kda.backward", base->seed, params});
+    cases.push_back(make_case("kda_backward" + pick.base.substr(3), "kda.backward", params));
   }
   return cases;
+}
+
+}  // namespace
+
+Family family_kda_backward() {
+  return {"kda_backward", {{"kda.backward", generate_kda_backward, golden_float_precision(), {"chunk"}}}, kda_backward_default_cases};
 }
 
 }  // namespace k3ref::golden

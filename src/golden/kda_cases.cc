@@ -1,9 +1,12 @@
-// The KDA recurrence goldens: parameters, deterministic input generation, and the
-// reference computed at golden precision (num::golden_bits).
+// The KDA recurrence goldens ("kda.recurrent"): parameters, deterministic input generation,
+// and the reference computed at golden precision (num::golden_bits). The parameters, the
+// options they describe and the input generator are shared with every KDA-based family
+// (golden/kda_family.h).
 #include <cmath>
 #include <string>
 
-#include "k3ref/golden/catalogue.h"
+#include "golden/kda_family.h"
+#include "k3ref/error.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/kda/recurrent.h"
 #include "k3ref/num/float_format.h"
@@ -11,28 +14,9 @@
 #include "k3ref/num/scalar.h"
 
 namespace k3ref::golden {
-namespace {
 
 using nlohmann::json;
 using num::Format;
-
-// Everything a KDA case varies. Serialised into the manifest as is.
-struct KdaParams {
-  std::int64_t B = 1, T = 16, H = 1, HV = 1, K = 16, V = 16;
-  std::vector<std::int64_t> cu_seqlens;  // empty: no varlen
-  bool initial_state = true;
-  std::string gate = "log_decay";  // log_decay | softplus | lower_bound
-  std::string gate_base = "e";
-  double g_lo = -1, g_hi = 0;      // range of the stored g (log decay, or raw gate)
-  std::optional<double> lower_bound;
-  bool A_log = false, dt_bias = false;
-  std::string beta = "as_given";
-  double beta_lo = 0, beta_hi = 1;
-  bool qk_l2norm = false;
-  std::optional<double> scale;
-  std::string state_layout = "k_first";
-  bool all_states = false;
-};
 
 json to_json(const KdaParams& p) {
   json j = {{"B", p.B}, {"T", p.T}, {"H", p.H}, {"HV", p.HV}, {"K", p.K}, {"V", p.V},
@@ -46,7 +30,7 @@ json to_json(const KdaParams& p) {
   return j;
 }
 
-KdaParams from_json(const json& j) {
+KdaParams kda_params_from_json(const json& j) {
   KdaParams p;
   p.B = j.at("B");
   p.T = j.at("T");
@@ -73,6 +57,8 @@ KdaParams from_json(const json& j) {
   return p;
 }
 
+namespace {
+
 template <class S>
 kda::Options<S> options_of(const KdaParams& p) {
   kda::Options<S> opt;
@@ -88,8 +74,14 @@ kda::Options<S> options_of(const KdaParams& p) {
   return opt;
 }
 
-kda::Inputs<double> make_inputs(const KdaParams& p, std::uint64_t seed) {
-  num::Random rng(seed);
+}  // namespace
+
+kda::Options<num::golden_float> kda_golden_options(const json& kda_params) {
+  return options_of<num::golden_float>(kda_params_from_json(kda_params));
+}
+kda::Options<double> kda_double_options(const json& kda_params) { return options_of<double>(kda_params_from_json(kda_params)); }
+
+kda::Inputs<double> draw_kda_inputs(const KdaParams& p, num::Random& rng) {
   const std::int64_t N = p.cu_seqlens.empty() ? p.B : static_cast<std::int64_t>(p.cu_seqlens.size()) - 1;
   // Without the in-kernel L2 norm, k is drawn with entries in [-1/sqrt(K), 1/sqrt(K)] so
   // that beta ||k||^2 stays in the stable range of the delta rule, as normalised keys do.
@@ -105,81 +97,59 @@ kda::Inputs<double> make_inputs(const KdaParams& p, std::uint64_t seed) {
     const Shape shape = p.state_layout == "v_first" ? Shape{N, p.HV, p.V, p.K} : Shape{N, p.HV, p.K, p.V};
     in.initial_state = draw_uniform_rounded(rng, shape, -1, 1, Format::bf16);
   }
-  if (p.A_log) {
-    // A = exp(A_log) in [1, 16], as Mamba-style initialisations give.
-    Tensor<double> a = draw_uniform_rounded(rng, {p.HV}, 0, std::log(16.0), Format::fp32);
-    in.A_log = a;
-  }
+  // A = exp(A_log) in [1, 16], as Mamba-style initialisations give.
+  if (p.A_log) in.A_log = draw_uniform_rounded(rng, {p.HV}, 0, std::log(16.0), Format::fp32);
   if (p.dt_bias) in.dt_bias = draw_uniform_rounded(rng, {p.HV, p.K}, -1, 1, Format::fp32);
   if (!p.cu_seqlens.empty()) in.cu_seqlens = p.cu_seqlens;
   return in;
 }
 
-io::RawTensor stored(const Tensor<double>& t, DType dtype) { return io::from_f64(t, dtype); }
+kda::Inputs<double> recurrence_inputs(const Case& c) {
+  num::Random rng(c.seed);
+  return draw_kda_inputs(kda_params_from_json(c.params), rng);
+}
 
-// Case builder: starts from a small well-conditioned default.
-struct Builder {
-  KdaParams p;
-  std::string name;
-  std::uint64_t seed;
-  Builder(std::string n, std::uint64_t s) : name(std::move(n)), seed(s) {}
-  Case build() const { return Case{name, "kda.recurrent", seed, to_json(p)}; }
-};
+void add_kda_inputs(io::SafetensorsFile& file, const kda::Inputs<double>& in) {
+  file.tensors.emplace_back("q", io::from_f64(in.q, DType::BF16));
+  file.tensors.emplace_back("k", io::from_f64(in.k, DType::BF16));
+  file.tensors.emplace_back("v", io::from_f64(in.v, DType::BF16));
+  file.tensors.emplace_back("g", io::from_f64(in.g, DType::BF16));
+  file.tensors.emplace_back("beta", io::from_f64(in.beta, DType::BF16));
+  if (in.initial_state) file.tensors.emplace_back("initial_state", io::from_f64(*in.initial_state, DType::F32));
+  if (in.A_log) file.tensors.emplace_back("A_log", io::from_f64(*in.A_log, DType::F32));
+  if (in.dt_bias) file.tensors.emplace_back("dt_bias", io::from_f64(*in.dt_bias, DType::F32));
+  if (in.cu_seqlens)
+    file.tensors.emplace_back(
+        "cu_seqlens", io::from_i64(Tensor<std::int64_t>({static_cast<std::int64_t>(in.cu_seqlens->size())},
+                                                        *in.cu_seqlens), DType::I64));
+}
 
-}  // namespace
+namespace {
 
 io::SafetensorsFile generate_kda_recurrent(const Case& c) {
-  const KdaParams p = from_json(c.params);
-  const kda::Inputs<double> in = make_inputs(p, c.seed);
-
+  const kda::Inputs<double> in = recurrence_inputs(c);
   using G = num::golden_float;
-  const kda::Outputs<G> exact = kda::recurrent_forward(kda::lift<G>(in), options_of<G>(p));
+  const kda::Outputs<G> exact = kda::recurrent_forward(kda::lift<G>(in), kda_golden_options(c.params));
   kda::Outputs<double> out;
   out.o = round_to_double(exact.o);
   if (exact.final_state) out.final_state = round_to_double(*exact.final_state);
   if (exact.all_states) out.all_states = round_to_double(*exact.all_states);
 
   io::SafetensorsFile file;
-  file.tensors.emplace_back("q", stored(in.q, DType::BF16));
-  file.tensors.emplace_back("k", stored(in.k, DType::BF16));
-  file.tensors.emplace_back("v", stored(in.v, DType::BF16));
-  file.tensors.emplace_back("g", stored(in.g, DType::BF16));
-  file.tensors.emplace_back("beta", stored(in.beta, DType::BF16));
-  if (in.initial_state) file.tensors.emplace_back("initial_state", stored(*in.initial_state, DType::F32));
-  if (in.A_log) file.tensors.emplace_back("A_log", stored(*in.A_log, DType::F32));
-  if (in.dt_bias) file.tensors.emplace_back("dt_bias", stored(*in.dt_bias, DType::F32));
-  if (in.cu_seqlens)
-    file.tensors.emplace_back(
-        "cu_seqlens", io::from_i64(Tensor<std::int64_t>({static_cast<std::int64_t>(in.cu_seqlens->size())},
-                                                        *in.cu_seqlens), DType::I64));
+  add_kda_inputs(file, in);
   kda::add_outputs(file, out);
   file.metadata =
-      metadata_of(c, golden_float_precision(), exact.all_states ? "o,final_state,all_states" : "o,final_state");
+      metadata_of(c, golden_float_precision(), file, exact.all_states ? "o,final_state,all_states" : "o,final_state");
   return file;
-}
-
-kda::Options<num::golden_float> kda_golden_options(const nlohmann::json& kda_params) {
-  return options_of<num::golden_float>(from_json(kda_params));
-}
-kda::Options<double> kda_double_options(const nlohmann::json& kda_params) {
-  return options_of<double>(from_json(kda_params));
-}
-Tensor<double> round_to_double(const Tensor<num::golden_float>& t) {
-  return t.map<double>([](const num::golden_float& x) { return num::to_double_rne(x); });
-}
-
-kda::Outputs<double> kda_recurrent_in_double(const Case& c, const io::SafetensorsFile& golden_file) {
-  const KdaParams p = from_json(c.params);
-  return kda::recurrent_forward(kda::inputs_from_file(golden_file, c.name), options_of<double>(p));
 }
 
 std::vector<Case> kda_default_cases() {
   std::vector<Case> cases;
-  std::uint64_t seed = 0x6b6461;  // "kda"; each case gets the next seed
+  // Each case starts from a small well-conditioned default.
   auto add = [&](const std::string& name, auto&& configure) {
-    Builder b(name, seed++);
-    configure(b.p);
-    cases.push_back(b.build());
+    KdaParams p;
+    configure(p);
+    cases.push_back(make_case(name, "kda.recurrent", to_json(p)));
   };
   // Shapes and edges of T.
   add("kda_t1", [](KdaParams& p) { p.T = 1; });
@@ -242,6 +212,18 @@ std::vector<Case> kda_default_cases() {
                                                p.dt_bias = true; p.beta = "sigmoid"; p.beta_lo = -4; p.beta_hi = 4;
                                                p.qk_l2norm = true; });
   return cases;
+}
+
+}  // namespace
+
+Case recurrence_case(const std::string& name, const std::string& who) {
+  for (Case& c : kda_default_cases())
+    if (c.name == name) return c;
+  throw InvalidArgument("golden: " + who + " refers to unknown recurrence case '" + name + "'");
+}
+
+Family family_kda() {
+  return {"kda", {{"kda.recurrent", generate_kda_recurrent, golden_float_precision(), {"recurrent"}}}, kda_default_cases};
 }
 
 }  // namespace k3ref::golden

@@ -1,11 +1,12 @@
 // Stage goldens of the chunkwise KDA forms ("kda.chunkwise_flashkda", C = 16, and
 // "kda.chunkwise_fla", C = 64). Each case reuses the inputs of a recurrence case of the
-// catalogue (same parameters and seed, so the same bytes), runs the chunk algorithm at
+// catalogue (drawn in memory from that case's parameters and seed, so the same bytes as its
+// file holds), runs the chunk algorithm at
 // golden precision with every stage recorded, and stores the stage tensors beside o and
 // final_state, so a kernel's prepare stage can be checked apart from its recurrence.
 #include <string>
 
-#include "k3ref/golden/catalogue.h"
+#include "golden/kda_family.h"
 #include "k3ref/kda/chunkwise.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/num/float_format.h"
@@ -17,13 +18,9 @@ namespace {
 using nlohmann::json;
 using G = num::golden_float;
 
-}  // namespace
-
 io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
-  const json& kda_params = c.params.at("kda");
-  const Case base{c.params.at("base_case").get<std::string>(), "kda.recurrent", c.seed, kda_params};
-  const io::SafetensorsFile inputs_file = generate_kda_recurrent(base);
-  const kda::Inputs<double> in = kda::inputs_from_file(inputs_file, base.name);
+  const json& kda_params = c.params;  // the KDA keys sit beside the chunk parameters
+  const kda::Inputs<double> in = recurrence_inputs(recurrence_case(c.params.at("base_case").get<std::string>(), "chunkwise case " + c.name));
 
   kda::ChunkwiseOptions copt;
   copt.form = *kda::chunk_form_from_string(c.params.at("form").get<std::string>());
@@ -34,8 +31,7 @@ io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
   const auto& st = *exact.stages;
 
   io::SafetensorsFile file;
-  for (const char* name : kda::input_names)
-    if (const io::RawTensor* t = inputs_file.find(name)) file.tensors.emplace_back(name, *t);
+  add_kda_inputs(file, in);
   kda::Outputs<double> out;
   out.o = round_to_double(exact.out.o);
   out.final_state = round_to_double(*exact.out.final_state);
@@ -46,7 +42,7 @@ io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
     names += std::string(",") + name;
   });
   file.tensors.emplace_back("chunk_starts", io::from_i64(st.chunk_starts, DType::I64));
-  file.metadata = metadata_of(c, golden_float_precision(), names);
+  file.metadata = metadata_of(c, golden_float_precision(), file, names, "chunk_starts");
   return file;
 }
 
@@ -58,22 +54,30 @@ std::vector<Case> kda_chunkwise_default_cases() {
   const std::vector<std::string> flashkda_bases = {"kda_b2_t37", "kda_varlen_gva", "kda_decay_at_minus5",
                                                    "kda_gate_lower_bound_base2"};
   const std::vector<std::string> fla_bases = {"kda_varlen_gva", "kda_t100", "kda_decay_minus5_to_0"};
-  const std::vector<Case> recurrent = kda_default_cases();
-  auto find = [&](const std::string& name) -> const Case& {
-    for (const Case& c : recurrent)
-      if (c.name == name) return c;
-    throw InvalidArgument("golden: chunkwise case refers to unknown recurrence case '" + name + "'");
-  };
   std::vector<Case> cases;
   auto add = [&](const std::string& base_name, const char* form, std::int64_t C) {
-    const Case& base = find(base_name);
-    json params = {{"base_case", base_name}, {"form", form}, {"chunk_size", C}, {"sub_chunk", 16}, {"kda", base.params}};
-    cases.push_back(Case{"kda_chunkwise_" + std::string(form) + "_c" + std::to_string(C) + base_name.substr(3),
-                         std::string("kda.chunkwise_") + form, base.seed, params});
+    const Case base = recurrence_case(base_name, "a chunkwise case");
+    // The base case's KDA parameters and, beside them, the chunk form's.
+    json params = base.params;
+    params["base_case"] = base_name;
+    params["form"] = form;
+    params["chunk_size"] = C;
+    params["sub_chunk"] = 16;
+    cases.push_back(make_case("kda_chunkwise_" + std::string(form) + "_c" + std::to_string(C) + base_name.substr(3),
+                              std::string("kda.chunkwise_") + form, params));
   };
   for (const auto& b : flashkda_bases) add(b, "flashkda", 16);
   for (const auto& b : fla_bases) add(b, "fla", 64);
   return cases;
+}
+
+}  // namespace
+
+Family family_kda_chunkwise() {
+  return {"kda_chunkwise",
+          {{"kda.chunkwise_flashkda", generate_kda_chunkwise, golden_float_precision(), {"flashkda"}},
+           {"kda.chunkwise_fla", generate_kda_chunkwise, golden_float_precision(), {"chunk"}}},
+          kda_chunkwise_default_cases};
 }
 
 }  // namespace k3ref::golden

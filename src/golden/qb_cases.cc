@@ -1,3 +1,10 @@
+// One convention for the expert bias in every QB golden (docs/qb.md, "Goldens"): `beta`,
+// SUBTRACTED from the scores before the top-k (selection = top-k of s - beta), stored as the
+// algorithm's own state: the solver's iterates `beta`, online QB's `qb_beta` (mean-centred by
+// the algorithm when center_bias is set), the sign update's `sign_beta` (= -b of DeepSeek's
+// added bias). No storage-side re-centring: a mean over n experts is not exact in binary for
+// n not a power of two, and the solver's stored (alpha, beta) must stay an exact dual point.
+//
 // The Quantile Balancing goldens: the alternating solver's iterates ("qb.solver") with,
 // on small sizes, the exact balanced optimum and its dual; and the online form against the
 // sign-update baseline ("qb.online"). Scores are exact in BF16 (dyadic with <= 8
@@ -8,7 +15,7 @@
 #include <cstdint>
 #include <string>
 
-#include "k3ref/golden/catalogue.h"
+#include "golden/catalogue.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
 #include "k3ref/num/scalar.h"
@@ -93,20 +100,20 @@ Tensor<double> stack(const std::vector<std::vector<double>>& rows) {
   return out;
 }
 
-template <class S>
-std::vector<double> as_f64(const std::vector<S>& v) {
-  std::vector<double> out;
-  out.reserve(v.size());
-  for (const S& x : v) out.push_back(to_f64(x));
-  return out;
-}
-
 io::RawTensor i32(const Tensor<std::int64_t>& t) { return io::from_i64(t, DType::I32); }
 
 Tensor<std::int64_t> stack_i64(const std::vector<std::vector<std::int64_t>>& rows) {
   const std::int64_t t = static_cast<std::int64_t>(rows.size()), w = rows.empty() ? 0 : rows[0].size();
   Tensor<std::int64_t> out({t, w});
   for (std::int64_t a = 0; a < t; ++a) std::copy(rows[a].begin(), rows[a].end(), out.data() + a * w);
+  return out;
+}
+
+template <class S>
+std::vector<double> as_f64(const std::vector<S>& v) {
+  std::vector<double> out;
+  out.reserve(v.size());
+  for (const S& x : v) out.push_back(to_f64(x));
   return out;
 }
 
@@ -148,7 +155,7 @@ void add_solver_outputs(io::SafetensorsFile& file, const Tensor<S>& scores, cons
                               io::from_f64(Tensor<double>({static_cast<std::int64_t>(gap.size())}, gap), DType::F64));
 }
 
-Case solver_case(const std::string& name, std::uint64_t seed, std::int64_t m, std::int64_t n, std::int64_t k,
+Case solver_case(const std::string& name, std::int64_t m, std::int64_t n, std::int64_t k,
                  int iterations, json scores, bool exact_rational, bool optimum, std::vector<int> selection_iterations) {
   if (selection_iterations.empty())
     for (int t = 1; t <= iterations; ++t) selection_iterations.push_back(t);
@@ -162,10 +169,8 @@ Case solver_case(const std::string& name, std::uint64_t seed, std::int64_t m, st
             {"optimum", optimum},
             {"selection_iterations", selection_iterations},
             {"tie_rule", "biased desc, raw desc, expert index asc"}};
-  return Case{name, "qb.solver", seed, p};
+  return make_case(name, "qb.solver", p);
 }
-
-}  // namespace
 
 io::SafetensorsFile generate_qb_solver(const Case& c) {
   const json& p = c.params;
@@ -209,7 +214,7 @@ io::SafetensorsFile generate_qb_solver(const Case& c) {
     }
     add_solver_outputs(file, in.scores, p, trace, std::optional<double>{});
   }
-  file.metadata = metadata_of(c, precision, outputs);
+  file.metadata = metadata_of(c, precision, file, outputs, "selection_iterations");
   return file;
 }
 
@@ -241,12 +246,12 @@ io::SafetensorsFile generate_qb_online(const Case& c) {
   io::SafetensorsFile file;
   file.tensors.emplace_back("affinities", io::from_f64(affinities, DType::BF16));
   auto add = [&](const std::string& prefix, const std::vector<qb::RoutedBatch<Q>>& routed) {
-    Tensor<double> bias({batches, n}), weights({batches, m, k}), vio({batches});
+    Tensor<double> beta({batches, n}), weights({batches, m, k}), vio({batches});
     Tensor<std::int64_t> selection({batches, m, k}), loads({batches, n});
     for (std::int64_t b = 0; b < batches; ++b) {
       const auto& r = routed[b];
       for (std::int64_t j = 0; j < n; ++j) {
-        bias(b, j) = to_f64(r.bias[j]);
+        beta(b, j) = to_f64(r.bias[j]);
         loads(b, j) = r.loads[j];
       }
       for (std::int64_t e = 0; e < m * k; ++e) {
@@ -255,7 +260,7 @@ io::SafetensorsFile generate_qb_online(const Case& c) {
       }
       vio(b) = to_f64(r.max_vio);
     }
-    file.tensors.emplace_back(prefix + "_bias", io::from_f64(bias, DType::F64));
+    file.tensors.emplace_back(prefix + "_beta", io::from_f64(beta, DType::F64));
     file.tensors.emplace_back(prefix + "_selection", i32(selection));
     file.tensors.emplace_back(prefix + "_weights", io::from_f64(weights, DType::F64));
     file.tensors.emplace_back(prefix + "_loads", i32(loads));
@@ -263,25 +268,23 @@ io::SafetensorsFile generate_qb_online(const Case& c) {
   };
   add("qb", qb::route_online_qb(exact, opt));
   add("sign", qb::route_online_sign_update(exact, k, gamma, opt.routed_scaling_factor));
-  file.metadata = metadata_of(c, "exact rational",
-                              "{qb,sign}_{bias,selection,weights,loads,max_vio}");
+  file.metadata = metadata_of(c, "exact rational", file, "{qb,sign}_{beta,selection,weights,loads,max_vio}");
   return file;
 }
 
 std::vector<Case> qb_default_cases() {
   std::vector<Case> cases;
-  std::uint64_t seed = 0x7162;  // "qb"; each case gets the next seed
   auto dyadic = [](double lo, double hi, int bits) { return json{{"kind", "dyadic"}, {"lo", lo}, {"hi", hi}, {"bits", bits}}; };
   auto levels = [](int l) { return json{{"kind", "levels"}, {"levels", l}}; };
   // Small cases with the exact optimum, its dual, and the duality gap of every iterate.
-  cases.push_back(solver_case("qb_solver_m16_n8_k2", seed++, 16, 8, 2, 6, dyadic(0, 1, 8), true, true, {}));
-  cases.push_back(solver_case("qb_solver_m24_n6_k2_tie_heavy", seed++, 24, 6, 2, 6, levels(4), true, true, {}));
-  cases.push_back(solver_case("qb_solver_m8_n4_k1_all_equal", seed++, 8, 4, 1, 3, levels(1), true, true, {}));
-  cases.push_back(solver_case("qb_solver_m12_n4_k3", seed++, 12, 4, 3, 6, dyadic(-1, 1, 8), true, true, {}));
+  cases.push_back(solver_case("qb_solver_m16_n8_k2", 16, 8, 2, 6, dyadic(0, 1, 8), true, true, {}));
+  cases.push_back(solver_case("qb_solver_m24_n6_k2_tie_heavy", 24, 6, 2, 6, levels(4), true, true, {}));
+  cases.push_back(solver_case("qb_solver_m8_n4_k1_all_equal", 8, 4, 1, 3, levels(1), true, true, {}));
+  cases.push_back(solver_case("qb_solver_m12_n4_k3", 12, 4, 3, 6, dyadic(-1, 1, 8), true, true, {}));
   // Medium, iterates only.
-  cases.push_back(solver_case("qb_solver_m128_n32_k4", seed++, 128, 32, 4, 8, dyadic(0, 1, 8), true, false, {}));
+  cases.push_back(solver_case("qb_solver_m128_n32_k4", 128, 32, 4, 8, dyadic(0, 1, 8), true, false, {}));
   // The K3 shape: 896 experts, top-16, 4480 tokens (q = 80; 4096 tokens would give q = 73.14).
-  cases.push_back(solver_case("qb_solver_k3_m4480_n896_k16", seed++, 4480, 896, 16, 6,
+  cases.push_back(solver_case("qb_solver_k3_m4480_n896_k16", 4480, 896, 16, 6,
                               json{{"kind", "low_rank"}, {"d", 16}}, false, false, {1, 6}));
   // Online: QB (bias of batch t routes t+1) against the sign update on the same batches.
   auto online = [&](const std::string& name, std::int64_t batches, std::int64_t m, std::int64_t n, std::int64_t k,
@@ -297,11 +300,20 @@ std::vector<Case> qb_default_cases() {
               {"center_bias", true},
               {"sign_gamma", {1, 256}},
               {"tie_rule", "biased desc, raw desc, expert index asc"}};
-    cases.push_back(Case{name, "qb.online", seed++, p});
+    cases.push_back(make_case(name, "qb.online", p));
   };
   online("qb_online_m32_n8_k2", 6, 32, 8, 2, 8, 1);
   online("qb_online_m48_n16_k4_tie_heavy", 6, 48, 16, 4, 3, 2);
   return cases;
+}
+
+}  // namespace
+
+Family family_qb() {
+  return {"qb",
+          {{"qb.solver", generate_qb_solver, "exact (rational, or double proven exact)", {"qb-exact"}},
+           {"qb.online", generate_qb_online, "exact rational", {"qb-exact"}}},
+          qb_default_cases};
 }
 
 }  // namespace k3ref::golden

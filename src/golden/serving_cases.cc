@@ -5,8 +5,8 @@
 // inputs and by snapshots ("serving.rollback", kcp/replay.h). Reference at num::golden_bits bits through the serving
 // references (include/k3ref/serving/), rounded once to F64.
 //
-// Each case's parameters hold a complete "kda.recurrent" parameter object under "kda" (the
-// options: gate, beta, layout, ...) plus the pool and the slot tables. The pool is stored
+// Each case's parameters hold the keys of a "kda.recurrent" case (the options: gate, beta,
+// layout, ...) and, beside them, the pool and the slot tables: one parameter object. The pool is stored
 // whole, as one flat F32 buffer (bf16-exact values), padding included: the padding holds
 // 2^100, so a kernel that reads it produces outputs no tolerance accepts, and `pool_out`
 // (the whole buffer after the call) says that every element outside the named slots is
@@ -14,7 +14,7 @@
 #include <cmath>
 #include <string>
 
-#include "k3ref/golden/catalogue.h"
+#include "golden/kda_family.h"
 #include "k3ref/kcp/replay.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/serving/checkpoint.h"
@@ -34,7 +34,7 @@ struct Shape5 {
   std::int64_t T = 0, H = 1, HV = 1, K = 8, V = 4;
 };
 
-// The "kda" parameter object, in the keys of a kda.recurrent case.
+// The KDA keys of a serving case, those of a kda.recurrent case.
 json kda_json(const Shape5& s, const std::vector<std::int64_t>& cu, bool initial_state, const std::string& layout,
               const json& gate = json::object()) {
   json j = {{"B", 1}, {"T", s.T}, {"H", s.H}, {"HV", s.HV}, {"K", s.K}, {"V", s.V},
@@ -51,28 +51,16 @@ struct Drawn {
   std::int64_t HV, K, V;
 };
 
-// Inputs as kda.recurrent draws them: bf16 q, k (entries within 1/sqrt(K) without the L2
-// norm), v, g, beta; fp32 A_log (A in [1, 16]) and dt_bias.
+// The inputs as every KDA family draws them (draw_kda_inputs).
 Drawn draw_inputs(const json& kp, num::Random& rng) {
-  const std::int64_t T = kp.at("T"), H = kp.at("H"), HV = kp.at("HV"), K = kp.at("K"), V = kp.at("V");
-  const bool l2 = kp.at("qk_l2norm");
-  const double kw = l2 ? 1.0 : 1.0 / std::sqrt(static_cast<double>(K));
-  Drawn d{{}, HV, K, V};
-  d.in.q = draw_uniform_rounded(rng, {1, T, H, K}, -1, 1, Format::bf16);
-  d.in.k = draw_uniform_rounded(rng, {1, T, H, K}, -kw, kw, Format::bf16);
-  d.in.v = draw_uniform_rounded(rng, {1, T, HV, V}, -1, 1, Format::bf16);
-  d.in.g = draw_uniform_rounded(rng, {1, T, HV, K}, kp.at("g_range")[0], kp.at("g_range")[1], Format::bf16);
-  d.in.beta = draw_uniform_rounded(rng, {1, T, HV}, kp.at("beta_range")[0], kp.at("beta_range")[1], Format::bf16);
-  if (kp.at("A_log")) d.in.A_log = draw_uniform_rounded(rng, {HV}, 0, std::log(16.0), Format::fp32);
-  if (kp.at("dt_bias")) d.in.dt_bias = draw_uniform_rounded(rng, {HV, K}, -1, 1, Format::fp32);
-  if (!kp.at("cu_seqlens").is_null()) d.in.cu_seqlens = kp.at("cu_seqlens").get<std::vector<std::int64_t>>();
-  return d;
+  const KdaParams p = kda_params_from_json(kp);
+  return Drawn{draw_kda_inputs(p, rng), p.HV, p.K, p.V};
 }
 
 serving::PoolLayout pool_layout_of(const json& p, const Drawn& d) {
   const json& pj = p.at("pool");
   serving::PoolLayout L = serving::dense_pool_layout(pj.at("slots"), d.HV, d.K, d.V,
-                                                     *kda::state_layout_from_string(p.at("kda").at("state_layout").get<std::string>()));
+                                                     *kda::state_layout_from_string(p.at("state_layout").get<std::string>()));
   L.slot_stride = pj.at("slot_stride");
   L.offset = pj.at("offset");
   return L;
@@ -100,18 +88,6 @@ Tensor<double> buffer_tensor(const std::vector<G>& b) {
 }
 Tensor<std::int64_t> ints(const std::vector<std::int64_t>& v) { return Tensor<std::int64_t>({static_cast<std::int64_t>(v.size())}, v); }
 
-void add_inputs(io::SafetensorsFile& f, const kda::Inputs<double>& in) {
-  f.tensors.emplace_back("q", io::from_f64(in.q, DType::BF16));
-  f.tensors.emplace_back("k", io::from_f64(in.k, DType::BF16));
-  f.tensors.emplace_back("v", io::from_f64(in.v, DType::BF16));
-  f.tensors.emplace_back("g", io::from_f64(in.g, DType::BF16));
-  f.tensors.emplace_back("beta", io::from_f64(in.beta, DType::BF16));
-  if (in.initial_state) f.tensors.emplace_back("initial_state", io::from_f64(*in.initial_state, DType::F32));
-  if (in.A_log) f.tensors.emplace_back("A_log", io::from_f64(*in.A_log, DType::F32));
-  if (in.dt_bias) f.tensors.emplace_back("dt_bias", io::from_f64(*in.dt_bias, DType::F32));
-  if (in.cu_seqlens) f.tensors.emplace_back("cu_seqlens", io::from_i64(ints(*in.cu_seqlens), DType::I64));
-}
-
 void add_pool(io::SafetensorsFile& f, const serving::StatePool<double>& pool) {
   const auto& L = pool.layout;
   f.tensors.emplace_back("pool", io::from_f64(buffer_tensor(pool.buffer), DType::F32));
@@ -124,13 +100,13 @@ void add_pool(io::SafetensorsFile& f, const serving::StatePool<double>& pool) {
 io::SafetensorsFile generate_pool_case(const Case& c) {
   const json& p = c.params;
   num::Random rng(c.seed);
-  const Drawn d = draw_inputs(p.at("kda"), rng);
+  const Drawn d = draw_inputs(p, rng);
   const serving::StatePool<double> pool = draw_pool(pool_layout_of(p, d), rng);
-  const auto opt = kda_golden_options(p.at("kda"));
+  const auto opt = kda_golden_options(p);
   auto work = lift_pool<G>(pool);
   const kda::Inputs<G> in = kda::lift<G>(d.in);
   io::SafetensorsFile f;
-  add_inputs(f, d.in);
+  add_kda_inputs(f, d.in);
   add_pool(f, pool);
   std::string outputs;
   if (c.op == "serving.decode") {
@@ -159,16 +135,15 @@ io::SafetensorsFile generate_pool_case(const Case& c) {
     f.tensors.emplace_back("pool_out", io::from_f64(buffer_tensor(work.buffer), DType::F64));
     outputs += ",pool_out";
   }
-  f.metadata = metadata_of(c, golden_float_precision(), outputs);
+  f.metadata = metadata_of(c, golden_float_precision(), f, outputs, "pool_geometry");
   return f;
 }
 
 io::SafetensorsFile generate_checkpoint_case(const Case& c) {
   const json& p = c.params;
   num::Random rng(c.seed);
-  Drawn d = draw_inputs(p.at("kda"), rng);
-  const bool v_first = p.at("kda").at("state_layout") == "v_first";
-  d.in.initial_state = draw_uniform_rounded(rng, v_first ? Shape{1, d.HV, d.V, d.K} : Shape{1, d.HV, d.K, d.V}, -1, 1, Format::bf16);
+  const Drawn d = draw_inputs(p, rng);
+  if (!d.in.initial_state) throw InvalidArgument("serving.checkpoints: case " + c.name + " needs an initial state");
   const std::int64_t T = d.in.q.dim(1);
   std::vector<std::int64_t> bounds;
   for (const auto& [kind, block] : p.at("blocks").items()) {
@@ -176,7 +151,7 @@ io::SafetensorsFile generate_checkpoint_case(const Case& c) {
     bounds.insert(bounds.end(), b.begin(), b.end());
   }
   bounds = serving::with_neighbours(bounds, T);
-  const auto opt = kda_golden_options(p.at("kda"));
+  const auto opt = kda_golden_options(p);
   const kda::Inputs<G> in = kda::lift<G>(d.in);
   const auto single = kda::recurrent_forward(in, opt);
   const auto states = serving::checkpoints(in, opt, bounds);
@@ -185,12 +160,12 @@ io::SafetensorsFile generate_checkpoint_case(const Case& c) {
   Shape shape{static_cast<std::int64_t>(states.size())};
   shape.insert(shape.end(), states.at(0).shape().begin(), states.at(0).shape().end());
   io::SafetensorsFile f;
-  add_inputs(f, d.in);
+  add_kda_inputs(f, d.in);
   f.tensors.emplace_back("checkpoint_positions", io::from_i64(ints(bounds), DType::I64));
   f.tensors.emplace_back("o", io::from_f64(to_double(single.o), DType::F64));
   f.tensors.emplace_back("final_state", io::from_f64(to_double(*single.final_state), DType::F64));
   f.tensors.emplace_back("checkpoints", io::from_f64(to_double(Tensor<G>(shape, stacked)), DType::F64));
-  f.metadata = metadata_of(c, golden_float_precision(), "o,final_state,checkpoints");
+  f.metadata = metadata_of(c, golden_float_precision(), f, "o,final_state,checkpoints");
   return f;
 }
 
@@ -304,7 +279,7 @@ io::SafetensorsFile generate_rollback_case(const Case& c) {
   put("bonus_o",
       to_double(Tensor<G>({HV, V}, std::vector<G>(replayed.o.values().begin() + a * row, replayed.o.values().end()))),
       DType::F64);
-  f.metadata = metadata_of(c, golden_float_precision(),
+  f.metadata = metadata_of(c, golden_float_precision(), f,
                            "verify_o,snapshot_states,snapshot_conv_q,snapshot_conv_k,snapshot_conv_v,rollback_state,"
                            "rollback_conv_q,rollback_conv_k,rollback_conv_v,bonus_o");
   return f;
@@ -314,8 +289,6 @@ json pool_json(std::int64_t slots, std::int64_t stride_padding, std::int64_t off
   return {{"slots", slots}, {"slot_stride", s.HV * s.K * s.V + stride_padding}, {"offset", offset}};
 }
 
-}  // namespace
-
 io::SafetensorsFile generate_serving(const Case& c) {
   if (c.op == "serving.checkpoints") return generate_checkpoint_case(c);
   if (c.op == "serving.rollback") return generate_rollback_case(c);
@@ -324,41 +297,45 @@ io::SafetensorsFile generate_serving(const Case& c) {
 
 std::vector<Case> serving_default_cases() {
   std::vector<Case> cases;
-  std::uint64_t seed = 0x73657276;  // "serv"
   auto add = [&](const std::string& name, const std::string& op, const json& params) {
-    cases.push_back(Case{name, op, seed++, params});
+    cases.push_back(make_case(name, op, params));
+  };
+  // The KDA keys and, beside them, the serving case's own (one parameter object).
+  auto add_kda = [&](const std::string& name, const std::string& op, json kda, const json& own) {
+    kda.update(own);
+    add(name, op, kda);
   };
   // Decode: one token per sequence, as an engine's decode step; the slots named out of
   // order; unnamed slots between them. K != V everywhere, so a K/V layout swap cannot hide.
   {
     Shape5 s{4, 1, 2, 8, 12};
-    add("serving_decode_k_first", "serving.decode",
-        {{"kda", kda_json(s, {0, 1, 2, 3, 4}, false, "k_first")}, {"pool", pool_json(7, 0, 0, s)},
+    add_kda("serving_decode_k_first", "serving.decode",
+        kda_json(s, {0, 1, 2, 3, 4}, false, "k_first"), {{"pool", pool_json(7, 0, 0, s)},
          {"slot_of_sequence", {5, 0, 3, 6}}});
   }
   {  // V-first, a padded slot stride and a misaligned start, grouped value heads (HV = 2H).
     Shape5 s{3, 2, 4, 12, 8};
-    add("serving_decode_v_first_padded_gva", "serving.decode",
-        {{"kda", kda_json(s, {0, 1, 2, 3}, false, "v_first")}, {"pool", pool_json(5, 7, 3, s)},
+    add_kda("serving_decode_v_first_padded_gva", "serving.decode",
+        kda_json(s, {0, 1, 2, 3}, false, "v_first"), {{"pool", pool_json(5, 7, 3, s)},
          {"slot_of_sequence", {4, 1, 2}}});
   }
   {  // An empty sequence (nothing read or written) and a chunked prefill of 5 tokens.
     Shape5 s{7, 1, 2, 8, 12};
-    add("serving_decode_empty_and_prefill", "serving.decode",
-        {{"kda", kda_json(s, {0, 1, 1, 6, 7}, false, "k_first")}, {"pool", pool_json(6, 2, 0, s)},
+    add_kda("serving_decode_empty_and_prefill", "serving.decode",
+        kda_json(s, {0, 1, 1, 6, 7}, false, "k_first"), {{"pool", pool_json(6, 2, 0, s)},
          {"slot_of_sequence", {2, 0, 5, 1}}});
   }
   {  // A padded batch entry (pad_slot -1 with a token): zero outputs, no slot touched.
     Shape5 s{3, 1, 2, 8, 12};
-    add("serving_decode_pad_slot", "serving.decode",
-        {{"kda", kda_json(s, {0, 1, 2, 3}, false, "k_first")}, {"pool", pool_json(4, 0, 0, s)},
+    add_kda("serving_decode_pad_slot", "serving.decode",
+        kda_json(s, {0, 1, 2, 3}, false, "k_first"), {{"pool", pool_json(4, 0, 0, s)},
          {"slot_of_sequence", {1, -1, 3}}});
   }
   // Verify: L = 4 draft tokens, accepted counts 1, 2 and L choosing the entering column.
   {
     Shape5 s{12, 1, 2, 8, 12};
-    add("serving_verify_accepted_1_2_L", "serving.verify",
-        {{"kda", kda_json(s, {0, 4, 8, 12}, false, "k_first")}, {"pool", pool_json(16, 0, 0, s)},
+    add_kda("serving_verify_accepted_1_2_L", "serving.verify",
+        kda_json(s, {0, 4, 8, 12}, false, "k_first"), {{"pool", pool_json(16, 0, 0, s)},
          {"state_indices", {{3, 7, 0, 11}, {1, 12, 5, 9}, {13, 2, 8, 4}}}, {"num_accepted", {1, 2, 4}},
          {"writes", "in_place"}});
   }
@@ -367,35 +344,35 @@ std::vector<Case> serving_default_cases() {
     Shape5 s{5, 2, 4, 12, 8};
     const json gate = {{"gate", "lower_bound"}, {"lower_bound", -5.0}, {"g_range", {-4.0, 4.0}}, {"A_log", true},
                        {"dt_bias", true}, {"beta", "sigmoid"}, {"beta_range", {-4.0, 4.0}}, {"qk_l2norm", true}};
-    add("serving_verify_v_first_padded_gva", "serving.verify",
-        {{"kda", kda_json(s, {0, 3, 3, 5}, false, "v_first", gate)}, {"pool", pool_json(10, 5, 2, s)},
+    add_kda("serving_verify_v_first_padded_gva", "serving.verify",
+        kda_json(s, {0, 3, 3, 5}, false, "v_first", gate), {{"pool", pool_json(10, 5, 2, s)},
          {"state_indices", {{6, 0, 8}, {1, 2, 3}, {9, 4, 7}}}, {"num_accepted", {3, 1, 2}}, {"writes", "in_place"}});
   }
   {  // The per-token output (FLA inplace_final_state=False): row bos + t, the pool only read.
     Shape5 s{6, 1, 2, 8, 12};
-    add("serving_verify_per_token_output", "serving.verify",
-        {{"kda", kda_json(s, {0, 3, 6}, false, "k_first")}, {"pool", pool_json(6, 0, 0, s)},
+    add_kda("serving_verify_per_token_output", "serving.verify",
+        kda_json(s, {0, 3, 6}, false, "k_first"), {{"pool", pool_json(6, 0, 0, s)},
          {"state_indices", {{0, 4, 2}, {5, 1, 3}}}, {"num_accepted", {3, 2}}, {"writes", "per_token_output"}});
   }
   {  // Padding: a padded sequence (entering entry -1) and a window column -1 (state not stored).
     Shape5 s{5, 1, 2, 8, 12};
-    add("serving_verify_pad_slots", "serving.verify",
-        {{"kda", kda_json(s, {0, 2, 5}, false, "k_first")}, {"pool", pool_json(6, 0, 0, s)},
+    add_kda("serving_verify_pad_slots", "serving.verify",
+        kda_json(s, {0, 2, 5}, false, "k_first"), {{"pool", pool_json(6, 0, 0, s)},
          {"state_indices", {{-1, 0, 1}, {2, 3, -1}}}, {"num_accepted", {1, 2}}, {"writes", "in_place"}});
   }
   // Checkpoints: every chunk (64, FLA's chunk_kda), page (16) and hash-block (32, a 512-token
   // block scaled down) boundary and its neighbours, with an initial state.
   {
     Shape5 s{130, 1, 2, 16, 8};
-    add("serving_checkpoints_chunk_page_hash", "serving.checkpoints",
-        {{"kda", kda_json(s, {}, true, "k_first")}, {"blocks", {{"chunk", 64}, {"hash_block", 32}, {"page", 16}}}});
+    add_kda("serving_checkpoints_chunk_page_hash", "serving.checkpoints",
+        kda_json(s, {}, true, "k_first"), {{"blocks", {{"chunk", 64}, {"hash_block", 32}, {"page", 16}}}});
   }
   {  // V-first, FLA's chunk configuration (softplus gate, sigmoid beta, L2 norm), HV = 2H.
     Shape5 s{70, 1, 2, 16, 8};
     const json gate = {{"gate", "softplus"}, {"g_range", {-4.0, 4.0}}, {"A_log", true}, {"dt_bias", true},
                        {"beta", "sigmoid"}, {"beta_range", {-4.0, 4.0}}, {"qk_l2norm", true}};
-    add("serving_checkpoints_v_first_gates", "serving.checkpoints",
-        {{"kda", kda_json(s, {}, true, "v_first", gate)}, {"blocks", {{"chunk", 64}, {"page", 16}}}});
+    add_kda("serving_checkpoints_v_first_gates", "serving.checkpoints",
+        kda_json(s, {}, true, "v_first", gate), {{"blocks", {{"chunk", 64}, {"page", 16}}}});
   }
   // Rollback of a 3-token draft window with 0 (every draft rejected: back to the pre-draft
   // state, then the bonus token), 1 and L = 3 draft tokens accepted.
@@ -403,6 +380,17 @@ std::vector<Case> serving_default_cases() {
     add("serving_rollback_accepted_" + std::string(a == 3 ? "L" : std::to_string(a)), "serving.rollback",
         {{"H", 1}, {"HV", 2}, {"K", 8}, {"V", 12}, {"W", 4}, {"L", 3}, {"accepted", a}});
   return cases;
+}
+
+}  // namespace
+
+Family family_serving() {
+  return {"serving",
+          {{"serving.decode", generate_serving, golden_float_precision(), {"recurrent"}},
+           {"serving.verify", generate_serving, golden_float_precision(), {"recurrent"}},
+           {"serving.checkpoints", generate_serving, golden_float_precision(), {"chunk"}},
+           {"serving.rollback", generate_serving, golden_float_precision(), {"recurrent"}}},
+          serving_default_cases};
 }
 
 }  // namespace k3ref::golden

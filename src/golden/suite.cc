@@ -1,4 +1,4 @@
-#include "k3ref/golden/suite.h"
+#include "golden/suite.h"
 
 #include <cctype>
 #include <chrono>
@@ -9,6 +9,7 @@
 #include <mutex>
 #include <set>
 
+#include "k3ref/check/policy_table.h"
 #include "k3ref/error.h"
 #include "k3ref/exec/parallel.h"
 #include "k3ref/io/file.h"
@@ -115,6 +116,11 @@ Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& 
   if (!is_safe_file_stem(m.generator_version))
     throw fail("", "field 'generator_version' " + io::excerpt(m.generator_version) +
                        " is not a plain version ([A-Za-z0-9_.-], at most 200)");
+  if (auto schema = j.find("schema"); schema != j.end()) {
+    if (!schema->is_string() || !is_safe_file_stem(schema->get<std::string>()))
+      throw fail("", "field 'schema' is not a plain version string ([A-Za-z0-9_.-], at most 200)");
+    m.schema = schema->get<std::string>();
+  }
   if (auto subset = j.find("subset"); subset != j.end()) {
     if (!subset->is_boolean()) throw fail("", "field 'subset' is not a boolean");
     m.subset = subset->get<bool>();
@@ -177,9 +183,17 @@ std::string manifest_text(const std::string& suite_name, const std::vector<Gener
   json cases = json::array();
   for (const GeneratedCase& g : generated) {
     const io::SafetensorsFile parsed = io::parse_safetensors(g.bytes, file_name_of(g.c));
+    // Each tensor's role, from the file's own lists (docs/golden-format.md, "Schema").
+    std::map<std::string, std::string> role;
+    for (const char* list : {"inputs", "outputs", "layout"}) {
+      const auto it = parsed.metadata.find(std::string("k3ref.") + list);
+      if (it == parsed.metadata.end() || it->second.empty()) continue;
+      for (const std::string& name : check::expand_outputs(it->second))
+        role[name] = std::string(list) == "inputs" ? "input" : std::string(list) == "outputs" ? "output" : "layout";
+    }
     json tensors = json::object();
     for (const auto& [name, t] : parsed.tensors)
-      tensors[name] = {{"dtype", std::string(dtype_name(t.dtype))}, {"shape", t.shape}};
+      tensors[name] = {{"dtype", std::string(dtype_name(t.dtype))}, {"shape", t.shape}, {"role", role.at(name)}};
     cases.push_back({{"name", g.c.name},
                      {"op", g.c.op},
                      {"file", file_name_of(g.c)},
@@ -194,6 +208,7 @@ std::string manifest_text(const std::string& suite_name, const std::vector<Gener
   json manifest = {{"format", "k3ref-golden-manifest"},
                    {"suite", suite_name},
                    {"generator_version", generator_version},
+                   {"schema", golden_schema_version},
                    {"cases", cases}};
   if (subset) manifest["subset"] = true;  // only then: a full suite's manifest is unchanged
   return manifest.dump(2) + "\n";
@@ -350,6 +365,10 @@ std::vector<VerifyProblem> verify_suite(const fs::path& dir, const VerifyOptions
     std::erase_if(cases, [&](const Case& c) {
       return std::none_of(manifest.cases.begin(), manifest.cases.end(), [&](const ManifestEntry& e) { return e.name == c.name; });
     });
+  if (manifest.schema != golden_schema_version)
+    problems.push_back({manifest_path.string(), "",
+                        "golden schema " + (manifest.schema.empty() ? std::string("(none)") : manifest.schema) +
+                            ", this build writes " + golden_schema_version + " (docs/golden-format.md): regenerate the suite"});
   if (manifest.generator_version != generator_version)
     problems.push_back({manifest_path.string(), "",
                         "generator version " + manifest.generator_version + ", this build writes " +

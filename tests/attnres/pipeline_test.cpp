@@ -2,7 +2,7 @@
 // (proofs/attnres_pipeline.md) on the whole grid P <= 8, V <= 4, N_p <= 4.
 #include <gtest/gtest.h>
 
-#include "k3ref/attnres/pipeline.h"
+#include "report/pipeline.h"
 #include "k3ref/error.h"
 
 namespace k3ref::attnres::pipeline {

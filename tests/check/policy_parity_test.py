@@ -31,6 +31,13 @@ _CODES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", to
           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 
 
+# A golden-like file of two outputs, with the metadata of the golden schema (docs/golden-format.md):
+# no inputs, both tensors outputs, the recurrent policy recommended.
+RECURRENT_GOLDEN_METADATA = {"k3ref.schema": "2", "k3ref.op": "kda.recurrent", "k3ref.params": "{}",
+                             "k3ref.inputs": "", "k3ref.outputs": "o,final_state", "k3ref.layout": "",
+                             "k3ref.policies": json.dumps({"o": "recurrent", "final_state": "recurrent"})}
+
+
 def write_candidate(name, tensors, metadata=None):
     """A kernel's output file (safetensors: u64 header length, JSON header, data), as any
     writer makes it; k3ref only reads candidates. `metadata` makes a golden-like file."""
@@ -161,7 +168,7 @@ class Parity(unittest.TestCase):
         o = torch.tensor([3.398e38, 1, 2, 3, 4, 5, 6, 7], dtype=torch.float64).reshape(1, 2, 1, 4)
         s = torch.ones(1, 1, 2, 4, dtype=torch.float64)
         golden = write_candidate("overflow_golden", {"o": o, "final_state": s},
-                                 {"k3ref.op": "kda.recurrent", "k3ref.outputs": "o,final_state"})
+                                 RECURRENT_GOLDEN_METADATA)
         cand = write_candidate("overflow_candidate", {"o": o, "final_state": s})
         v = self.assert_same(golden, cand, "recurrent")
         self.assertEqual((v.exit_code, v.reason), (1, "o: the golden overflows bf16: its floor is infinite"))
@@ -314,7 +321,7 @@ class RandomParity(unittest.TestCase):
             state = torch.tensor(ref[::-1], dtype=torch.float64).reshape(1, 1, 2, 4)
             n = torch.tensor(noise, dtype=torch.float64)
             golden = write_candidate("random_golden", {"o": o, "final_state": state},
-                                     {"k3ref.op": "kda.recurrent", "k3ref.outputs": "o,final_state"})
+                                     RECURRENT_GOLDEN_METADATA)
             cand = {"o": (o + scale * n.reshape(o.shape)).to(dtype_o)}
             if not drop_state:
                 cand["final_state"] = (state * (1 + scale)).to(dtype_s)

@@ -9,7 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "k3ref/golden/suite.h"
+#include "golden/suite.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/num/float_format.h"
 
@@ -91,6 +91,24 @@ TEST(Cli, CompareExitCodes) {
   // Unknown policy and missing tensors are unusable input.
   EXPECT_EQ(k3ref("compare --golden " + g.string() + " --candidate " + g.string() + " --policy nearly").code, 2);
   EXPECT_EQ(k3ref("compare --golden " + g.string() + " --candidate " + g.string() + " --tensors nothing").code, 2);
+}
+
+// --policy recommended: the policy the golden names for its outputs (k3ref.policies), here
+// "recurrent" (1.5 x the bf16 floor): a bf16 rounding of the golden is 1 x the floor and passes,
+// 1% off fails; a file without the metadata is unusable.
+TEST(Cli, CompareUnderTheGoldensRecommendedPolicy) {
+  const fs::path g = golden("kda_b2_t37");
+  const CommandResult pass =
+      k3ref("compare --golden " + g.string() + " --candidate " + candidate("kda_b2_t37", DType::BF16, 1.0).string() +
+            " --policy recommended");
+  EXPECT_EQ(pass.code, 0) << pass.out;
+  EXPECT_NE(pass.out.find("PASS under policy 'recurrent'"), std::string::npos) << pass.out;
+  const CommandResult fail =
+      k3ref("compare --golden " + g.string() + " --candidate " + candidate("kda_b2_t37", DType::BF16, 1.01).string() +
+            " --policy recommended");
+  EXPECT_EQ(fail.code, 1) << fail.out;
+  const fs::path plain = candidate("kda_b2_t37", DType::F64, 1.0);  // no k3ref metadata at all
+  EXPECT_EQ(k3ref("compare --golden " + plain.string() + " --candidate " + plain.string() + " --policy recommended").code, 2);
 }
 
 TEST(Cli, TruncatedOrMalformedFilesGiveAOneLineErrorAndExitTwo) {

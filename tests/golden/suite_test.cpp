@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "k3ref/check/metrics.h"
-#include "k3ref/golden/suite.h"
+#include "golden/suite.h"
 #include "k3ref/io/sha256.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/num/float_format.h"
@@ -47,6 +47,59 @@ TEST(GoldenSuite, CatalogueNamesAreUniqueAndEveryCaseHasAGenerator) {
   EXPECT_THROW(suite("no-such-suite"), InvalidArgument);
 }
 
+// The registry (src/golden/meson.build's golden_families): every family contributes cases, each
+// of its cases is of one of its own operators, and no operator belongs to two families.
+TEST(GoldenSuite, EveryFamilyOwnsItsOperatorsAndCases) {
+  std::set<std::string> family_names, ops;
+  std::size_t cases = 0;
+  for (const Family& f : families()) {
+    EXPECT_TRUE(family_names.insert(f.name).second) << f.name;
+    std::set<std::string> own;
+    for (const Generator& g : f.generators) {
+      EXPECT_TRUE(ops.insert(g.op).second) << g.op << " registered twice";
+      EXPECT_FALSE(g.policies.empty()) << g.op << ": no recommended policy";
+      own.insert(g.op);
+    }
+    const auto mine = f.default_cases();
+    EXPECT_FALSE(mine.empty()) << f.name;
+    for (const Case& c : mine) EXPECT_TRUE(own.count(c.op)) << f.name << ": case " << c.name << " of foreign op " << c.op;
+    cases += mine.size();
+  }
+  EXPECT_EQ(family_names, (std::set<std::string>{"attnres", "kcp", "kda", "kda_backward", "kda_chunkwise", "qb", "serving"}));
+  EXPECT_EQ(cases, suite("default").size());
+}
+
+// The schema's lists (docs/golden-format.md): every tensor in exactly one of inputs, outputs,
+// layout, in agreement with the policy table; the generator refuses anything else.
+TEST(GoldenSuite, MetadataListsEveryTensorOnceAndRefusesWhatThePolicyTableDoesNotKnow) {
+  const Case c = make_case("kda_schema_probe", "kda.recurrent", nlohmann::json::object());
+  io::SafetensorsFile file;
+  for (const char* name : {"q", "k", "v", "g", "beta", "o", "final_state"})
+    file.tensors.emplace_back(name, io::from_f64(Tensor<double>({1}, std::vector<double>{1.0}), DType::F64));
+  const auto meta = metadata_of(c, "test", file, "o,final_state");
+  EXPECT_EQ(meta.at("k3ref.schema"), golden_schema_version);
+  EXPECT_EQ(meta.at("k3ref.inputs"), "q,k,v,g,beta");
+  EXPECT_EQ(meta.at("k3ref.outputs"), "o,final_state");
+  EXPECT_EQ(meta.at("k3ref.layout"), "");
+  EXPECT_EQ(nlohmann::json::parse(meta.at("k3ref.policies")),
+            nlohmann::json({{"o", "recurrent"}, {"final_state", "recurrent"}}));
+  auto refused = [&](const io::SafetensorsFile& f, const std::string& outputs, const std::string& layout,
+                     const std::string& needle) {
+    try {
+      (void)metadata_of(c, "test", f, outputs, layout);
+      ADD_FAILURE() << "accepted outputs '" << outputs << "' layout '" << layout << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused(file, "o,final_state,all_states", "", "output tensor 'all_states' is not in the file");
+  refused(file, "o", "final_state", "layout tensor 'final_state' is not an input");
+  io::SafetensorsFile extra = file;
+  extra.tensors.emplace_back("mystery", io::from_f64(Tensor<double>({1}, std::vector<double>{0.0}), DType::F64));
+  refused(extra, "o,final_state", "", "tensor 'mystery' is not an input of the operator");
+  refused(extra, "o,final_state,mystery", "", "no preferred policy has a rule for output 'mystery'");
+}
+
 TEST(GoldenSuite, RegenerationIsByteIdenticalWhateverTheThreadCount) {
   const auto cases = cheap_cases();
   const auto once = generate_cases(cases, 1, {});
@@ -54,6 +107,63 @@ TEST(GoldenSuite, RegenerationIsByteIdenticalWhateverTheThreadCount) {
   ASSERT_EQ(once.size(), again.size());
   for (std::size_t i = 0; i < once.size(); ++i) EXPECT_EQ(once[i].bytes, again[i].bytes) << cases[i].name;
   EXPECT_EQ(manifest_text("default", once), manifest_text("default", again));
+}
+
+// A case's seed is the first 8 bytes, little-endian, of sha256("<op>/<name>"): nothing of its
+// position in the catalogue. The pinned values are Python's
+//   int.from_bytes(hashlib.sha256(b"kda.recurrent/kda_t1").digest()[:8], "little")
+// (and the same for the QB case), computed apart from this code.
+TEST(GoldenSuite, EverySeedIsAPureFunctionOfTheCasesOperatorAndName) {
+  EXPECT_EQ(case_seed("kda.recurrent", "kda_t1"), 13750363846518736545ull);
+  EXPECT_EQ(case_seed("qb.solver", "qb_solver_m16_n8_k2"), 15836992945865554020ull);
+  std::set<std::uint64_t> seeds;
+  for (const Case& c : suite("default")) {
+    EXPECT_EQ(c.seed, case_seed(c.op, c.name)) << c.name;
+    EXPECT_TRUE(seeds.insert(c.seed).second) << c.name << ": seed shared with another case";
+  }
+}
+
+// Adding a case (here one inserted first and one in the middle of a catalogue) leaves every
+// other case's bytes as they were: a file depends on its own case only.
+TEST(GoldenSuite, InsertingACaseChangesNoOtherCasesBytes) {
+  const std::vector<Case> cases = cheap_cases();
+  ASSERT_GE(cases.size(), 2u);
+  Case extra = make_case("kda_inserted_t5", "kda.recurrent", cases.front().params);
+  extra.params["T"] = 5;
+  std::vector<Case> with_extra = cases;
+  with_extra.insert(with_extra.begin(), extra);
+  with_extra.insert(with_extra.begin() + 2, make_case("kda_inserted_again", "kda.recurrent", cases.front().params));
+  const auto before = generate_cases(cases, 2, {});
+  const auto after = generate_cases(with_extra, 2, {});
+  std::map<std::string, std::vector<std::uint8_t>> bytes_after;
+  for (const GeneratedCase& g : after) bytes_after[g.c.name] = g.bytes;
+  for (const GeneratedCase& g : before) EXPECT_TRUE(bytes_after.at(g.c.name) == g.bytes) << g.c.name << " changed";
+  // The inserted copy of the first case's parameters differs from it by its name (seed) alone.
+  EXPECT_FALSE(bytes_after.at("kda_inserted_again") == before.front().bytes);
+}
+
+// Derived families draw their inputs in memory from the recurrence case they name: the stored
+// inputs equal the recurrence golden's, tensor for tensor, byte for byte.
+TEST(GoldenSuite, DerivedCasesStoreTheInputsOfTheRecurrenceCaseTheyName) {
+  std::map<std::string, Case> by_name;
+  for (const Case& c : suite("default")) by_name[c.name] = c;
+  const std::vector<std::pair<std::string, std::string>> pairs = {
+      {"kda_chunkwise_flashkda_c16_b2_t37", "kda_b2_t37"}, {"kda_backward_gva_h2_hv6", "kda_gva_h2_hv6"}};
+  for (const auto& [derived, base] : pairs) {
+    ASSERT_TRUE(by_name.count(derived) && by_name.count(base)) << derived << " / " << base;
+    const auto files = generate_cases({by_name.at(derived), by_name.at(base)}, 2, {});
+    const io::SafetensorsFile d = io::parse_safetensors(files[0].bytes, derived), b = io::parse_safetensors(files[1].bytes, base);
+    int compared = 0;
+    for (const char* name : kda::input_names) {
+      const io::RawTensor* x = d.find(name);
+      const io::RawTensor* y = b.find(name);
+      ASSERT_EQ(x == nullptr, y == nullptr) << derived << ": input " << name;
+      if (!x) continue;
+      EXPECT_TRUE(x->dtype == y->dtype && x->shape == y->shape && x->bytes == y->bytes) << derived << ": input " << name;
+      ++compared;
+    }
+    EXPECT_GE(compared, 5) << derived;
+  }
 }
 
 // The whole committed suite against a fresh generation. In the sanitizer build (meson sets
@@ -194,6 +304,8 @@ TEST(GoldenManifest, HostileManifestsGetOneLineErrorsNamingTheCase) {
       {manifest(entry("a", "b.safetensors", sha, "1")), "case 'a'"},
       {manifest(entry("a", "a.safetensors", "xyz", "1")), "sha256"},
       {manifest(entry("a", "a.safetensors", sha, "-1")), "seed"},
+      {R"({"format": "k3ref-golden-manifest", "suite": "default", "generator_version": "1", "schema": 2, "cases": []})",
+       "field 'schema'"},
       {manifest(entry("a", "a.safetensors", sha, "1") + "," + entry("a", "a.safetensors", sha, "2")), "twice"},
   };
   for (const auto& [text, needle] : hostile) {

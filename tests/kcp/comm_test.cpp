@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "k3ref/error.h"
-#include "k3ref/kcp/comm.h"
+#include "report/comm.h"
 
 namespace k3ref::kcp {
 namespace {

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
-#include "k3ref/kcp/comm.h"
+#include "report/comm.h"
 #include "k3ref/kcp/replay.h"
 #include "kcp_test_util.h"
 

@@ -22,7 +22,7 @@
 #include <string>
 
 #include "k3ref/check/metrics.h"
-#include "k3ref/golden/catalogue.h"
+#include "golden/kda_family.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/kda/chunkwise.h"
 #include "k3ref/kda/kda_io.h"
@@ -104,7 +104,7 @@ TEST(KdaMeasuredErrors, DoubleTiersStayWithinTheMeasuredTable) {
     const std::string name = c.at("name");
     const io::SafetensorsFile file = io::read_safetensors(goldens / c.at("file").get<std::string>());
     const Inputs<double> in = inputs_from_file(file, name);
-    Options<double> opt = golden::kda_double_options(chunk_case ? c.at("params").at("kda") : c.at("params"));
+    Options<double> opt = golden::kda_double_options(c.at("params"));
     const bool v_first = opt.state_layout == StateLayout::v_first;
     struct Row {
       const char* tier;

@@ -40,10 +40,63 @@ def test_case_tensors_are_the_stored_ones(name):
     assert all(case.expected[n].dtype in (torch.float64, torch.int32, torch.int64, torch.uint8) for n in case.expected)
 
 
-def test_brace_outputs_expand():
-    case = goldens.load_case("qb_online_m32_n8_k2", GOLDENS)
-    assert case.outputs[:5] == ["qb_bias", "qb_selection", "qb_weights", "qb_loads", "qb_max_vio"]
-    assert set(case.expected) == set(case.outputs) and len(case.outputs) == 10
+POLICY_TABLE = json.loads((GOLDENS.parent / "policy" / "policies.json").read_text())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_golden_follows_the_schema(name):
+    """Schema 2 (docs/golden-format.md): every tensor in exactly one of k3ref.inputs,
+    k3ref.outputs, k3ref.layout (load_case refuses a file otherwise); inputs and layout tensors
+    are inputs of the operator in the policy table, outputs its outputs; each output's
+    recommended policy is a named policy of the table with a rule for it; the parameters are one
+    object (no family nests them)."""
+    from k3ref import policy
+    case = goldens.load_case(name, GOLDENS)
+    assert case.metadata["k3ref.schema"] == goldens.SCHEMA == "2"
+    spec = POLICY_TABLE["operators"][case.op]
+    assert set(case.input_names) | set(case.layout_names) <= set(spec["inputs"]), case.input_names
+    assert set(case.outputs) <= set(spec["outputs"]) and case.outputs
+    assert sorted(case.recommended_policies) == sorted(case.outputs)
+    table = policy.load_table()
+    for out, name_ in case.recommended_policies.items():
+        assert name_ in POLICY_TABLE["policies"] and out in table.rules(name_, case.op), (out, name_)
+    assert not any(isinstance(v, dict) and "state_layout" in v for v in case.params.values()), "nested KDA params"
+    assert set(case.tolerances()) == set(case.outputs)
+
+
+def test_every_seed_is_the_sha256_of_the_cases_operator_and_name():
+    # An independent SHA-256 (hashlib): the seed depends on nothing but "<op>/<name>", so adding
+    # or inserting a case leaves every other case's bytes as they are (docs/golden-format.md).
+    import hashlib
+    for c in MANIFEST:
+        want = int.from_bytes(hashlib.sha256(f"{c['op']}/{c['name']}".encode()).digest()[:8], "little")
+        assert c["seed"] == want, c["name"]
+        assert goldens.load_case(c["name"], GOLDENS).metadata["k3ref.seed"] == str(want), c["name"]
+
+
+def test_qb_expert_bias_has_one_name_and_sign():
+    # beta, subtracted from the scores before the top-k, in the solver and the online goldens alike.
+    online = goldens.load_case("qb_online_m32_n8_k2", GOLDENS)
+    assert online.outputs[:5] == ["qb_beta", "qb_selection", "qb_weights", "qb_loads", "qb_max_vio"]
+    assert set(online.expected) == set(online.outputs) and len(online.outputs) == 10
+    s, beta = online.tensors["affinities"][1].double(), online.tensors["qb_beta"][1]
+    biased = s - beta[None, :]  # batch 1 is routed by the top-k of s - beta
+    order = sorted(range(s.shape[1]), key=lambda j: (-float(biased[0, j]), -float(s[0, j]), j))
+    assert sorted(order[:online.params["k"]]) == sorted(online.tensors["qb_selection"][1][0].tolist())
+    solver = goldens.load_case("qb_solver_m16_n8_k2", GOLDENS)
+    assert "beta" in solver.outputs and not any(n.endswith("_bias") for n in solver.outputs + online.outputs)
+
+
+def test_a_file_whose_lists_miss_a_tensor_is_refused(tmp_path):
+    from k3ref.gpu_check.prop import write_safetensors
+    case = goldens.load_case("kda_t1", GOLDENS)
+    meta = dict(case.metadata, **{"k3ref.inputs": "q,k,v,g"})  # beta and initial_state unlisted
+    write_safetensors(tmp_path / "x.safetensors", dict(case.tensors), meta)
+    with pytest.raises(ValueError, match=r"must list every tensor exactly once"):
+        goldens.load_case(tmp_path / "x.safetensors")
+    write_safetensors(tmp_path / "y.safetensors", dict(case.tensors), dict(case.metadata, **{"k3ref.schema": "1"}))
+    with pytest.raises(ValueError, match=r"golden schema '1', this k3ref reads '2'"):
+        goldens.load_case(tmp_path / "y.safetensors")
 
 
 def test_tolerances_come_from_the_policy_table():

@@ -13,7 +13,7 @@
 #include <set>
 
 #include "../kda/kda_test_util.h"
-#include "k3ref/kcp/comm.h"
+#include "report/comm.h"
 #include "k3ref/serving/checkpoint.h"
 #include "k3ref/serving/decode.h"
 #include "k3ref/serving/prefix_cache.h"

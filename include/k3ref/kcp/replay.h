@@ -9,7 +9,7 @@
 //             token, in the same loop).
 //   snapshot: keep one copy of the state after every draft position; pick copy a.
 // Both equal the recurrence over the accepted tokens (proofs/kcp_replay.md); what they
-// cost in bytes is in kcp/comm.h.
+// cost in bytes is in src/report/comm.h (the report calculators, outside the library).
 #pragma once
 
 #include <optional>

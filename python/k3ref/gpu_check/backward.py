@@ -82,7 +82,7 @@ def run_single(case, adapter, device, input_dtype=None):
             inputs[name] = _leaf(case.tensors[name], device, input_dtype or torch.float32)
     if "cu_seqlens" in case.tensors:
         inputs["cu_seqlens"] = case.tensors["cu_seqlens"].to(device)
-    o, final = adapter.run(inputs, case.params["kda"])
+    o, final = adapter.run(inputs, case.params)
     d_o = case.tensors["d_o"].to(device).to(o.dtype)
     d_final = case.tensors["d_final_state"].to(device).to(final.dtype)
     torch.autograd.backward((o, final), (d_o, d_final))
@@ -104,7 +104,7 @@ def check_single(golden_dir, only=None):
     for case in goldens.load_suite(golden_dir, ops=("kda.backward",)):
         if not _selected(case, only):
             continue
-        params = case.params["kda"]
+        params = case.params
         if "final_state_gradient" in case.params and not case.params["final_state_gradient"]:
             continue  # the context-parallel case: cp_check.py (cp_backward)
         s = dict(B=params["B"], T=params["T"], H=params["H"], HV=params["HV"], K=params["K"], V=params["V"])

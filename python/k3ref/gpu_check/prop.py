@@ -248,6 +248,7 @@ def write_failure(case, adapter, reason, out_dir, device):
     for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens"):
         if n in inputs:
             tensors[n] = inputs[n]
+    input_names = ",".join(tensors)
     tensors["o"] = o.to(torch.float64)
     tensors["final_state"] = final.to(torch.float64)
     out_dir = Path(out_dir)
@@ -260,7 +261,11 @@ def write_failure(case, adapter, reason, out_dir, device):
         "k3ref.params": json.dumps(params, separators=(",", ":")),
         "k3ref.generator_version": GENERATOR_VERSION,
         "k3ref.reference_precision": precision,
+        "k3ref.inputs": input_names,
         "k3ref.outputs": "o,final_state",
+        "k3ref.layout": "",
+        "k3ref.policies": json.dumps({"o": "recurrent", "final_state": "recurrent"}, separators=(",", ":")),
+        "k3ref.schema": goldens.SCHEMA,
         "k3gc.kernel": adapter.name,
         "k3gc.failure": reason[:1000],
     })

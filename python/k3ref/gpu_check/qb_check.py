@@ -195,7 +195,7 @@ class TorchtitanQbAdapter(Adapter):
                                "online goldens are compared with the exact bias, 1 warm-started iteration per batch")
         k = int(p["k"])
         aff = case.tensors["affinities"].float().to(device)
-        want_bias = case.tensors["qb_bias"].double()  # [B, n] k3ref's beta that routed batch t
+        want_bias = case.tensors["qb_beta"].double()  # [B, n] k3ref's beta (subtracted) that routed batch t
         tol = 64 * F32_ULP * max(1.0, float(want_bias.abs().max()))
         bias = torch.zeros(aff.shape[2], dtype=torch.float32, device=device)
         worst = 0.0

@@ -244,7 +244,7 @@ class ServingAdapter(Adapter):
     # -- running a pool golden
     def _run_pool_case(self, case, device, poison_unread=False):
         t, p = case.tensors, case.params
-        kp = p["kda"]
+        kp = p  # the KDA keys beside the serving parameters (one object)
         HV, K, V = t["v"].shape[2], t["q"].shape[3], t["v"].shape[3]
         geometry = t["pool_geometry"].tolist()
         flat = t["pool"].to(device=device, dtype=self.pool_dtype).clone()
@@ -405,7 +405,7 @@ class ServingAdapter(Adapter):
 
     def _check_intermediate_states(self, case, device):
         t, p = case.tensors, case.params
-        kp = p["kda"]
+        kp = p  # the KDA keys beside the serving parameters (one object)
         chunk = int(p["blocks"]["chunk"])
         inputs = kda_inputs(t, device)
         inputs.pop("cu_seqlens", None)

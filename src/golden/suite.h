@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "k3ref/golden/catalogue.h"
+#include "golden/catalogue.h"
 
 namespace k3ref::golden {
 
@@ -24,6 +24,7 @@ struct ManifestEntry {
 };
 struct Manifest {
   std::string suite, generator_version;
+  std::string schema;   // the golden schema of its files ("schema"; empty in manifests before schema 2)
   bool subset = false;  // written by `generate --only`: lists some of the suite's cases
   std::vector<ManifestEntry> cases;
 };

@@ -1,4 +1,4 @@
-#include "k3ref/kcp/comm.h"
+#include "report/comm.h"
 
 #include "k3ref/error.h"
 

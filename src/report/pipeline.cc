@@ -1,4 +1,4 @@
-#include "k3ref/attnres/pipeline.h"
+#include "report/pipeline.h"
 
 #include <algorithm>
 #include <stdexcept>
