@@ -549,7 +549,10 @@ def bucketed_strategy(st, case_strategy, fixed, max_T, buckets, outside_share):
     @st.composite
     def case(draw):
         # Hypothesis shrinks toward 0, which is inside: draws at or above 1000 - cut fall outside.
-        if draw(st.integers(0, 999)) >= 1000 - cut:
+        # It also favours the ends of a range (measured on an H200: 4.4 % of draws outside from
+        # integers(0, 999) at a share of 0.02), so the permille is the remainder of a 32-bit draw,
+        # whose favoured ends (0, 1, ..., 2^32 - 1 = 295 mod 1000) lie inside.
+        if draw(st.integers(0, 2**32 - 1)) % 1000 >= 1000 - cut:
             c = draw(case_strategy(st, fixed, max_T))
             c["bucket"] = None
             return c
