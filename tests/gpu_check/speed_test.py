@@ -262,22 +262,27 @@ class Buckets(unittest.TestCase):
         self.assertTrue(b)
         self.assertTrue(all(x["K"] == x["V"] == 128 and x["gate"] == "lower_bound" and x["group"] == 1 for x in b))
 
-    def test_draws_stay_in_buckets_but_the_stated_share(self):
+    @staticmethod
+    def draw_cases(buckets, share, examples):
+        """The cases prop's bucketed strategy draws, Hypothesis seed 7."""
         from hypothesis import HealthCheck, given, seed, settings, strategies as st
 
         from k3ref.gpu_check import prop
 
-        a = adapters.TorchKernelAdapter()
-        buckets = shapes.prop_buckets(a, {})
         drawn = []
 
         @seed(7)
-        @settings(max_examples=600, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-        @given(shapes.bucketed_strategy(st, prop.case_strategy, {}, 48, buckets, 0.1))
+        @settings(max_examples=examples, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(shapes.bucketed_strategy(st, prop.case_strategy, {}, 48, buckets, share))
         def draw(case):
             drawn.append(case)
 
         draw()
+        return drawn
+
+    def test_draws_stay_in_buckets_but_the_stated_share(self):
+        buckets = shapes.prop_buckets(adapters.TorchKernelAdapter(), {})
+        drawn = self.draw_cases(buckets, 0.1, 600)
         inside = [c for c in drawn if c["bucket"] is not None]
         for c in inside:
             b = buckets[c["bucket"]]
@@ -298,20 +303,7 @@ class Buckets(unittest.TestCase):
     def test_the_default_share_is_the_share_drawn(self):
         # 0.02 of 1500 draws: 30 +- 5.4 outside (1.8 % measured with seed 7). A draw of
         # integers(0, 999) gave 4.4 % on an H200 run: Hypothesis favours a range's ends.
-        from hypothesis import HealthCheck, given, seed, settings, strategies as st
-
-        from k3ref.gpu_check import prop
-
-        buckets = shapes.prop_buckets(adapters.TorchKernelAdapter(), {})
-        drawn = []
-
-        @seed(7)
-        @settings(max_examples=1500, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-        @given(shapes.bucketed_strategy(st, prop.case_strategy, {}, 48, buckets, 0.02))
-        def draw(case):
-            drawn.append(case)
-
-        draw()
+        drawn = self.draw_cases(shapes.prop_buckets(adapters.TorchKernelAdapter(), {}), 0.02, 1500)
         share = sum(c["bucket"] is None for c in drawn) / len(drawn)
         self.assertGreater(share, 0.01)
         self.assertLess(share, 0.03)
