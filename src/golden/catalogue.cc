@@ -4,6 +4,7 @@
 
 #include "k3ref/error.h"
 #include "k3ref/num/scalar.h"
+#include "k3ref/num/tier.h"
 
 namespace k3ref::golden {
 
@@ -27,7 +28,7 @@ std::map<std::string, std::string> metadata_of(const Case& c, const std::string&
           {"k3ref.outputs", outputs}};
 }
 
-std::string golden_float_precision() { return std::to_string(num::golden_bits) + "-bit binary float"; }
+std::string golden_float_precision() { return std::string(num::description(num::Tier::mp256)); }
 
 const std::vector<Generator>& generators() {
   static const std::vector<Generator> all = {
@@ -35,7 +36,7 @@ const std::vector<Generator>& generators() {
       {"kda.chunkwise_flashkda", generate_kda_chunkwise, golden_float_precision()},
       {"kda.chunkwise_fla", generate_kda_chunkwise, golden_float_precision()},
       {"qb.solver", generate_qb_solver, "exact (rational, or double proven exact)"},
-      {"qb.online", generate_qb_online, "exact rational"},
+      {"qb.online", generate_qb_online, std::string(num::description(num::Tier::rational))},
       {"attnres.full", generate_attnres, golden_float_precision()},
       {"attnres.block", generate_attnres, golden_float_precision()},
       {"attnres.phase1", generate_attnres, golden_float_precision()},

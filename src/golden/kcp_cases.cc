@@ -80,17 +80,6 @@ kda::Inputs<double> make_inputs(const KcpParams& p, std::uint64_t seed) {
   return in;
 }
 
-template <class S>
-kda::Options<S> options_of(const KcpParams& p) {
-  kda::Options<S> opt;
-  opt.qk_l2norm = p.qk_l2norm;
-  opt.gate = *kda::gate_form_from_string(p.gate);
-  opt.gate_base = *kda::gate_base_from_string(p.gate_base);
-  if (p.lower_bound) opt.lower_bound = S(*p.lower_bound);
-  opt.beta = *kda::beta_form_from_string(p.beta);
-  return opt;
-}
-
 Tensor<std::int64_t> ints(const std::vector<std::int64_t>& v) {
   return Tensor<std::int64_t>({static_cast<std::int64_t>(v.size())}, v);
 }
@@ -101,7 +90,7 @@ io::SafetensorsFile generate_kcp_context_parallel(const Case& c) {
   const KcpParams p = from_json(c.params);
   const kda::Inputs<double> in = make_inputs(p, c.seed);
   using G = num::golden_float;
-  const auto cp = kcp::context_parallel_forward(kda::lift<G>(in), options_of<G>(p), p.splits, kcp::Merge::origin_rank);
+  const auto cp = kcp::context_parallel_forward(kda::lift<G>(in), kda_golden_options(c.params), p.splits, kcp::Merge::origin_rank);
   auto to_double = [](const Tensor<G>& t) { return t.map<double>([](const G& x) { return num::to_double_rne(x); }); };
   // Stack per-rank tensors [A, B, C] into [P, A, B, C].
   auto stack = [&](auto&& pick) {

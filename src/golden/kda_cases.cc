@@ -78,11 +78,11 @@ kda::Options<S> options_of(const KdaParams& p) {
   kda::Options<S> opt;
   if (p.scale) opt.scale = S(*p.scale);
   opt.qk_l2norm = p.qk_l2norm;
-  opt.gate = *kda::gate_form_from_string(p.gate);
-  opt.gate_base = *kda::gate_base_from_string(p.gate_base);
+  opt.gate = kda::gate_forms.parse(p.gate);
+  opt.gate_base = kda::gate_bases.parse(p.gate_base);
   if (p.lower_bound) opt.lower_bound = S(*p.lower_bound);
-  opt.beta = *kda::beta_form_from_string(p.beta);
-  opt.state_layout = *kda::state_layout_from_string(p.state_layout);
+  opt.beta = kda::beta_forms.parse(p.beta);
+  opt.state_layout = kda::state_layouts.parse(p.state_layout);
   opt.output_final_state = true;
   opt.output_all_states = p.all_states;
   return opt;
@@ -102,7 +102,7 @@ kda::Inputs<double> make_inputs(const KdaParams& p, std::uint64_t seed) {
   in.beta = draw_uniform_rounded(rng, {p.B, p.T, p.HV}, p.beta_lo, p.beta_hi, Format::bf16);
   if (p.initial_state) {
     // Values exact in bf16 although stored as F32 (FLA's chunk_kda wants an fp32 state).
-    const Shape shape = p.state_layout == "v_first" ? Shape{N, p.HV, p.V, p.K} : Shape{N, p.HV, p.K, p.V};
+    const Shape shape = kda::state_layouts.parse(p.state_layout) == kda::StateLayout::v_first ? Shape{N, p.HV, p.V, p.K} : Shape{N, p.HV, p.K, p.V};
     in.initial_state = draw_uniform_rounded(rng, shape, -1, 1, Format::bf16);
   }
   if (p.A_log) {

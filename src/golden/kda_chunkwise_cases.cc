@@ -26,7 +26,7 @@ io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
   const kda::Inputs<double> in = kda::inputs_from_file(inputs_file, base.name);
 
   kda::ChunkwiseOptions copt;
-  copt.form = *kda::chunk_form_from_string(c.params.at("form").get<std::string>());
+  copt.form = kda::chunk_forms.parse(c.params.at("form").get<std::string>());
   copt.chunk_size = c.params.at("chunk_size");
   copt.sub_chunk = c.params.at("sub_chunk");
   copt.record_stages = true;

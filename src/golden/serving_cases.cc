@@ -72,7 +72,7 @@ Drawn draw_inputs(const json& kp, num::Random& rng) {
 serving::PoolLayout pool_layout_of(const json& p, const Drawn& d) {
   const json& pj = p.at("pool");
   serving::PoolLayout L = serving::dense_pool_layout(pj.at("slots"), d.HV, d.K, d.V,
-                                                     *kda::state_layout_from_string(p.at("kda").at("state_layout").get<std::string>()));
+                                                     kda::state_layouts.parse(p.at("kda").at("state_layout").get<std::string>()));
   L.slot_stride = pj.at("slot_stride");
   L.offset = pj.at("offset");
   return L;
@@ -167,7 +167,7 @@ io::SafetensorsFile generate_checkpoint_case(const Case& c) {
   const json& p = c.params;
   num::Random rng(c.seed);
   Drawn d = draw_inputs(p.at("kda"), rng);
-  const bool v_first = p.at("kda").at("state_layout") == "v_first";
+  const bool v_first = kda::state_layouts.parse(p.at("kda").at("state_layout").get<std::string>()) == kda::StateLayout::v_first;
   d.in.initial_state = draw_uniform_rounded(rng, v_first ? Shape{1, d.HV, d.V, d.K} : Shape{1, d.HV, d.K, d.V}, -1, 1, Format::bf16);
   const std::int64_t T = d.in.q.dim(1);
   std::vector<std::int64_t> bounds;

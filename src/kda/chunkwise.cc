@@ -6,14 +6,6 @@
 
 namespace k3ref::kda {
 
-std::string_view to_string(ChunkForm form) { return form == ChunkForm::flashkda ? "flashkda" : "fla"; }
-
-std::optional<ChunkForm> chunk_form_from_string(std::string_view name) {
-  if (name == "flashkda") return ChunkForm::flashkda;
-  if (name == "fla") return ChunkForm::fla;
-  return std::nullopt;
-}
-
 std::int64_t effective_chunk_size(const ChunkwiseOptions& copt) {
   if (copt.chunk_size != 0) return copt.chunk_size;
   return copt.form == ChunkForm::flashkda ? 16 : 64;

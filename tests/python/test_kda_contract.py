@@ -13,7 +13,7 @@ import k3ref
 from k3ref import _safetensors
 from k3ref.gpu_check import contracts
 
-from conftest import needs_core
+from conftest import needs_core, vocabulary_names
 
 pytestmark = needs_core
 DATA = Path(__file__).resolve().parent / "data"
@@ -37,7 +37,7 @@ OPTS = dict(l2norm=True, beta="sigmoid", threads=1)
 
 
 @settings(max_examples=12, deadline=None, print_blob=True, database=None)
-@given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 70), contract=st.sampled_from(k3ref.KDA_CONTRACTS))
+@given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 70), contract=st.sampled_from(vocabulary_names("contract")))
 def test_rounding_nowhere_each_contract_is_the_recurrence(seed, T, contract):
     x = problem(seed, T)
     ref = k3ref.kda(x, **OPTS)
@@ -49,7 +49,7 @@ def test_rounding_nowhere_each_contract_is_the_recurrence(seed, T, contract):
             assert rel(got[name], ref[name]) < 1e-13, (name, rel(got[name], ref[name]))
 
 
-@pytest.mark.parametrize("contract", k3ref.KDA_CONTRACTS)
+@pytest.mark.parametrize("contract", vocabulary_names("contract"))
 def test_contract_outputs_have_the_declared_formats(contract):
     x = problem(3, 40)
     got = k3ref.kda_contract(x, contract, **OPTS)
