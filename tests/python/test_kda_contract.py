@@ -85,7 +85,8 @@ def test_one_line_errors():
         k3ref.kda_contract(x, "fla")
     with pytest.raises(ValueError, match=r"^k3ref.kda_contract: .*unknown rounding site 'nowhere'$"):
         k3ref.kda_contract(x, "fla_chunk", sites={"nowhere": "bf16"})
-    with pytest.raises(ValueError, match=r"^k3ref.kda_contract: .*unknown precision 'fp8'$"):
+    with pytest.raises(ValueError, match=r"^k3ref.kda_contract: option 'sites': site 'state': precision must be one of "
+                                         r"exact, fp32, tf32, tf32_rz, fp16, bf16, not 'fp8'$"):
         k3ref.kda_contract(x, "fla_chunk", sites={"state": "fp8"})
     with pytest.raises(TypeError, match=r"^k3ref.kda_contract: option 'sites'"):
         k3ref.kda_contract(x, "fla_chunk", sites={"state": 3})
