@@ -102,7 +102,8 @@ kda::Inputs<double> make_inputs(const KdaParams& p, std::uint64_t seed) {
   in.beta = draw_uniform_rounded(rng, {p.B, p.T, p.HV}, p.beta_lo, p.beta_hi, Format::bf16);
   if (p.initial_state) {
     // Values exact in bf16 although stored as F32 (FLA's chunk_kda wants an fp32 state).
-    const Shape shape = kda::state_layouts.parse(p.state_layout) == kda::StateLayout::v_first ? Shape{N, p.HV, p.V, p.K} : Shape{N, p.HV, p.K, p.V};
+    const bool v_first = kda::state_layouts.parse(p.state_layout) == kda::StateLayout::v_first;
+    const Shape shape = v_first ? Shape{N, p.HV, p.V, p.K} : Shape{N, p.HV, p.K, p.V};
     in.initial_state = draw_uniform_rounded(rng, shape, -1, 1, Format::bf16);
   }
   if (p.A_log) {

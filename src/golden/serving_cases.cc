@@ -167,7 +167,8 @@ io::SafetensorsFile generate_checkpoint_case(const Case& c) {
   const json& p = c.params;
   num::Random rng(c.seed);
   Drawn d = draw_inputs(p.at("kda"), rng);
-  const bool v_first = kda::state_layouts.parse(p.at("kda").at("state_layout").get<std::string>()) == kda::StateLayout::v_first;
+  const bool v_first =
+      kda::state_layouts.parse(p.at("kda").at("state_layout").get<std::string>()) == kda::StateLayout::v_first;
   d.in.initial_state = draw_uniform_rounded(rng, v_first ? Shape{1, d.HV, d.V, d.K} : Shape{1, d.HV, d.K, d.V}, -1, 1, Format::bf16);
   const std::int64_t T = d.in.q.dim(1);
   std::vector<std::int64_t> bounds;
