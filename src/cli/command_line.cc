@@ -271,11 +271,11 @@ int kda_command(const KdaArgs& a) {
   io::SafetensorsFile result;
   kda::add_outputs(result, out);
   // The named options as parsed, written back by the vocabulary's names.
-  const nlohmann::json named = {{"gate", kda::to_string(opt.gate)},
-                                {"gate_base", kda::to_string(opt.gate_base)},
-                                {"beta", kda::to_string(opt.beta)},
-                                {"state_layout", kda::to_string(opt.state_layout)},
-                                {"precision", num::to_string(tier)}};
+  const nlohmann::json named = {{kda::gate_forms.option, kda::to_string(opt.gate)},
+                                {kda::gate_bases.option, kda::to_string(opt.gate_base)},
+                                {kda::beta_forms.option, kda::to_string(opt.beta)},
+                                {kda::state_layouts.option, kda::to_string(opt.state_layout)},
+                                {num::precision_tiers.option, num::to_string(tier)}};
   // Metadata must be UTF-8: a name that is not is recorded with its odd bytes as \xNN.
   result.metadata = {{"k3ref.op", "kda.recurrent"},
                      {"k3ref.precision", std::string(num::to_string(tier))},
