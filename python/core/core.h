@@ -20,6 +20,8 @@
 #include "k3ref/kda/options.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/scalar.h"
+#include "k3ref/num/tier.h"
+#include "k3ref/vocabulary.h"
 
 namespace k3ref::python {
 
@@ -29,18 +31,12 @@ using Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 using IndexArray = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
 using Mp256 = num::golden_float;
 
-// The arithmetic tiers, by the names of `k3ref kda --precision`.
-enum class Tier { double_, mp256 };
-inline Tier tier_of(const std::string& precision) {
-  if (precision == "double") return Tier::double_;
-  if (precision == "mp256") return Tier::mp256;
-  throw InvalidArgument("argument 'precision': must be 'double' or 'mp256', not '" + precision + "'");
-}
-
-// Runs f.template operator()<S>() in the tier's scalar type.
+// Runs f.template operator()<S>() in the scalar type of the tier named `precision` (the
+// options vocabulary's names, num::precision_tiers).
 template <class F>
 auto in_tier(const std::string& precision, F&& f) {
-  return tier_of(precision) == Tier::mp256 ? f.template operator()<Mp256>() : f.template operator()<double>();
+  return num::precision_tiers.parse(precision) == num::Tier::mp256 ? f.template operator()<Mp256>()
+                                                                   : f.template operator()<double>();
 }
 
 inline Tensor<double> to_tensor(const Array& a) {
@@ -109,12 +105,11 @@ inline kda::Inputs<double> kda_inputs(const py::dict& d) {
   return in;
 }
 
-template <class E>
-E parse_choice(std::optional<E> (*from)(std::string_view), const py::dict& o, const char* name, const char* fallback) {
-  const std::string value = o.contains(name) ? o[name].cast<std::string>() : fallback;
-  const auto v = from(value);
-  if (!v) throw InvalidArgument(std::string("option '") + name + "': unknown value '" + value + "'");
-  return *v;
+// The value of a named-value option (absent: the option struct's default).
+template <class E, std::size_t N>
+E parse_choice(const Choices<E, N>& choices, const py::dict& o, E fallback) {
+  const std::string key(choices.option);
+  return o.contains(key.c_str()) ? choices.parse(o[key.c_str()].cast<std::string>()) : fallback;
 }
 
 // The options of `k3ref kda` (gate, gate_base, lower_bound, beta, l2norm, scale,
@@ -130,10 +125,10 @@ kda::Options<S> kda_options(const py::dict& o) {
   opt.scale = number("scale");
   opt.lower_bound = number("lower_bound");
   opt.qk_l2norm = flag("l2norm");
-  opt.gate = parse_choice(kda::gate_form_from_string, o, "gate", "log_decay");
-  opt.gate_base = parse_choice(kda::gate_base_from_string, o, "gate_base", "e");
-  opt.beta = parse_choice(kda::beta_form_from_string, o, "beta", "as_given");
-  opt.state_layout = parse_choice(kda::state_layout_from_string, o, "state_layout", "k_first");
+  opt.gate = parse_choice(kda::gate_forms, o, opt.gate);
+  opt.gate_base = parse_choice(kda::gate_bases, o, opt.gate_base);
+  opt.beta = parse_choice(kda::beta_forms, o, opt.beta);
+  opt.state_layout = parse_choice(kda::state_layouts, o, opt.state_layout);
   opt.output_all_states = flag("all_states");
   opt.output_final_state = !flag("no_final_state");
   opt.num_threads = o.contains("threads") ? o["threads"].cast<int>() : 1;

@@ -8,19 +8,10 @@
 namespace k3ref::python {
 namespace {
 
-// The merge names are this module's: the C++ enum has no string form of its own.
-kcp::Merge merge_of(const std::string& name) {
-  if (name == "origin_rank") return kcp::Merge::origin_rank;
-  if (name == "sequential_scan") return kcp::Merge::sequential_scan;
-  if (name == "tree_scan") return kcp::Merge::tree_scan;
-  throw InvalidArgument("argument 'merge': must be 'origin_rank', 'sequential_scan' or 'tree_scan', not '" + name +
-                        "'");
-}
-
 py::dict kcp_forward(const py::dict& inputs, const py::dict& options, const std::vector<std::int64_t>& splits,
                      const std::string& merge, const std::string& precision) {
   const kda::Inputs<double> in = kda_inputs(inputs);
-  const kcp::Merge how = merge_of(merge);
+  const kcp::Merge how = kcp::merges.parse(merge);
   return in_tier(precision, [&]<class S>() {
     const kda::Options<S> opt = kda_options<S>(options);
     std::optional<kcp::ContextParallelResult<S>> cp;
@@ -49,7 +40,7 @@ py::dict kcp_backward(const py::dict& inputs, const py::dict& cotangents, const 
                       const std::vector<std::int64_t>& splits, const std::string& merge,
                       const std::string& precision) {
   const kda::Inputs<double> in = kda_inputs(inputs);
-  const kcp::Merge how = merge_of(merge);
+  const kcp::Merge how = kcp::merges.parse(merge);
   return in_tier(precision, [&]<class S>() {
     const kda::Options<S> opt = kda_options<S>(options);
     const kda::Cotangents<S> cot = kda_cotangents<S>(cotangents);

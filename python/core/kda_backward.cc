@@ -10,13 +10,12 @@ namespace {
 py::dict kda_backward(const py::dict& inputs, const py::dict& cotangents, const py::dict& options,
                       const std::string& method, std::int64_t chunk_size, const std::string& precision) {
   const kda::Inputs<double> in = kda_inputs(inputs);
-  if (method != "adjoint" && method != "chunkwise")
-    throw InvalidArgument("argument 'method': must be 'adjoint' or 'chunkwise', not '" + method + "'");
+  const kda::BackwardMethod how = kda::backward_methods.parse(method);
   return in_tier(precision, [&]<class S>() {
     const kda::Options<S> opt = kda_options<S>(options);
     const kda::Cotangents<S> cot = kda_cotangents<S>(cotangents);
     py::dict r;
-    if (method == "adjoint") {
+    if (how == kda::BackwardMethod::adjoint) {
       kda::Gradients<S> g;
       {
         py::gil_scoped_release release;

@@ -11,15 +11,16 @@ namespace {
 py::dict kda_contract(const py::dict& inputs, const py::dict& options, const std::string& contract, bool exact,
                       const std::map<std::string, std::string>& sites) {
   const kda::Inputs<double> in = kda_inputs(inputs);
-  const auto kernel = kda::contract::kernel_from_string(contract);
-  if (!kernel) throw InvalidArgument("option 'contract': unknown value '" + contract + "'");
+  const kda::contract::Kernel kernel = kda::contract::kernels.parse(contract);
   kda::contract::KernelContract c =
-      exact ? kda::contract::exact_contract(*kernel) : kda::contract::kernel_contract(*kernel);
+      exact ? kda::contract::exact_contract(kernel) : kda::contract::kernel_contract(kernel);
   for (const auto& [name, precision] : sites) {
     const auto site = kda::contract::site_from_string(name);
     if (!site) throw InvalidArgument("option 'sites': unknown rounding site '" + name + "'");
-    const auto p = kda::contract::precision_from_string(precision);
-    if (!p) throw InvalidArgument("option 'sites': site '" + name + "': unknown precision '" + precision + "'");
+    const auto p = kda::contract::precisions.find(precision);
+    if (!p)
+      throw InvalidArgument("option 'sites': site '" + name + "': precision " +
+                            not_one_of(kda::contract::precisions.names(), precision));
     c.set(*site, *p);
   }
   const kda::Options<double> opt = kda_options<double>(options);
@@ -34,9 +35,7 @@ py::dict kda_contract(const py::dict& inputs, const py::dict& options, const std
 }
 
 py::dict kda_contract_sites(const std::string& contract) {
-  const auto kernel = kda::contract::kernel_from_string(contract);
-  if (!kernel) throw InvalidArgument("option 'contract': unknown value '" + contract + "'");
-  const kda::contract::KernelContract c = kda::contract::kernel_contract(*kernel);
+  const kda::contract::KernelContract c = kda::contract::kernel_contract(kda::contract::kernels.parse(contract));
   py::dict r;
   for (std::size_t s = 0; s < kda::contract::site_count; ++s) {
     const auto site = static_cast<kda::contract::Site>(s);

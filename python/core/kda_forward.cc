@@ -26,9 +26,7 @@ py::dict kda_chunkwise(const py::dict& inputs, const py::dict& options, const st
                        std::int64_t chunk_size, std::int64_t sub_chunk, bool stages, const std::string& precision) {
   const kda::Inputs<double> in = kda_inputs(inputs);
   kda::ChunkwiseOptions copt;
-  const auto form = kda::chunk_form_from_string(chunk_form);
-  if (!form) throw InvalidArgument("option 'chunk_form': unknown value '" + chunk_form + "'");
-  copt.form = *form;
+  copt.form = kda::chunk_forms.parse(chunk_form);
   copt.chunk_size = chunk_size;
   copt.sub_chunk = sub_chunk;
   copt.record_stages = stages;

@@ -76,6 +76,32 @@ PYBIND11_MODULE(_core, m) {
   m.attr("high_precision_bits") = k3ref::num::golden_bits;
   // InvalidArgument and FileError are ValueErrors with the library's one-line message.
   pybind11::register_exception<k3ref::InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+  // The options vocabulary (k3ref/vocabulary.h), from which the package takes its option
+  // names, defaults and allowed values: {option: {"values": (name, ...), "default": name or
+  // None, "about": {name: meaning}}}; and every tier's {name: description}.
+  m.def("option_vocabulary", [] {
+    pybind11::dict r;
+    for (const k3ref::OptionVocabulary& v : k3ref::option_vocabulary()) {
+      pybind11::list names;
+      pybind11::dict about;
+      for (const auto& c : v.values) {
+        names.append(std::string(c.name));
+        about[pybind11::str(std::string(c.name))] = std::string(c.about);
+      }
+      pybind11::dict entry;
+      entry["values"] = pybind11::tuple(names);
+      entry["default"] = v.default_name.empty() ? pybind11::object(pybind11::none())
+                                                : pybind11::object(pybind11::str(std::string(v.default_name)));
+      entry["about"] = about;
+      r[pybind11::str(std::string(v.option))] = entry;
+    }
+    return r;
+  });
+  m.def("tiers", [] {
+    pybind11::dict r;
+    for (const auto& t : k3ref::num::tiers.values) r[pybind11::str(std::string(t.name))] = std::string(t.about);
+    return r;
+  });
   kp::register_kda_forward(m);
   kp::register_kda_backward(m);
   kp::register_kda_contract(m);

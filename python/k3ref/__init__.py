@@ -29,30 +29,53 @@ import os
 
 __version__ = "0.1.0"
 
-# The tiers of `k3ref kda --precision`.
-PRECISIONS = ("double", "mp256")
-
-# The options of `k3ref kda` (src/cli/command_line.cc) other than --in/--out: name -> the
-# allowed strings, or the Python type of the value. tests/python checks this table against
-# the command's --help.
-KDA_OPTIONS = {
-    "gate": ("log_decay", "decay_factor", "softplus", "lower_bound"),
-    "gate_base": ("e", "2"),
+# The options of `k3ref kda` other than --in/--out: name -> the Python type of the value, or
+# None for a named-value option, whose allowed names, default and meanings are the C++ options
+# vocabulary's (include/k3ref/vocabulary.h), read from k3ref._core on first use. KDA_OPTIONS
+# (name -> allowed names or type), PRECISIONS, CHUNK_FORMS, BACKWARD_METHODS, KCP_MERGES and
+# KDA_CONTRACTS are derived from it (module __getattr__ below). tests/python checks this table
+# against the command's --help.
+_KDA_OPTION_TYPES = {
+    "gate": None,
+    "gate_base": None,
     "lower_bound": float,
-    "beta": ("as_given", "sigmoid", "two_sigmoid"),
+    "beta": None,
     "l2norm": bool,
     "scale": float,
-    "state_layout": ("k_first", "v_first"),
+    "state_layout": None,
     "all_states": bool,
     "no_final_state": bool,
-    "precision": PRECISIONS,
+    "precision": None,
     "threads": int,
 }
+# Module attributes that are the allowed names of one vocabulary option.
+_NAME_TUPLES = {"PRECISIONS": "precision", "CHUNK_FORMS": "chunk_form", "BACKWARD_METHODS": "method",
+                "KCP_MERGES": "merge", "KDA_CONTRACTS": "contract"}
+_vocabulary_cache = None
+
+
+def option_vocabulary():
+    """{option: {"values": (allowed names...), "default": name or None, "about": {name: meaning}}}
+    for every named-value option of the references (gate, gate_base, beta, state_layout,
+    precision, chunk_form, method, merge, contract): the library's one table of them."""
+    global _vocabulary_cache
+    if _vocabulary_cache is None:
+        _vocabulary_cache = _compiled().option_vocabulary()
+    return _vocabulary_cache
+
+
+def tier_descriptions():
+    """{tier name: description}: every arithmetic tier of the library (the precision option
+    offers PRECISIONS of them) and the reference precision its goldens record."""
+    return dict(_compiled().tiers())
+
+
+def _names(option):
+    return option_vocabulary()[option]["values"]
+
+
 KDA_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
 KDA_COTANGENTS = ("d_o", "d_final_state")
-CHUNK_FORMS = ("flashkda", "fla")
-BACKWARD_METHODS = ("adjoint", "chunkwise")
-KCP_MERGES = ("origin_rank", "sequential_scan", "tree_scan")
 
 _INDEX_INPUTS = ("cu_seqlens", "splits")
 _core_module = None
@@ -142,7 +165,9 @@ def _tensors(fn, inputs, allowed, required):
     return out
 
 
-def _choice(fn, name, value, choices):
+def _choice(fn, name, value, choices=None):
+    """`value` checked against the allowed names of option `name` (the vocabulary's unless given)."""
+    choices = _names(name) if choices is None else choices
     if not isinstance(value, str) or value not in choices:
         _fail(fn, ValueError, f"option '{name}' must be one of {', '.join(choices)}, not {value!r}")
     return value
@@ -184,14 +209,13 @@ def _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_la
                  threads):
     """The `k3ref kda` options, checked once, as k3ref._core reads them."""
     return {
-        "gate": _choice(fn, "gate", gate, KDA_OPTIONS["gate"]),
-        "gate_base": _choice(fn, "gate_base", str(gate_base) if gate_base == 2 else gate_base,
-                             KDA_OPTIONS["gate_base"]),
+        "gate": _choice(fn, "gate", gate),
+        "gate_base": _choice(fn, "gate_base", str(gate_base) if gate_base == 2 else gate_base),
         "lower_bound": _number(fn, "lower_bound", lower_bound),
-        "beta": _choice(fn, "beta", beta, KDA_OPTIONS["beta"]),
+        "beta": _choice(fn, "beta", beta),
         "l2norm": _flag(fn, "l2norm", l2norm),
         "scale": _number(fn, "scale", scale),
-        "state_layout": _choice(fn, "state_layout", state_layout, KDA_OPTIONS["state_layout"]),
+        "state_layout": _choice(fn, "state_layout", state_layout),
         "all_states": _flag(fn, "all_states", all_states),
         "no_final_state": _flag(fn, "no_final_state", no_final_state),
         "threads": _count(fn, "threads", (os.cpu_count() or 1) if threads is None else threads, 1),
@@ -220,7 +244,7 @@ def kda(inputs, *, gate="log_decay", gate_base="e", lower_bound=None, beta="as_g
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, all_states,
                        no_final_state, threads)
-    return _call(fn, _compiled().kda_recurrent, t, opt, _choice(fn, "precision", precision, PRECISIONS))
+    return _call(fn, _compiled().kda_recurrent, t, opt, _choice(fn, "precision", precision))
 
 
 def kda_chunkwise(inputs, *, chunk_form="flashkda", chunk_size=0, sub_chunk=16, stages=False, gate="log_decay",
@@ -236,12 +260,9 @@ def kda_chunkwise(inputs, *, chunk_form="flashkda", chunk_size=0, sub_chunk=16, 
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, no_final_state,
                        threads)
-    return _call(fn, _compiled().kda_chunkwise, t, opt, _choice(fn, "chunk_form", chunk_form, CHUNK_FORMS),
+    return _call(fn, _compiled().kda_chunkwise, t, opt, _choice(fn, "chunk_form", chunk_form),
                  _count(fn, "chunk_size", chunk_size, 0), _count(fn, "sub_chunk", sub_chunk, 1),
-                 _flag(fn, "stages", stages), _choice(fn, "precision", precision, PRECISIONS))
-
-
-KDA_CONTRACTS = ("fla_recurrent", "fla_chunk", "fla_chunk_safe_gate", "flashkda")
+                 _flag(fn, "stages", stages), _choice(fn, "precision", precision))
 
 
 def kda_contract(inputs, contract, *, exact=False, sites=None, gate="log_decay", gate_base="e", lower_bound=None,
@@ -260,7 +281,7 @@ def kda_contract(inputs, contract, *, exact=False, sites=None, gate="log_decay",
     if sites is not None and not (hasattr(sites, "items") and all(isinstance(a, str) and isinstance(b, str)
                                                                 for a, b in sites.items())):
         _fail(fn, TypeError, f"option 'sites' must map site names to precision names, not {sites!r}")
-    return _call(fn, _compiled().kda_contract, t, opt, _choice(fn, "contract", contract, KDA_CONTRACTS),
+    return _call(fn, _compiled().kda_contract, t, opt, _choice(fn, "contract", contract),
                  _flag(fn, "exact", exact), dict(sites or {}))
 
 
@@ -268,7 +289,7 @@ def kda_contract_sites(contract):
     """{rounding site: precision} of a kernel contract (docs/contracts.md)."""
     fn = "kda_contract_sites"
     try:
-        return dict(_compiled().kda_contract_sites(_choice(fn, "contract", contract, KDA_CONTRACTS)))
+        return dict(_compiled().kda_contract_sites(_choice(fn, "contract", contract)))
     except ValueError as e:
         raise ValueError(f"k3ref.{fn}: {str(e).splitlines()[0]}") from None
 
@@ -288,8 +309,8 @@ def kda_backward(inputs, cotangents=None, *, method="adjoint", chunk_size=0, gat
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     c = _tensors(fn, cotangents, KDA_COTANGENTS, KDA_COTANGENTS[:1])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, False, threads)
-    return _call(fn, _compiled().kda_backward, t, c, opt, _choice(fn, "method", method, BACKWARD_METHODS),
-                 _count(fn, "chunk_size", chunk_size, 0), _choice(fn, "precision", precision, PRECISIONS))
+    return _call(fn, _compiled().kda_backward, t, c, opt, _choice(fn, "method", method),
+                 _count(fn, "chunk_size", chunk_size, 0), _choice(fn, "precision", precision))
 
 
 def _split_cotangents(fn, inputs, cotangents):
@@ -328,8 +349,8 @@ def kcp_forward(inputs, splits=None, *, merge="origin_rank", gate="log_decay", g
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, all_states,
                        no_final_state, threads)
-    return _call(fn, _compiled().kcp_forward, t, opt, s, _choice(fn, "merge", merge, KCP_MERGES),
-                 _choice(fn, "precision", precision, PRECISIONS))
+    return _call(fn, _compiled().kcp_forward, t, opt, s, _choice(fn, "merge", merge),
+                 _choice(fn, "precision", precision))
 
 
 def kcp_backward(inputs, cotangents=None, splits=None, *, merge="origin_rank", gate="log_decay", gate_base="e",
@@ -345,8 +366,8 @@ def kcp_backward(inputs, cotangents=None, splits=None, *, merge="origin_rank", g
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     c = _tensors(fn, cotangents, KDA_COTANGENTS, KDA_COTANGENTS[:1])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, False, threads)
-    return _call(fn, _compiled().kcp_backward, t, c, opt, s, _choice(fn, "merge", merge, KCP_MERGES),
-                 _choice(fn, "precision", precision, PRECISIONS))
+    return _call(fn, _compiled().kcp_backward, t, c, opt, s, _choice(fn, "merge", merge),
+                 _choice(fn, "precision", precision))
 
 
 def attnres(inputs, *, eps=1e-6, block_size=None, two_phase=False, precision="double"):
@@ -360,7 +381,7 @@ def attnres(inputs, *, eps=1e-6, block_size=None, two_phase=False, precision="do
     if block_size is not None:
         block_size = _count(fn, "block_size", block_size, 1)
     return _call(fn, _compiled().attnres, t["values"], t["queries"], t["norm_weights"], _number(fn, "eps", eps, False),
-                 block_size, _flag(fn, "two_phase", two_phase), _choice(fn, "precision", precision, PRECISIONS))
+                 block_size, _flag(fn, "two_phase", two_phase), _choice(fn, "precision", precision))
 
 
 def qb_solver(inputs, *, k, iterations, beta0=None):
@@ -375,8 +396,12 @@ def qb_solver(inputs, *, k, iterations, beta0=None):
 
 
 def __getattr__(name):
-    # Submodules on first use (`k3ref.goldens`, `k3ref.testing`, ...), so `import k3ref`
-    # stays light.
+    # Submodules on first use (`k3ref.goldens`, `k3ref.testing`, ...), and the vocabulary's name
+    # tuples from the compiled part on first use, so `import k3ref` stays light.
     if name in ("goldens", "testing", "policy", "gpu_check"):
         return importlib.import_module(f".{name}", __name__)
+    if name in _NAME_TUPLES:
+        return _names(_NAME_TUPLES[name])
+    if name == "KDA_OPTIONS":
+        return {o: (_names(o) if t is None else t) for o, t in _KDA_OPTION_TYPES.items()}
     raise AttributeError(f"module 'k3ref' has no attribute '{name}'")

@@ -6,7 +6,9 @@
 #include "command_line.h"
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -28,6 +30,8 @@
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/kda/recurrent.h"
 #include "k3ref/num/scalar.h"
+#include "k3ref/num/tier.h"
+#include "k3ref/vocabulary.h"
 
 namespace {
 
@@ -40,6 +44,24 @@ int default_jobs() { return std::max(1u, std::thread::hardware_concurrency()); }
 
 // Most threads --jobs and --threads accept: more is a typo, and each thread costs memory.
 constexpr int max_threads = 1024;
+
+// ---- named-value options -----------------------------------------------------------------
+// Their names, help and default are the options vocabulary's (k3ref/vocabulary.h): --gate is
+// option "gate", --gate-base "gate_base". A value not in the table fails with CLI11's
+// "--gate: must be one of ..., not '...'".
+
+CLI::Option* add_choice_option(CLI::App* app, std::string_view option, std::string& target) {
+  const OptionVocabulary& v = option_vocabulary(option);
+  target = std::string(v.default_name);
+  std::string flag = "--" + std::string(option);
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  std::string listed;
+  for (std::string_view n : v.names()) (listed += listed.empty() ? "" : ",") += n;
+  CLI::Validator member(
+      [&v](std::string& text) { return v.contains(text) ? std::string() : not_one_of(v.names(), text); },
+      "{" + listed + "}");
+  return app->add_option(flag, target, v.help())->check(member)->capture_default_str();
+}
 
 // ---- strict numeric options ------------------------------------------------------------
 // CLI11 2.1 converts numbers with strtod/strtoll: it takes "nan" and "inf" for a double and
@@ -163,10 +185,9 @@ int golden_list(const GoldenArgs& a) {
 
 struct KdaArgs {
   std::string in, out;
-  std::string gate = "log_decay", gate_base = "e", beta = "as_given", state_layout = "k_first";
+  std::string gate, gate_base, beta, state_layout, precision;  // names of the options vocabulary
   std::optional<double> lower_bound, scale;
   bool l2norm = false, all_states = false, no_final_state = false;
-  std::string precision = "double";
   int threads = default_jobs();
   bool force = false;
 };
@@ -210,20 +231,24 @@ void check_kda_work(const io::SafetensorsFile& file, const KdaArgs& a) {
   if (a.all_states) bounded(product({B, T, HV, K, V}, "all_states size B x T x HV x K x V"), "all_states");
 }
 
-template <class S>
-kda::Outputs<double> run_kda(const kda::Inputs<double>& in, const KdaArgs& a) {
-  kda::Options<S> opt;
-  if (a.scale) opt.scale = S(*a.scale);
-  if (a.lower_bound) opt.lower_bound = S(*a.lower_bound);
+kda::Options<double> kda_options(const KdaArgs& a) {
+  kda::Options<double> opt;
+  opt.scale = a.scale;
+  opt.lower_bound = a.lower_bound;
   opt.qk_l2norm = a.l2norm;
-  opt.gate = *kda::gate_form_from_string(a.gate);
-  opt.gate_base = *kda::gate_base_from_string(a.gate_base);
-  opt.beta = *kda::beta_form_from_string(a.beta);
-  opt.state_layout = *kda::state_layout_from_string(a.state_layout);
+  opt.gate = kda::gate_forms.parse(a.gate);
+  opt.gate_base = kda::gate_bases.parse(a.gate_base);
+  opt.beta = kda::beta_forms.parse(a.beta);
+  opt.state_layout = kda::state_layouts.parse(a.state_layout);
   opt.output_final_state = !a.no_final_state;
   opt.output_all_states = a.all_states;
   opt.num_threads = a.threads;
-  const kda::Outputs<S> r = kda::recurrent_forward(kda::lift<S>(in), opt);
+  return opt;
+}
+
+template <class S>
+kda::Outputs<double> run_kda(const kda::Inputs<double>& in, const kda::Options<double>& options) {
+  const kda::Outputs<S> r = kda::recurrent_forward(kda::lift<S>(in), kda::convert_options<S>(options));
   auto down = [](const Tensor<S>& t) { return t.template map<double>([](const S& x) { return num::to_double_rne(x); }); };
   kda::Outputs<double> out{down(r.o), std::nullopt, std::nullopt};
   if (r.final_state) out.final_state = down(*r.final_state);
@@ -239,16 +264,22 @@ int kda_command(const KdaArgs& a) {
   check_kda_work(file, a);
   const kda::Inputs<double> in = kda::inputs_from_file(file, a.in);
   const auto start = std::chrono::steady_clock::now();
-  kda::Outputs<double> out;
-  if (a.precision == "double")
-    out = run_kda<double>(in, a);
-  else
-    out = run_kda<num::golden_float>(in, a);
+  const kda::Options<double> opt = kda_options(a);
+  const num::Tier tier = num::precision_tiers.parse(a.precision);
+  const kda::Outputs<double> out =
+      tier == num::Tier::double_ ? run_kda<double>(in, opt) : run_kda<num::golden_float>(in, opt);
   io::SafetensorsFile result;
   kda::add_outputs(result, out);
+  // The named options as parsed, written back by the vocabulary's names.
+  const nlohmann::json named = {{kda::gate_forms.option, kda::to_string(opt.gate)},
+                                {kda::gate_bases.option, kda::to_string(opt.gate_base)},
+                                {kda::beta_forms.option, kda::to_string(opt.beta)},
+                                {kda::state_layouts.option, kda::to_string(opt.state_layout)},
+                                {num::precision_tiers.option, num::to_string(tier)}};
   // Metadata must be UTF-8: a name that is not is recorded with its odd bytes as \xNN.
   result.metadata = {{"k3ref.op", "kda.recurrent"},
-                     {"k3ref.precision", a.precision},
+                     {"k3ref.precision", std::string(num::to_string(tier))},
+                     {"k3ref.options", named.dump()},
                      {"k3ref.inputs", io::is_valid_utf8(a.in) ? a.in : io::printable(a.in)}};
   io::write_safetensors_atomic(a.out, result);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -436,21 +467,16 @@ int run(int argc, const char* const* argv, bool execute) {
              "cu_seqlens] in a safetensors file");
   kda_cmd->add_option("--in", kda_args.in, "Input safetensors file")->required();
   kda_cmd->add_option("--out", kda_args.out, "Output safetensors file (F64 tensors)")->required();
-  kda_cmd->add_option("--gate", kda_args.gate, "log_decay | decay_factor | softplus | lower_bound")
-      ->check(CLI::IsMember({"log_decay", "decay_factor", "softplus", "lower_bound"}))->capture_default_str();
-  kda_cmd->add_option("--gate-base", kda_args.gate_base, "e | 2 (FlashKDA's exp2 convention)")
-      ->check(CLI::IsMember({"e", "2"}))->capture_default_str();
+  add_choice_option(kda_cmd, "gate", kda_args.gate);
+  add_choice_option(kda_cmd, "gate_base", kda_args.gate_base);
   add_finite_option(kda_cmd, "--lower-bound", kda_args.lower_bound, "Lower bound of the lower_bound gate (negative)");
-  kda_cmd->add_option("--beta", kda_args.beta, "as_given | sigmoid | two_sigmoid")
-      ->check(CLI::IsMember({"as_given", "sigmoid", "two_sigmoid"}))->capture_default_str();
+  add_choice_option(kda_cmd, "beta", kda_args.beta);
   kda_cmd->add_flag("--l2norm", kda_args.l2norm, "L2-normalise q and k (eps 1e-6)");
   add_finite_option(kda_cmd, "--scale", kda_args.scale, "Query scale (default K^-1/2)");
-  kda_cmd->add_option("--state-layout", kda_args.state_layout, "k_first [N,HV,K,V] | v_first [N,HV,V,K]")
-      ->check(CLI::IsMember({"k_first", "v_first"}))->capture_default_str();
+  add_choice_option(kda_cmd, "state_layout", kda_args.state_layout);
   kda_cmd->add_flag("--all-states", kda_args.all_states, "Also write the state after every token");
   kda_cmd->add_flag("--no-final-state", kda_args.no_final_state, "Do not write final_state");
-  kda_cmd->add_option("--precision", kda_args.precision, "double | mp256 (256-bit, the golden precision)")
-      ->check(CLI::IsMember({"double", "mp256"}))->capture_default_str();
+  add_choice_option(kda_cmd, "precision", kda_args.precision);
   add_integer_option(kda_cmd, "--threads", kda_args.threads, 1, max_threads, "Threads over (sequence, head)");
   kda_cmd->add_flag("--force", kda_args.force,
                     "Write --out even when it is the input, a symlink, a device, a FIFO or not UTF-8");

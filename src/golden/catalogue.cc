@@ -8,6 +8,7 @@
 #include "k3ref/error.h"
 #include "k3ref/io/sha256.h"
 #include "k3ref/num/scalar.h"
+#include "k3ref/num/tier.h"
 
 namespace k3ref::golden {
 
@@ -96,7 +97,7 @@ std::map<std::string, std::string> metadata_of(const Case& c, const std::string&
           {"k3ref.policies", policies.dump()}};
 }
 
-std::string golden_float_precision() { return std::to_string(num::golden_bits) + "-bit binary float"; }
+std::string golden_float_precision() { return std::string(num::description(num::Tier::mp256)); }
 
 Tensor<double> round_to_double(const Tensor<num::golden_float>& t) {
   return t.map<double>([](const num::golden_float& x) { return num::to_double_rne(x); });

@@ -64,11 +64,11 @@ kda::Options<S> options_of(const KdaParams& p) {
   kda::Options<S> opt;
   if (p.scale) opt.scale = S(*p.scale);
   opt.qk_l2norm = p.qk_l2norm;
-  opt.gate = *kda::gate_form_from_string(p.gate);
-  opt.gate_base = *kda::gate_base_from_string(p.gate_base);
+  opt.gate = kda::gate_forms.parse(p.gate);
+  opt.gate_base = kda::gate_bases.parse(p.gate_base);
   if (p.lower_bound) opt.lower_bound = S(*p.lower_bound);
-  opt.beta = *kda::beta_form_from_string(p.beta);
-  opt.state_layout = *kda::state_layout_from_string(p.state_layout);
+  opt.beta = kda::beta_forms.parse(p.beta);
+  opt.state_layout = kda::state_layouts.parse(p.state_layout);
   opt.output_final_state = true;
   opt.output_all_states = p.all_states;
   return opt;
@@ -94,7 +94,8 @@ kda::Inputs<double> draw_kda_inputs(const KdaParams& p, num::Random& rng) {
   in.beta = draw_uniform_rounded(rng, {p.B, p.T, p.HV}, p.beta_lo, p.beta_hi, Format::bf16);
   if (p.initial_state) {
     // Values exact in bf16 although stored as F32 (FLA's chunk_kda wants an fp32 state).
-    const Shape shape = p.state_layout == "v_first" ? Shape{N, p.HV, p.V, p.K} : Shape{N, p.HV, p.K, p.V};
+    const bool v_first = kda::state_layouts.parse(p.state_layout) == kda::StateLayout::v_first;
+    const Shape shape = v_first ? Shape{N, p.HV, p.V, p.K} : Shape{N, p.HV, p.K, p.V};
     in.initial_state = draw_uniform_rounded(rng, shape, -1, 1, Format::bf16);
   }
   // A = exp(A_log) in [1, 16], as Mamba-style initialisations give.

@@ -23,7 +23,7 @@ io::SafetensorsFile generate_kda_chunkwise(const Case& c) {
   const kda::Inputs<double> in = recurrence_inputs(recurrence_case(c.params.at("base_case").get<std::string>(), "chunkwise case " + c.name));
 
   kda::ChunkwiseOptions copt;
-  copt.form = *kda::chunk_form_from_string(c.params.at("form").get<std::string>());
+  copt.form = kda::chunk_forms.parse(c.params.at("form").get<std::string>());
   copt.chunk_size = c.params.at("chunk_size");
   copt.sub_chunk = c.params.at("sub_chunk");
   copt.record_stages = true;

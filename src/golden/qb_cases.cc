@@ -19,6 +19,7 @@
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
 #include "k3ref/num/scalar.h"
+#include "k3ref/num/tier.h"
 #include "k3ref/qb/online.h"
 #include "k3ref/qb/optimum.h"
 #include "k3ref/qb/solver.h"
@@ -165,7 +166,7 @@ Case solver_case(const std::string& name, std::int64_t m, std::int64_t n, std::i
             {"q", m * k / n},
             {"iterations", iterations},
             {"scores", std::move(scores)},
-            {"reference", exact_rational ? "rational" : "double_exact"},
+            {"reference", exact_rational ? std::string(num::to_string(num::Tier::rational)) : "double_exact"},
             {"optimum", optimum},
             {"selection_iterations", selection_iterations},
             {"tie_rule", "biased desc, raw desc, expert index asc"}};
@@ -184,8 +185,8 @@ io::SafetensorsFile generate_qb_solver(const Case& c) {
   for (const auto& [name, t] : in.stored) file.tensors.emplace_back(name, io::from_f64(t, DType::BF16));
   std::string outputs = "alpha,beta,loads,max_vio,dual_objective,selection";
   std::string precision;
-  if (p.at("reference") == "rational") {
-    precision = "exact rational";
+  if (p.at("reference") == std::string(num::to_string(num::Tier::rational))) {
+    precision = num::description(num::Tier::rational);
     const Tensor<Q> scores = in.scores.map<Q>([](double x) { return Q(x); });
     const auto trace = qb::alternating_solver(scores, k, iterations);
     std::optional<Q> optimum;
@@ -268,7 +269,7 @@ io::SafetensorsFile generate_qb_online(const Case& c) {
   };
   add("qb", qb::route_online_qb(exact, opt));
   add("sign", qb::route_online_sign_update(exact, k, gamma, opt.routed_scaling_factor));
-  file.metadata = metadata_of(c, "exact rational", file, "{qb,sign}_{beta,selection,weights,loads,max_vio}");
+  file.metadata = metadata_of(c, std::string(num::description(num::Tier::rational)), file, "{qb,sign}_{beta,selection,weights,loads,max_vio}");
   return file;
 }
 
@@ -312,7 +313,7 @@ std::vector<Case> qb_default_cases() {
 Family family_qb() {
   return {"qb",
           {{"qb.solver", generate_qb_solver, "exact (rational, or double proven exact)", {"qb-exact"}},
-           {"qb.online", generate_qb_online, "exact rational", {"qb-exact"}}},
+           {"qb.online", generate_qb_online, std::string(num::description(num::Tier::rational)), {"qb-exact"}}},
           qb_default_cases};
 }
 

@@ -60,7 +60,7 @@ Drawn draw_inputs(const json& kp, num::Random& rng) {
 serving::PoolLayout pool_layout_of(const json& p, const Drawn& d) {
   const json& pj = p.at("pool");
   serving::PoolLayout L = serving::dense_pool_layout(pj.at("slots"), d.HV, d.K, d.V,
-                                                     *kda::state_layout_from_string(p.at("state_layout").get<std::string>()));
+                                                     kda::state_layouts.parse(p.at("state_layout").get<std::string>()));
   L.slot_stride = pj.at("slot_stride");
   L.offset = pj.at("offset");
   return L;

@@ -6,14 +6,6 @@
 
 namespace k3ref::kda {
 
-std::string_view to_string(ChunkForm form) { return form == ChunkForm::flashkda ? "flashkda" : "fla"; }
-
-std::optional<ChunkForm> chunk_form_from_string(std::string_view name) {
-  if (name == "flashkda") return ChunkForm::flashkda;
-  if (name == "fla") return ChunkForm::fla;
-  return std::nullopt;
-}
-
 std::int64_t effective_chunk_size(const ChunkwiseOptions& copt) {
   if (copt.chunk_size != 0) return copt.chunk_size;
   return copt.form == ChunkForm::flashkda ? 16 : 64;
@@ -53,27 +45,6 @@ double inverse_decay_overflow_bound(num::Format format, std::int64_t span) {
 }
 
 namespace contract {
-
-std::string_view to_string(Point p) {
-  switch (p) {
-    case Point::decay: return "decay";
-    case Point::q_decay: return "q_decay";
-    case Point::k_decay: return "k_decay";
-    case Point::k_inv: return "k_inv";
-    case Point::k_restore: return "k_restore";
-    case Point::intra_accumulate: return "intra_accumulate";
-    case Point::L: return "L";
-    case Point::inv_accumulate: return "inv_accumulate";
-    case Point::inv: return "inv";
-    case Point::m_qk: return "m_qk";
-    case Point::wu_pre: return "wu_pre";
-    case Point::chunk_accumulate: return "chunk_accumulate";
-    case Point::u: return "u";
-    case Point::output: return "output";
-    case Point::state: return "state";
-  }
-  return "?";
-}
 
 RoundingTable flashkda_contract() {
   using num::Format;

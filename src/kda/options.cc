@@ -5,29 +5,6 @@
 namespace k3ref::kda {
 namespace {
 
-template <class E, std::size_t N>
-std::optional<E> lookup(std::string_view name, const std::pair<E, std::string_view> (&table)[N]) {
-  for (const auto& [value, text] : table)
-    if (text == name) return value;
-  return std::nullopt;
-}
-template <class E, std::size_t N>
-std::string_view name_of(E value, const std::pair<E, std::string_view> (&table)[N]) {
-  for (const auto& [v, text] : table)
-    if (v == value) return text;
-  return "?";
-}
-
-constexpr std::pair<StateLayout, std::string_view> layouts[] = {{StateLayout::k_first, "k_first"},
-                                                               {StateLayout::v_first, "v_first"}};
-constexpr std::pair<GateForm, std::string_view> gates[] = {{GateForm::log_decay, "log_decay"},
-                                                          {GateForm::decay_factor, "decay_factor"},
-                                                          {GateForm::softplus, "softplus"},
-                                                          {GateForm::lower_bound, "lower_bound"}};
-constexpr std::pair<GateBase, std::string_view> bases[] = {{GateBase::e, "e"}, {GateBase::two, "2"}};
-constexpr std::pair<BetaForm, std::string_view> betas[] = {
-    {BetaForm::as_given, "as_given"}, {BetaForm::sigmoid, "sigmoid"}, {BetaForm::two_sigmoid, "two_sigmoid"}};
-
 std::string expected(const char* arg, const Shape& want, const Shape& got) {
   return std::string("kda: argument '") + arg + "': expected shape " + shape_to_string(want) + ", got " +
          shape_to_string(got);
@@ -37,15 +14,6 @@ void require_shape(const char* arg, const Shape& want, const Shape& got) {
 }
 
 }  // namespace
-
-std::string_view to_string(StateLayout x) { return name_of(x, layouts); }
-std::string_view to_string(GateForm x) { return name_of(x, gates); }
-std::string_view to_string(GateBase x) { return name_of(x, bases); }
-std::string_view to_string(BetaForm x) { return name_of(x, betas); }
-std::optional<StateLayout> state_layout_from_string(std::string_view s) { return lookup(s, layouts); }
-std::optional<GateForm> gate_form_from_string(std::string_view s) { return lookup(s, gates); }
-std::optional<GateBase> gate_base_from_string(std::string_view s) { return lookup(s, bases); }
-std::optional<BetaForm> beta_form_from_string(std::string_view s) { return lookup(s, betas); }
 
 Dims validate(const InputShapes& s) {
   if (s.q.size() != 4)

@@ -5,41 +5,6 @@
 
 namespace k3ref::kda::contract {
 
-std::string_view to_string(Kernel k) {
-  switch (k) {
-    case Kernel::fla_recurrent: return "fla_recurrent";
-    case Kernel::fla_chunk: return "fla_chunk";
-    case Kernel::fla_chunk_safe_gate: return "fla_chunk_safe_gate";
-    case Kernel::flashkda: return "flashkda";
-  }
-  return "?";
-}
-
-std::optional<Kernel> kernel_from_string(std::string_view name) {
-  for (Kernel k : all_kernels)
-    if (to_string(k) == name) return k;
-  return std::nullopt;
-}
-
-std::string_view to_string(Precision p) {
-  switch (p) {
-    case Precision::exact: return "exact";
-    case Precision::fp32: return "fp32";
-    case Precision::tf32: return "tf32";
-    case Precision::tf32_rz: return "tf32_rz";
-    case Precision::fp16: return "fp16";
-    case Precision::bf16: return "bf16";
-  }
-  return "?";
-}
-
-std::optional<Precision> precision_from_string(std::string_view name) {
-  for (Precision p : {Precision::exact, Precision::fp32, Precision::tf32, Precision::tf32_rz, Precision::fp16,
-                      Precision::bf16})
-    if (to_string(p) == name) return p;
-  return std::nullopt;
-}
-
 std::optional<Site> site_from_string(std::string_view name) {
   for (std::size_t s = 0; s < site_count; ++s)
     if (to_string(static_cast<Site>(s)) == name) return static_cast<Site>(s);

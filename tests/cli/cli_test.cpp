@@ -1,8 +1,11 @@
 // End-to-end tests of the k3ref command: exit codes (0 pass, 1 fail, 2 unusable input),
 // one-line errors on malformed files, and the kda command reproducing a golden.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdlib>
+#include <set>
 #include <fstream>
 #include <sstream>
 #include <sys/stat.h>
@@ -12,6 +15,7 @@
 #include "golden/suite.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/num/float_format.h"
+#include "k3ref/vocabulary.h"
 
 namespace k3ref {
 namespace {
@@ -109,6 +113,43 @@ TEST(Cli, CompareUnderTheGoldensRecommendedPolicy) {
   EXPECT_EQ(fail.code, 1) << fail.out;
   const fs::path plain = candidate("kda_b2_t37", DType::F64, 1.0);  // no k3ref metadata at all
   EXPECT_EQ(k3ref("compare --golden " + plain.string() + " --candidate " + plain.string() + " --policy recommended").code, 2);
+}
+
+// Every name of every vocabulary option `k3ref kda` offers is accepted and reaches the
+// computation as that value: the output records the parsed options by the vocabulary's names
+// (k3ref.options). A name not in the table is one line, exit 2, naming the option and every
+// allowed name.
+TEST(Cli, KdaTakesEveryVocabularyNameAndListsThemOnAnUnknownOne) {
+  const std::string help = k3ref("kda --help").out;
+  std::set<std::string> offered;
+  for (const OptionVocabulary& v : option_vocabulary()) {
+    std::string flag = "--" + std::string(v.option);
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (help.find(flag + " ") == std::string::npos) continue;
+    offered.insert(std::string(v.option));
+    EXPECT_NE(help.find(v.help()), std::string::npos) << flag << ": help is not the vocabulary's:\n" << help;
+    for (std::string_view name : v.names()) {
+      // The raw gates need their parameters, which only the raw-gate goldens carry.
+      std::string file = "kda_t1", extra;
+      if (v.option == "gate" && name == "softplus") file = "kda_gate_softplus";
+      if (v.option == "gate" && name == "lower_bound") file = "kda_gate_lower_bound", extra = " --lower-bound -5";
+      const fs::path out = scratch() / "vocabulary.safetensors";
+      const std::string args = "kda --in " + golden(file).string() + " --out " + out.string() + " --force " + flag +
+                               " " + std::string(name) + extra;
+      const CommandResult r = k3ref(args);
+      ASSERT_EQ(r.code, 0) << args << "\n" << r.out;
+      const auto meta = io::read_safetensors(out).metadata;
+      const auto named = nlohmann::json::parse(meta.at("k3ref.options"));
+      EXPECT_EQ(named.at(std::string(v.option)).get<std::string>(), name) << args;
+    }
+    const CommandResult bad = k3ref("kda --in " + golden("kda_t1").string() + " --out " +
+                                    (scratch() / "never.safetensors").string() + " " + flag + " Nope");
+    EXPECT_EQ(bad.code, 2) << bad.out;
+    EXPECT_EQ(line_count(bad.out), 1u) << bad.out;
+    EXPECT_NE(bad.out.find(flag + ": " + not_one_of(v.names(), "Nope")), std::string::npos) << bad.out;
+    EXPECT_FALSE(fs::exists(scratch() / "never.safetensors"));
+  }
+  EXPECT_EQ(offered, (std::set<std::string>{"gate", "gate_base", "beta", "state_layout", "precision"}));
 }
 
 TEST(Cli, TruncatedOrMalformedFilesGiveAOneLineErrorAndExitTwo) {

@@ -471,9 +471,6 @@ TEST(KdaChunkwiseArguments, ErrorsNameTheArgument) {
   Options<double> all;
   all.output_all_states = true;
   expect_error(ChunkwiseOptions{}, all, "'output_all_states'");
-  EXPECT_EQ(chunk_form_from_string("fla"), ChunkForm::fla);
-  EXPECT_EQ(chunk_form_from_string("flashkda"), ChunkForm::flashkda);
-  EXPECT_FALSE(chunk_form_from_string("other"));
 }
 
 }  // namespace

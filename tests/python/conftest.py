@@ -26,3 +26,10 @@ def core_available():
 
 
 needs_core = pytest.mark.skipif(not core_available(), reason="k3ref._core not built (instrumented build or no pybind11)")
+
+
+def vocabulary_names(option):
+    """The allowed names of a named-value option (the compiled options vocabulary), for
+    parametrising at import time; () without the compiled half, whose tests skip."""
+    import k3ref
+    return k3ref.option_vocabulary()[option]["values"] if core_available() else ()

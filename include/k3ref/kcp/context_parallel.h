@@ -16,6 +16,7 @@
 
 #include "k3ref/kcp/fragment.h"
 #include "k3ref/kcp/plan.h"
+#include "k3ref/vocabulary.h"
 
 namespace k3ref::kcp {
 
@@ -25,6 +26,10 @@ enum class Merge {
   sequential_scan,  // exclusive prefix scan over all ranks, one composition after another
   tree_scan,        // exclusive prefix scan as a balanced tree (Blelloch); the intra-device merge
 };
+inline constexpr Choices<Merge, 3> merges{"merge",
+                                          {{{Merge::origin_rank, "origin_rank", "FLA's"},
+                                            {Merge::sequential_scan, "sequential_scan", ""},
+                                            {Merge::tree_scan, "tree_scan", "Blelloch"}}}};
 
 template <class S>
 struct ContextParallelResult {

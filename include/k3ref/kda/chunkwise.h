@@ -39,8 +39,10 @@
 namespace k3ref::kda {
 
 enum class ChunkForm { flashkda, fla };
-std::string_view to_string(ChunkForm);
-std::optional<ChunkForm> chunk_form_from_string(std::string_view);
+inline constexpr Choices<ChunkForm, 2> chunk_forms{
+    "chunk_form", {{{ChunkForm::flashkda, "flashkda", "inverse-decay form, C = 16"},
+                    {ChunkForm::fla, "fla", "FLA's sub-chunked form, C = 64"}}}};
+inline std::string_view to_string(ChunkForm form) { return chunk_forms.name(form); }
 
 struct ChunkwiseOptions {
   ChunkForm form = ChunkForm::flashkda;

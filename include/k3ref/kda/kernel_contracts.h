@@ -47,16 +47,25 @@
 namespace k3ref::kda::contract {
 
 enum class Kernel { fla_recurrent, fla_chunk, fla_chunk_safe_gate, flashkda };
-std::string_view to_string(Kernel);
-std::optional<Kernel> kernel_from_string(std::string_view);
-inline constexpr Kernel all_kernels[] = {Kernel::fla_recurrent, Kernel::fla_chunk, Kernel::fla_chunk_safe_gate,
-                                         Kernel::flashkda};
+inline constexpr Choices<Kernel, 4> kernels{"contract",
+                                            {{{Kernel::fla_recurrent, "fla_recurrent", "FLA fused_recurrent_kda"},
+                                              {Kernel::fla_chunk, "fla_chunk", "FLA chunk_kda"},
+                                              {Kernel::fla_chunk_safe_gate, "fla_chunk_safe_gate",
+                                               "FLA chunk_kda, safe_gate=True"},
+                                              {Kernel::flashkda, "flashkda", "FlashKDA"}}}};
+inline std::string_view to_string(Kernel k) { return kernels.name(k); }
 
 // What a value is rounded to at a site. tf32: fp32's range, 10 stored mantissa bits, to
 // nearest (tf32_rz: toward zero, the 13 low bits of an fp32 operand dropped).
 enum class Precision { exact, fp32, tf32, tf32_rz, fp16, bf16 };
-std::string_view to_string(Precision);
-std::optional<Precision> precision_from_string(std::string_view);
+inline constexpr Choices<Precision, 6> precisions{"sites",
+                                                  {{{Precision::exact, "exact", "not rounded"},
+                                                    {Precision::fp32, "fp32", ""},
+                                                    {Precision::tf32, "tf32", ""},
+                                                    {Precision::tf32_rz, "tf32_rz", "tf32 toward zero"},
+                                                    {Precision::fp16, "fp16", ""},
+                                                    {Precision::bf16, "bf16", ""}}}};
+inline std::string_view to_string(Precision p) { return precisions.name(p); }
 
 // The rounding sites of the chunk kernels, in the order a chunk meets them.
 enum class Site {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "k3ref/tensor/tensor.h"
+#include "k3ref/vocabulary.h"
 
 namespace k3ref::kda {
 
@@ -15,6 +16,8 @@ enum class StateLayout {
   k_first,  // [N, HV, K, V], FLA's default
   v_first,  // [N, HV, V, K], FLA's state_v_first=True and FlashKDA
 };
+inline constexpr Choices<StateLayout, 2> state_layouts{
+    "state_layout", {{{StateLayout::k_first, "k_first", "[N,HV,K,V]"}, {StateLayout::v_first, "v_first", "[N,HV,V,K]"}}}};
 
 // How the tensor `g` is turned into per-channel multiplicative decays.
 enum class GateForm {
@@ -24,26 +27,40 @@ enum class GateForm {
   lower_bound,   // g raw: g <- lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h, :])),
                  //        or lower_bound * sigmoid(g + dt_bias[h, :]) without A_log
 };
+inline constexpr Choices<GateForm, 4> gate_forms{
+    "gate",
+    {{{GateForm::log_decay, "log_decay", ""},
+      {GateForm::decay_factor, "decay_factor", "g is the decay itself"},
+      {GateForm::softplus, "softplus", "raw g, A_log, dt_bias"},
+      {GateForm::lower_bound, "lower_bound", "raw g, lower_bound"}}}};
 
 // The base the kernel exponentiates in. FLA's API and the recurrence use exp(g);
 // FlashKDA multiplies the gate by log2(e) and uses exp2. Mathematically equal
 // (proofs/gate_base.md); both are modelled so the equality is tested.
 enum class GateBase { e, two };
+inline constexpr Choices<GateBase, 2> gate_bases{
+    "gate_base", {{{GateBase::e, "e", ""}, {GateBase::two, "2", "FlashKDA's exp2 convention"}}}};
 
 enum class BetaForm {
   as_given,     // beta used as is
   sigmoid,      // sigmoid(beta)  (FLA use_beta_sigmoid_in_kernel, FlashKDA)
   two_sigmoid,  // 2 * sigmoid(beta): allows negative eigenvalues of I - beta k k^T
 };
+inline constexpr Choices<BetaForm, 3> beta_forms{"beta",
+                                                 {{{BetaForm::as_given, "as_given", ""},
+                                                   {BetaForm::sigmoid, "sigmoid", ""},
+                                                   {BetaForm::two_sigmoid, "two_sigmoid", "2 sigmoid(beta)"}}}};
 
-std::string_view to_string(StateLayout);
-std::string_view to_string(GateForm);
-std::string_view to_string(GateBase);
-std::string_view to_string(BetaForm);
-std::optional<StateLayout> state_layout_from_string(std::string_view);
-std::optional<GateForm> gate_form_from_string(std::string_view);
-std::optional<GateBase> gate_base_from_string(std::string_view);
-std::optional<BetaForm> beta_form_from_string(std::string_view);
+// How the gradients are computed: the adjoint recurrence (kda/backward.h) or the chunkwise
+// backward (kda/chunkwise_backward.h); the Python module's kda_backward(method=).
+enum class BackwardMethod { adjoint, chunkwise };
+inline constexpr Choices<BackwardMethod, 2> backward_methods{
+    "method", {{{BackwardMethod::adjoint, "adjoint", ""}, {BackwardMethod::chunkwise, "chunkwise", ""}}}};
+
+inline std::string_view to_string(StateLayout x) { return state_layouts.name(x); }
+inline std::string_view to_string(GateForm x) { return gate_forms.name(x); }
+inline std::string_view to_string(GateBase x) { return gate_bases.name(x); }
+inline std::string_view to_string(BetaForm x) { return beta_forms.name(x); }
 
 template <class S>
 struct Options {

@@ -48,8 +48,6 @@ enum class Point {
 };
 inline constexpr std::size_t point_count = static_cast<std::size_t>(Point::state) + 1;
 
-std::string_view to_string(Point);
-
 // RNE of a double into `format`, fast where the result is a normal number of the format
 // (bit arithmetic on the double), and through num::round_to elsewhere (subnormals). Same
 // result as num::round_to everywhere (tests/kda/chunkwise_test.cpp checks it).

@@ -137,7 +137,6 @@ template <class T>
 struct scalar_traits<Dual<T>> {
   static constexpr bool is_exact = scalar_traits<T>::is_exact;
   static constexpr bool has_transcendentals = scalar_traits<T>::has_transcendentals;
-  static constexpr const char* name = "dual";
 };
 
 // The value part of a scalar: the scalar itself, or a Dual's value (recursively).

@@ -53,13 +53,11 @@ template <class T>
 struct scalar_traits {
   static constexpr bool is_exact = false;
   static constexpr bool has_transcendentals = true;
-  static constexpr const char* name = "unknown";
 };
 template <>
 struct scalar_traits<double> {
   static constexpr bool is_exact = false;
   static constexpr bool has_transcendentals = true;
-  static constexpr const char* name = "double";
 };
 // Every Boost.Multiprecision number: exact when it is a rational kind.
 template <class Backend, boost::multiprecision::expression_template_option ET>
@@ -67,7 +65,6 @@ struct scalar_traits<boost::multiprecision::number<Backend, ET>> {
   static constexpr bool is_exact = boost::multiprecision::number_category<Backend>::value ==
                                    boost::multiprecision::number_kind_rational;
   static constexpr bool has_transcendentals = !is_exact;
-  static constexpr const char* name = is_exact ? "rational" : "multiprecision";
 };
 
 template <class T>

@@ -237,7 +237,7 @@ def write_failure(case, adapter, reason, out_dir, device):
     params = params_of(case)
     if _module() is not None:
         o, final = module_reference(inputs, params, precision="mp256")
-        precision = "256-bit binary float"
+        precision = _module().tier_descriptions()["mp256"]  # what the goldens record for the tier
     else:
         o, final, src = compute_reference(inputs, params, device)
         precision = f"binary64 ({src})"
