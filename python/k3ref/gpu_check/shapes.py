@@ -15,7 +15,7 @@ So a compiled *shape* here is (adapter, group, integer classes), where the *grou
 autotune keys and constexpr arguments see (for a KDA kernel: H, HV, K, V, varlen, state
 layout and the gate / beta / norm options the adapter turns into kernel flags) and the
 integer classes are those of T, B, the number of sequences and the number of 64-token
-chunks. The group is the unit of warm-up: one process per group.
+chunks. The group is the unit of warm-up (warmup.py runs the units on a pool of worker processes).
 
 What a kernel specialises on is read from its decorators where the library exposes them
 (`autotuner_info`: Triton's Autotuner.keys and .configs, JITFunction.params and their

@@ -669,8 +669,8 @@ def add_prop_options(p):
 
 def prop_prepare(args, adapter, fixed):
     """(buckets, outside share, the flags that replay this choice) for `prop`: the buckets
-    (shapes.prop_buckets on the golden directory's cases), warmed up in parallel (one worker
-    per bucket) unless --no-warmup or the share is 1."""
+    (shapes.prop_buckets on the golden directory's cases), warmed up in parallel (one unit per
+    bucket on the warm-up's workers) unless --no-warmup or the share is 1."""
     from . import shapes
 
     share = float(getattr(args, "outside_share", 1.0))
