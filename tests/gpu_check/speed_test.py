@@ -550,6 +550,20 @@ class Warmup(unittest.TestCase):
         self.assertFalse(waiter.is_alive())
         self.assertEqual(bg.finish()["errors"], 0)
 
+    def test_a_broken_warm_up_is_one_error_in_its_record_not_a_lost_run(self):
+        def run(selected, on_unit_done):
+            raise RuntimeError("scheduler broke")
+
+        class Stand:
+            name = "triton.kernel"
+
+        bg = warmup.Background([(Stand(), (), [])], [], run)
+        bg.wait(["triton.kernel"])  # released, not left waiting
+        rec = bg.finish()
+        self.assertEqual(rec["errors"], 1)
+        self.assertIn("scheduler broke", rec["groups"][0]["reason"])
+        self.assertIn("warm-up: 1 groups", warmup.table(rec))
+
 
 class CommandLine(unittest.TestCase):
     def test_options(self):

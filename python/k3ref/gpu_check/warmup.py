@@ -519,9 +519,14 @@ class Background:
             self.cond.wait_for(lambda: all(self.pending.get(n, 0) <= 0 for n in names))
 
     def finish(self):
+        """The warm-up's record. A warm-up that broke (not a unit's error: the scheduler itself)
+        is one error in the record; the checks compiled what they needed, so no verdict is lost."""
         self.thread.join()
         if self.error is not None:
-            raise self.error
+            reason = f"the warm-up stopped: {type(self.error).__name__}: {self.error}"[:300]
+            return {"jobs": 0, "wall_s": 0.0, "errors": 1, "error": reason,
+                    "groups": [{"adapter": "-", "group": {}, "status": "error", "reason": reason}],
+                    "totals": {"compile_s": 0.0, "autotune_s": 0.0, "compiles": 0, "configs_benchmarked": 0}}
         return self.record
 
 
