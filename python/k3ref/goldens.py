@@ -94,6 +94,16 @@ def expand_outputs(spec):
     return expand(spec)
 
 
+def kda_options(params):
+    """The k3ref.kda / kda_contract keyword arguments of a KDA parameter object (a golden's
+    params, a prop case, an adapter's params): the golden schema's names mapped once onto the
+    module's option names (`qk_l2norm` -> `l2norm`); a key absent takes the option's default."""
+    return dict(gate=params.get("gate", "log_decay"), gate_base=params.get("gate_base", "e"),
+                lower_bound=params.get("lower_bound"), beta=params.get("beta", "as_given"),
+                l2norm=bool(params.get("qk_l2norm")), scale=params.get("scale"),
+                state_layout=params.get("state_layout", "k_first"))
+
+
 @dataclass
 class GoldenCase:
     name: str
@@ -138,8 +148,7 @@ class GoldenCase:
         op = self.op
         if op.startswith("kda.") or op.startswith("kcp."):
             p = self.kda_params
-            o = dict(gate=p["gate"], gate_base=p["gate_base"], lower_bound=p["lower_bound"], beta=p["beta"],
-                     l2norm=bool(p["qk_l2norm"]), scale=p["scale"], state_layout=p["state_layout"])
+            o = kda_options(p)
             if op == "kda.recurrent":
                 o["all_states"] = bool(p["all_states"])
             elif op.startswith("kda.chunkwise_"):

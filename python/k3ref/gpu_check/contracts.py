@@ -71,27 +71,24 @@ def contract_outputs(contract, inputs, params):
         if t is not None and t.dtype != torch.bfloat16:
             raise ValueError(f"contracts: contract {contract!r} models bf16 q, k, v and o; tensor '{name}' is {t.dtype}")
     tensors = {n: t.detach().cpu() for n, t in inputs.items() if n in _INPUTS and t is not None}
-    beta = params.get("beta", "as_given")
-    if contract == "flashkda" and beta == "sigmoid" and "beta" in tensors:
+    from ..goldens import kda_options
+
+    opts = kda_options(params)
+    if contract == "flashkda" and opts["beta"] == "sigmoid" and "beta" in tensors:
         # FlashKDA's sigmoid is 0.5 + 0.5 tanh.approx(x / 2): measured per bf16 logit (flashkda_sigmoid.py)
         from . import flashkda_sigmoid
 
-        tensors["beta"], beta = flashkda_sigmoid.sigmoid(tensors["beta"]), "as_given"
-    out = _k3ref().kda_contract(tensors, contract, gate=params.get("gate", "log_decay"),
-                                gate_base=params.get("gate_base", "e"), lower_bound=params.get("lower_bound"),
-                                beta=beta, l2norm=bool(params.get("qk_l2norm")),
-                                scale=params.get("scale"), state_layout=params.get("state_layout", "k_first"),
-                                threads=params.get("threads", 2))
+        tensors["beta"], opts["beta"] = flashkda_sigmoid.sigmoid(tensors["beta"]), "as_given"
+    out = _k3ref().kda_contract(tensors, contract, **opts, threads=params.get("threads", 2))
     return out["o"], out.get("final_state")
 
 
 def reference_outputs(inputs, params):
     """(o, final_state) of the recurrence in double (k3ref.kda), as the contract sees them."""
     tensors = {n: t.detach().cpu() for n, t in inputs.items() if n in _INPUTS and t is not None}
-    out = _k3ref().kda(tensors, gate=params.get("gate", "log_decay"), gate_base=params.get("gate_base", "e"),
-                       lower_bound=params.get("lower_bound"), beta=params.get("beta", "as_given"),
-                       l2norm=bool(params.get("qk_l2norm")), scale=params.get("scale"),
-                       state_layout=params.get("state_layout", "k_first"), threads=params.get("threads", 2))
+    from ..goldens import kda_options
+
+    out = _k3ref().kda(tensors, **kda_options(params), threads=params.get("threads", 2))
     return out["o"], out.get("final_state")
 
 

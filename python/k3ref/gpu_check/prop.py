@@ -53,10 +53,8 @@ def _module():
 def module_reference(inputs, params, precision="double"):
     """(o, final_state) as float64 torch tensors from k3ref.kda (public API)."""
     k3ref = _module()
-    out = k3ref.kda({n: t.cpu() for n, t in inputs.items()}, gate=params.get("gate", "log_decay"),
-                    gate_base=params.get("gate_base", "e"), lower_bound=params.get("lower_bound"),
-                    beta=params.get("beta", "as_given"), l2norm=bool(params.get("qk_l2norm")), scale=params.get("scale"),
-                    state_layout=params.get("state_layout", "k_first"), precision=precision, threads=2)
+    out = k3ref.kda({n: t.cpu() for n, t in inputs.items()}, **goldens.kda_options(params), precision=precision,
+                    threads=2)
     return out["o"], out["final_state"]
 
 
