@@ -17,6 +17,7 @@ using HP = num::high_precision<256>;
 
 // The exact-input generators of the KDA tests (same draws).
 using kda::test_util::random_decays;
+using kda::test_util::random_packed_inputs;
 using kda::test_util::random_tensor;
 using kda::test_util::small_rational;
 
@@ -47,20 +48,6 @@ inline Sizes random_sizes() {
   return Sizes{H, H * *rc::gen::inRange(1, 3), *rc::gen::inRange<std::int64_t>(1, 4), *rc::gen::inRange<std::int64_t>(1, 4)};
 }
 
-// Exact inputs for a packed sequence (B = 1), decays given as rationals.
-inline kda::Inputs<Q> random_packed_inputs(const Sizes& s, const std::vector<std::int64_t>& cu, bool initial_state,
-                                           bool v_first = false) {
-  const std::int64_t T = cu.back(), N = static_cast<std::int64_t>(cu.size()) - 1;
-  kda::Inputs<Q> in;
-  in.q = random_tensor({1, T, s.H, s.K}, -4, 4);
-  in.k = random_tensor({1, T, s.H, s.K}, -2, 2);
-  in.v = random_tensor({1, T, s.HV, s.V}, -4, 4);
-  in.g = random_decays({1, T, s.HV, s.K});
-  in.beta = random_tensor({1, T, s.HV}, 0, 2);
-  if (initial_state) in.initial_state = random_tensor(v_first ? Shape{N, s.HV, s.V, s.K} : Shape{N, s.HV, s.K, s.V}, -4, 4);
-  in.cu_seqlens = cu;
-  return in;
-}
 
 inline kda::Options<Q> exact_options(bool v_first = false) {
   kda::Options<Q> opt;

@@ -4,6 +4,10 @@
 
 #include <rapidcheck.h>
 
+#include <cstdint>
+#include <vector>
+
+#include "k3ref/kda/options.h"
 #include "k3ref/num/scalar.h"
 #include "k3ref/tensor/tensor.h"
 
@@ -33,6 +37,23 @@ inline Tensor<Q> random_decays(const Shape& shape) {
     x = Q(p) / Q(q);
   }
   return t;
+}
+
+// Exact inputs for packed sequences (B = 1, cu_seqlens), decays as rationals; Sizes is any
+// struct with H, HV, K, V. The draws are q, k, v, g, beta, then the initial state if asked.
+template <class Sizes>
+inline Inputs<Q> random_packed_inputs(const Sizes& s, const std::vector<std::int64_t>& cu, bool initial_state,
+                                      bool v_first = false) {
+  const std::int64_t T = cu.back(), N = static_cast<std::int64_t>(cu.size()) - 1;
+  Inputs<Q> in;
+  in.q = random_tensor({1, T, s.H, s.K}, -4, 4);
+  in.k = random_tensor({1, T, s.H, s.K}, -2, 2);
+  in.v = random_tensor({1, T, s.HV, s.V}, -4, 4);
+  in.g = random_decays({1, T, s.HV, s.K});
+  in.beta = random_tensor({1, T, s.HV}, 0, 2);
+  if (initial_state) in.initial_state = random_tensor(v_first ? Shape{N, s.HV, s.V, s.K} : Shape{N, s.HV, s.K, s.V}, -4, 4);
+  in.cu_seqlens = cu;
+  return in;
 }
 
 }  // namespace k3ref::kda::test_util

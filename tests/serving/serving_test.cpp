@@ -22,7 +22,6 @@ namespace k3ref::serving {
 namespace {
 
 using kda::test_util::Q;
-using kda::test_util::random_decays;
 using kda::test_util::random_tensor;
 
 struct Sizes {
@@ -47,15 +46,7 @@ kda::Options<Q> exact_options(StateLayout layout) {
 kda::Inputs<Q> random_batch(const Sizes& s, const std::vector<std::int64_t>& lengths) {
   std::vector<std::int64_t> cu{0};
   for (auto l : lengths) cu.push_back(cu.back() + l);
-  const std::int64_t T = cu.back();
-  kda::Inputs<Q> in;
-  in.q = random_tensor({1, T, s.H, s.K}, -4, 4);
-  in.k = random_tensor({1, T, s.H, s.K}, -2, 2);
-  in.v = random_tensor({1, T, s.HV, s.V}, -4, 4);
-  in.g = random_decays({1, T, s.HV, s.K});
-  in.beta = random_tensor({1, T, s.HV}, 0, 2);
-  in.cu_seqlens = cu;
-  return in;
+  return kda::test_util::random_packed_inputs(s, cu, false);
 }
 
 // Sequence n of a packed batch alone (B = 1), entering with `state` ([HV, K, V] K-first).

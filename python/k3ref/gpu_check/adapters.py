@@ -221,6 +221,27 @@ def _module_version(name):
     return f"{name} {version or '(no __version__)'} from {where}" if mod else ""
 
 
+def fla_option_kwargs(inputs, params):
+    """FLA's KDA keyword arguments for k3ref's options (every FLA entry point takes them alike:
+    chunk_kda, fused_recurrent_kda, their serving and context-parallel forms): the scale, the L2
+    norm, the gate computed in kernel (A_log, dt_bias flattened to HV * K, lower bound) and
+    beta's sigmoid (two_sigmoid: allow_neg_eigval)."""
+    kw = dict(scale=params.get("scale"), use_qk_l2norm_in_kernel=bool(params.get("qk_l2norm")))
+    gate = params.get("gate", "log_decay")
+    if gate != "log_decay":
+        kw["use_gate_in_kernel"] = True
+        kw["A_log"] = inputs["A_log"].float() if inputs.get("A_log") is not None else None
+        if inputs.get("dt_bias") is not None:
+            kw["dt_bias"] = inputs["dt_bias"].float().reshape(-1)
+        if gate == "lower_bound":
+            kw["lower_bound"] = float(params["lower_bound"])
+    beta = params.get("beta", "as_given")
+    if beta != "as_given":
+        kw["use_beta_sigmoid_in_kernel"] = True
+        kw["allow_neg_eigval"] = beta == "two_sigmoid"
+    return kw
+
+
 class FlaAdapter(KdaAdapter):
     """FLA's chunk_kda / fused_recurrent_kda (fla-org/flash-linear-attention)."""
 
@@ -270,29 +291,15 @@ class FlaAdapter(KdaAdapter):
         return None
 
     def run(self, inputs, params, out=None):
-        s = _shapes(inputs)
-        kw = dict(scale=params.get("scale"), output_final_state=True,
-                  use_qk_l2norm_in_kernel=bool(params.get("qk_l2norm")),
+        kw = dict(fla_option_kwargs(inputs, params), output_final_state=True,
                   state_v_first=params.get("state_layout") == "v_first")
         h0 = inputs.get("initial_state")
         if h0 is not None:
             kw["initial_state"] = h0.float()
         if inputs.get("cu_seqlens") is not None:
             kw["cu_seqlens"] = inputs["cu_seqlens"]
-        gate = params.get("gate", "log_decay")
-        if gate != "log_decay":
-            kw["use_gate_in_kernel"] = True
-            kw["A_log"] = inputs["A_log"].float() if inputs.get("A_log") is not None else None
-            if inputs.get("dt_bias") is not None:
-                kw["dt_bias"] = inputs["dt_bias"].float().reshape(s["HV"] * s["K"])
-            if gate == "lower_bound":
-                kw["lower_bound"] = float(params["lower_bound"])
         if self.safe_gate:
             kw["safe_gate"] = True
-        beta = params.get("beta", "as_given")
-        if beta != "as_given":
-            kw["use_beta_sigmoid_in_kernel"] = True
-            kw["allow_neg_eigval"] = beta == "two_sigmoid"
         o, final = self.fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], **kw)[:2]
         return o, final
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapters import Adapter, _add_path, _env_path, _module_version, _need_cuda
+from .adapters import Adapter, _add_path, _env_path, _module_version, _need_cuda, fla_option_kwargs
 from .checks import CheckResult
 
 FORWARD_OP = "kcp.context_parallel"
@@ -496,20 +496,8 @@ class FlaCpAdapter(TorchCpAdapter):
     def _kwargs(self, ctx, local, params):
         from fla.ops.cp import build_cp_context
 
-        kw = dict(scale=params.get("scale"), use_qk_l2norm_in_kernel=bool(params.get("qk_l2norm")),
-                  cp_context=build_cp_context(ctx.cu_tensor.to(ctx.device), group=torch.distributed.group.WORLD))
-        gate = params.get("gate", "log_decay")
-        if gate != "log_decay":
-            kw["use_gate_in_kernel"] = True
-            kw["A_log"] = local["A_log"].float() if local.get("A_log") is not None else None
-            if local.get("dt_bias") is not None:
-                kw["dt_bias"] = local["dt_bias"].float().reshape(-1)
-            if gate == "lower_bound":
-                kw["lower_bound"] = float(params["lower_bound"])
-        if params.get("beta", "as_given") != "as_given":
-            kw["use_beta_sigmoid_in_kernel"] = True
-            kw["allow_neg_eigval"] = params["beta"] == "two_sigmoid"
-        return kw
+        return dict(fla_option_kwargs(local, params),
+                    cp_context=build_cp_context(ctx.cu_tensor.to(ctx.device), group=torch.distributed.group.WORLD))
 
     @contextmanager
     def _capture(self, seen):

@@ -47,7 +47,7 @@ import torch
 
 from .. import goldens as golden_io
 from . import reference
-from .adapters import Adapter, _add_path, _env_path, _module_version, _need_cuda
+from .adapters import Adapter, _add_path, _env_path, _module_version, _need_cuda, fla_option_kwargs
 from .checks import CheckResult
 
 PAD = -1
@@ -735,21 +735,7 @@ class FlaServingAdapter(ServingAdapter):
 
     @staticmethod
     def _kw(inputs, params):
-        HV, K = inputs["v"].shape[2], inputs["q"].shape[3]
-        kw = dict(scale=params.get("scale"), use_qk_l2norm_in_kernel=bool(params.get("qk_l2norm")),
-                  state_v_first=params.get("state_layout") == "v_first")
-        gate = params.get("gate", "log_decay")
-        if gate != "log_decay":
-            kw["use_gate_in_kernel"] = True
-            kw["A_log"] = inputs["A_log"].float() if inputs.get("A_log") is not None else None
-            if inputs.get("dt_bias") is not None:
-                kw["dt_bias"] = inputs["dt_bias"].float().reshape(HV * K)
-            if gate == "lower_bound":
-                kw["lower_bound"] = float(params["lower_bound"])
-        if params.get("beta", "as_given") != "as_given":
-            kw["use_beta_sigmoid_in_kernel"] = True
-            kw["allow_neg_eigval"] = params["beta"] == "two_sigmoid"
-        return kw
+        return dict(fla_option_kwargs(inputs, params), state_v_first=params.get("state_layout") == "v_first")
 
     def decode(self, inputs, params, pool, slot_of_sequence):
         cu = inputs["cu_seqlens"]
