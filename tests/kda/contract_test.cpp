@@ -27,42 +27,13 @@ using Q = num::rational;
 using test_util::random_decays;
 using test_util::random_tensor;
 
-struct Case {
-  Inputs<Q> in;
-  Options<Q> opt;
-};
-
-// Random rational inputs: batch or varlen (empty sequences too), GVA, nonzero initial state.
-Case random_case(std::int64_t max_t) {
-  Case c;
-  const std::int64_t H = *rc::gen::inRange(1, 3), HV = H * *rc::gen::inRange(1, 3);
-  const std::int64_t K = *rc::gen::inRange(1, 4), V = *rc::gen::inRange(1, 4);
-  std::int64_t B = *rc::gen::inRange(1, 3), T = *rc::gen::inRange<std::int64_t>(0, max_t + 1), N = B;
-  if (*rc::gen::arbitrary<bool>()) {
-    B = 1;
-    N = *rc::gen::inRange(1, 4);
-    std::vector<std::int64_t> cu{0};
-    for (std::int64_t n = 0; n < N; ++n) cu.push_back(cu.back() + *rc::gen::inRange<std::int64_t>(0, max_t / 2 + 1));
-    T = cu.back();
-    c.in.cu_seqlens = cu;
-  }
-  c.in.q = random_tensor({B, T, H, K}, -4, 4);
-  c.in.k = random_tensor({B, T, H, K}, -2, 2);
-  c.in.v = random_tensor({B, T, HV, V}, -4, 4);
-  c.in.g = random_decays({B, T, HV, K});
-  c.in.beta = random_tensor({B, T, HV}, 0, 2);
-  c.opt.gate = GateForm::decay_factor;
-  c.opt.scale = Q(1) / Q(2);
-  if (*rc::gen::arbitrary<bool>()) c.opt.state_layout = StateLayout::v_first;
-  const bool v_first = c.opt.state_layout == StateLayout::v_first;
-  c.in.initial_state = random_tensor(v_first ? Shape{N, HV, V, K} : Shape{N, HV, K, V}, -4, 4);
-  return c;
-}
+using test_util::ExactCase;
+using test_util::random_exact_case;
 
 // ---- rounding nowhere: the chunk form, exactly -------------------------------------------
 
 RC_GTEST_PROP(KdaContractExact, FlaChunkAndSafeGateEqualTheChunkFormAndTheRecurrence, ()) {
-  const Case c = random_case(24);
+  const ExactCase c = random_exact_case(24);
   const auto r = recurrent_forward(c.in, c.opt);
   ChunkwiseOptions copt;
   copt.form = ChunkForm::fla;
@@ -82,7 +53,7 @@ RC_GTEST_PROP(KdaContractExact, FlaChunkAndSafeGateEqualTheChunkFormAndTheRecurr
 }
 
 RC_GTEST_PROP(KdaContractExact, FlashKdaEqualsTheChunkFormAndTheRecurrence, ()) {
-  const Case c = random_case(24);
+  const ExactCase c = random_exact_case(24);
   ChunkwiseOptions copt;
   copt.form = ChunkForm::flashkda;
   copt.chunk_size = *rc::gen::element<std::int64_t>(1, 2, 3, 4, 5, 8);

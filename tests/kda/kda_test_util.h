@@ -56,4 +56,45 @@ inline Inputs<Q> random_packed_inputs(const Sizes& s, const std::vector<std::int
   return in;
 }
 
+// Options under which every form is exact in rationals: decays given as factors, scale 1/2.
+inline Options<Q> exact_options() {
+  Options<Q> opt;
+  opt.gate = GateForm::decay_factor;
+  opt.scale = Q(1) / Q(2);
+  return opt;
+}
+
+struct ExactCase {
+  Inputs<Q> in;
+  Options<Q> opt;
+};
+
+// Random rational inputs under exact_options(): batch or varlen (empty sequences too), GVA,
+// K-first or V-first, a nonzero initial state; T up to max_t (varlen: up to max_t / 2 per
+// sequence). (chunkwise_test draws its own, with smaller denominators.)
+inline ExactCase random_exact_case(std::int64_t max_t) {
+  ExactCase c;
+  const std::int64_t H = *rc::gen::inRange(1, 3), HV = H * *rc::gen::inRange(1, 3);
+  const std::int64_t K = *rc::gen::inRange(1, 4), V = *rc::gen::inRange(1, 4);
+  std::int64_t B = *rc::gen::inRange(1, 3), T = *rc::gen::inRange<std::int64_t>(0, max_t + 1), N = B;
+  if (*rc::gen::arbitrary<bool>()) {
+    B = 1;
+    N = *rc::gen::inRange(1, 4);
+    std::vector<std::int64_t> cu{0};
+    for (std::int64_t n = 0; n < N; ++n) cu.push_back(cu.back() + *rc::gen::inRange<std::int64_t>(0, max_t / 2 + 1));
+    T = cu.back();
+    c.in.cu_seqlens = cu;
+  }
+  c.in.q = random_tensor({B, T, H, K}, -4, 4);
+  c.in.k = random_tensor({B, T, H, K}, -2, 2);
+  c.in.v = random_tensor({B, T, HV, V}, -4, 4);
+  c.in.g = random_decays({B, T, HV, K});
+  c.in.beta = random_tensor({B, T, HV}, 0, 2);
+  c.opt = exact_options();
+  if (*rc::gen::arbitrary<bool>()) c.opt.state_layout = StateLayout::v_first;
+  const bool v_first = c.opt.state_layout == StateLayout::v_first;
+  c.in.initial_state = random_tensor(v_first ? Shape{N, HV, V, K} : Shape{N, HV, K, V}, -4, 4);
+  return c;
+}
+
 }  // namespace k3ref::kda::test_util

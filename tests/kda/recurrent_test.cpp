@@ -45,12 +45,7 @@ Inputs<Q> random_inputs(const Sizes& s, bool with_initial_state) {
   return in;
 }
 
-Options<Q> exact_options() {
-  Options<Q> opt;
-  opt.gate = GateForm::decay_factor;
-  opt.scale = Q(1) / Q(2);
-  return opt;
-}
+using test_util::exact_options;
 
 template <class S>
 Tensor<S> axpby(const S& a, const Tensor<S>& x, const S& b, const Tensor<S>& y) {
