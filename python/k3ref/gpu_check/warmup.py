@@ -407,12 +407,16 @@ def schedule(todo):
     return sorted(range(len(todo)), key=lambda i: -cost[i]), waits_for
 
 
-def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None, on_unit_done=None,
-              selected=None):
-    """Runs the units (after select) on `jobs` persistent workers; on_unit_done(adapter name)
+def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None):
+    """select, then run_selected: the warm-up record of the units `work`."""
+    return run_selected(select(work, device, warm), device, jobs, timeout, progress, env)
+
+
+def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env=None, on_unit_done=None):
+    """Runs the units select() kept on `jobs` persistent workers; on_unit_done(adapter name)
     after each. Returns the warm-up record."""
     jobs = max(1, int(jobs or os.cpu_count() or 1))
-    todo, skipped = selected if selected is not None else select(work, device, warm)
+    todo, skipped = selected
     t0 = time.perf_counter()
     order, waits_for = schedule(todo)
     done = [None] * len(todo)
@@ -592,8 +596,8 @@ def prepare(args, tests, suite, adapters, background=False):
         selected = select(units(plan, adapters), args.device, warm_keys(os.environ.get(CACHE_VARIABLE)))
 
         def go(sel, on_unit_done=None):
-            return run_units(None, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
-                             progress=lambda line: print(line, flush=True), on_unit_done=on_unit_done, selected=sel)
+            return run_selected(sel, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
+                                progress=lambda line: print(line, flush=True), on_unit_done=on_unit_done)
 
         if background:
             handle = Background(selected[0], selected[1], go)
