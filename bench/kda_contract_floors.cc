@@ -1,13 +1,14 @@
-// The error floors of the chunkwise precision contracts (kda/precision_contract.h): each
+// The error floors of the kernels' chunk contracts (kda/kernel_contracts.h): each
 // contract evaluated in emulation on bf16 inputs, K = V = 128, T = 4096, two heads, against
 // the recurrence in double, for decays near 0, near -5 and mixed. Prints the relative RMS
 // error of o, its ratio to the bf16 output-rounding floor, and the max ulp distance in bf16.
 // A kernel with that contract should meet these figures. Takes some seconds; not a unit test.
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "k3ref/check/metrics.h"
-#include "k3ref/kda/chunkwise.h"
+#include "k3ref/kda/kernel_contracts.h"
 #include "k3ref/num/random.h"
 
 using namespace k3ref;
@@ -53,19 +54,11 @@ int main(int argc, char** argv) {
     opt.beta = kda::BetaForm::sigmoid;
     opt.num_threads = 2;
     const auto ref = kda::recurrent_forward(in, opt);
-    struct Contract {
-      const char* name;
-      kda::contract::RoundingTable table;
-      kda::ChunkForm form;
-    };
-    for (const Contract& c : {Contract{"flashkda", kda::contract::flashkda_contract(), kda::ChunkForm::flashkda},
-                              Contract{"fla_like", kda::contract::fla_like_contract(), kda::ChunkForm::fla}}) {
-      kda::ChunkwiseOptions copt;
-      copt.form = c.form;
-      const auto got = kda::chunkwise_forward(in, opt, copt, c.table);
-      const auto m = check::compare(got.out.o.values(), ref.o.values(), num::Format::bf16);
-      std::printf("%-10s %-28s %12.3e %12.3e %10.2f %14.1f\n", c.name, r.name, m.rel_rms, m.floor_rel_rms,
-                  m.rel_rms / m.floor_rel_rms, m.max_ulp);
+    for (const auto kernel : {kda::contract::Kernel::flashkda, kda::contract::Kernel::fla_chunk}) {
+      const auto got = kda::contract::evaluate_contract(kda::contract::kernel_contract(kernel), in, opt);
+      const auto m = check::compare(got.o.values(), ref.o.values(), num::Format::bf16);
+      std::printf("%-10s %-28s %12.3e %12.3e %10.2f %14.1f\n", std::string(kda::contract::to_string(kernel)).c_str(),
+                  r.name, m.rel_rms, m.floor_rel_rms, m.rel_rms / m.floor_rel_rms, m.max_ulp);
     }
   }
   return 0;

@@ -1,4 +1,4 @@
-// Scalar-free parts of the chunkwise KDA forms and their precision contracts.
+// Scalar-free parts of the chunkwise KDA forms (kda/chunkwise.h).
 #include "k3ref/kda/chunkwise.h"
 
 #include <cmath>
@@ -44,50 +44,4 @@ double inverse_decay_overflow_bound(num::Format format, std::int64_t span) {
   return ln_threshold / static_cast<double>(span);
 }
 
-namespace contract {
-
-RoundingTable flashkda_contract() {
-  using num::Format;
-  RoundingTable t;
-  t.name = "flashkda";
-  t.set(Point::decay, Format::fp32, true)  // ex2.approx.ftz.f32
-      .set(Point::q_decay, Format::bf16)
-      .set(Point::k_decay, Format::bf16)
-      .set(Point::k_inv, Format::bf16)
-      .set(Point::k_restore, Format::bf16)
-      .set(Point::intra_accumulate, Format::fp32)
-      .set(Point::L, Format::fp16)
-      .set(Point::inv_accumulate, Format::fp16)
-      .set(Point::inv, Format::fp16)
-      .set(Point::m_qk, Format::bf16)
-      .set(Point::chunk_accumulate, Format::fp32)
-      .set(Point::u, Format::bf16)
-      .set(Point::output, Format::bf16)
-      .set(Point::state, Format::bf16);
-  return t;
-}
-
-RoundingTable fla_like_contract() {
-  using num::Format;
-  RoundingTable t;
-  t.name = "fla_like";
-  t.set(Point::decay, Format::fp32)
-      .set(Point::q_decay, Format::bf16)
-      .set(Point::k_decay, Format::bf16)
-      .set(Point::k_inv, Format::bf16)
-      .set(Point::k_restore, Format::bf16)
-      .set(Point::intra_accumulate, Format::fp32)
-      .set(Point::L, Format::fp32)
-      .set(Point::inv_accumulate, Format::fp32)
-      .set(Point::inv, Format::bf16)
-      .set(Point::m_qk, Format::bf16)
-      .set(Point::wu_pre, Format::bf16)
-      .set(Point::chunk_accumulate, Format::fp32)
-      .set(Point::u, Format::bf16)
-      .set(Point::output, Format::bf16)
-      .set(Point::state, Format::fp32);
-  return t;
-}
-
-}  // namespace contract
 }  // namespace k3ref::kda

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "k3ref/kda/chunkwise.h"
+#include "k3ref/kda/kernel_contracts.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
 
@@ -313,8 +314,8 @@ TEST(KdaInverseDecayOverflow, ClosedFormAgreesWithBisectionInEmulatedFp32) {
 // full chunk of 16 steps: 16 * 5.5 * log2 e = 127.0 < 128 keeps K_inv finite; 5.6 gives
 // 129.3 > 128 and K_inv overflows. The FLA form never forms 1/a and stays finite.
 TEST(KdaInverseDecayOverflow, FlashKdaFormOverflowsPastTheBoundAndFlaFormDoesNot) {
-  contract::RoundingTable fp32_decays;
-  fp32_decays.set(contract::Point::decay, num::Format::fp32).set(contract::Point::k_inv, num::Format::fp32);
+  contract::RoundingPolicy fp32_decays;
+  fp32_decays.set(contract::Site::decay, contract::Precision::fp32).set(contract::Site::k_inv, contract::Precision::fp32);
   for (double lambda : {5.5, 5.6}) {
     Inputs<double> in;
     const std::int64_t T = 16, K = 2, V = 2;
@@ -404,9 +405,10 @@ TEST(KdaChunkwiseDouble, ThreadCountNeverChangesTheResult) {
     Options<double> opt;
     ChunkwiseOptions copt;
     copt.form = form;
-    const auto one = chunkwise_forward(in, opt, copt, contract::flashkda_contract());
+    const auto policy = contract::kernel_contract(contract::Kernel::flashkda);
+    const auto one = chunkwise_forward(in, opt, copt, policy);
     opt.num_threads = 3;
-    const auto many = chunkwise_forward(in, opt, copt, contract::flashkda_contract());
+    const auto many = chunkwise_forward(in, opt, copt, policy);
     EXPECT_EQ(one.out.o, many.out.o);
     EXPECT_EQ(*one.out.final_state, *many.out.final_state);
   }
@@ -414,19 +416,19 @@ TEST(KdaChunkwiseDouble, ThreadCountNeverChangesTheResult) {
 
 bool representable(num::Format f, double x) { return num::round_to(f, x) == x; }
 
-// The declared points are where the values are rounded: stage tensors of the FlashKDA
+// The declared sites are where the values are rounded: stage tensors of the FlashKDA
 // contract are exact in their declared formats.
 TEST(KdaPrecisionContract, FlashKdaStagesAreRoundedToTheirDeclaredFormats) {
   const Inputs<double> in = random_double_inputs(13, 40, 1, 1, 16, 16, -5, 0);
   ChunkwiseOptions copt{ChunkForm::flashkda, 16, 16, true};
-  const auto w = chunkwise_forward(in, Options<double>{}, copt, contract::flashkda_contract());
+  const auto w = chunkwise_forward(in, Options<double>{}, copt, contract::kernel_contract(contract::Kernel::flashkda));
   const auto& s = *w.stages;
   for (double x : s.k_decay.values()) ASSERT_TRUE(representable(num::Format::bf16, x));
   for (double x : s.q_decay.values()) ASSERT_TRUE(representable(num::Format::bf16, x));
   for (double x : s.k_inv.values()) ASSERT_TRUE(representable(num::Format::bf16, x));
   for (double x : s.k_restore.values()) ASSERT_TRUE(representable(num::Format::bf16, x));
   for (double x : s.L.values()) ASSERT_TRUE(representable(num::Format::fp16, x));
-  for (double x : s.inv.values()) ASSERT_TRUE(representable(num::Format::fp16, x));
+  for (double x : s.inv.values()) ASSERT_TRUE(representable(num::Format::bf16, x));  // fp16 inside, stored bf16
   for (double x : s.decay.values()) ASSERT_TRUE(representable(num::Format::fp32, x) && (x == 0 || x >= 0x1p-126));
   for (double x : s.chunk_states.values()) ASSERT_TRUE(representable(num::Format::bf16, x));
   for (double x : w.out.o.values()) ASSERT_TRUE(representable(num::Format::bf16, x));

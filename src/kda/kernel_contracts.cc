@@ -5,22 +5,6 @@
 
 namespace k3ref::kda::contract {
 
-std::optional<Site> site_from_string(std::string_view name) {
-  for (std::size_t s = 0; s < site_count; ++s)
-    if (to_string(static_cast<Site>(s)) == name) return static_cast<Site>(s);
-  return std::nullopt;
-}
-
-std::string_view to_string(Site s) {
-  static constexpr std::string_view names[site_count] = {
-      "input",     "scale",     "decay",       "decay_operand", "intra_operand", "intra_accumulate",
-      "aqk",       "akk",       "beta_l",      "L",             "inv_accumulate", "inv",         "inv_operand",
-      "inv_store", "k_beta",    "w_operand",   "w",             "u_pre",          "q_decay",
-      "k_decay",   "k_inv",     "k_restore",   "state_operand", "state_product",  "u_input",
-      "beta_u",    "u",         "chunk_accumulate", "output",   "state"};
-  return names[static_cast<std::size_t>(s)];
-}
-
 KernelContract exact_contract(Kernel k) {
   KernelContract c;
   c.kernel = k;
