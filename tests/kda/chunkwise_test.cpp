@@ -443,19 +443,6 @@ TEST(KdaPrecisionContract, FlashKdaStagesAreRoundedToTheirDeclaredFormats) {
   EXPECT_LT(std::sqrt(e2 / r2), 3e-2);
 }
 
-TEST(KdaPrecisionContract, FastRoundingOfDoublesEqualsTheGenericRounding) {
-  num::Random rng(17);
-  for (num::Format f : {num::Format::fp32, num::Format::bf16, num::Format::fp16, num::Format::fp8_e4m3,
-                        num::Format::fp8_e5m2})
-    for (int i = 0; i < 20000; ++i) {
-      // Magnitudes from deep subnormal to beyond every format's range, both signs, ties included.
-      const double mant = static_cast<double>(rng.next_u64() >> (11 + rng.below(50)));
-      const double x = std::ldexp(rng.below(2) ? mant : -mant, static_cast<int>(rng.between(-200, 160)) - 26);
-      const double a = contract::round_double(f, x), b = num::round_to(f, x);
-      ASSERT_TRUE(a == b || (std::isnan(a) && std::isnan(b))) << num::format_info(f).name << " x=" << x;
-    }
-}
-
 // ---- arguments -----------------------------------------------------------------------------------
 
 TEST(KdaChunkwiseArguments, ErrorsNameTheArgument) {

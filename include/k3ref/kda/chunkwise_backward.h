@@ -45,6 +45,156 @@ struct ChunkwiseBackwardResult {
   ChunkBackwardStages<S> stages;
 };
 
+namespace detail {
+
+// One chunk of one (sequence, value head) as the backward's stages read it: the forward's
+// recorded stage tensors, the cotangent of o, and dS_out, the gradient arriving at the
+// chunk's end; row indices local to the chunk.
+template <class S>
+struct AdjointChunk {
+  const ChunkStages<S>& st;
+  const PreparedInputs<S>& p;
+  const Tensor<S>& d_o;
+  const std::vector<S>& dS_out;
+  std::int64_t c, b, t0, len, hv, K, V;
+
+  std::int64_t last() const { return t0 + len - 1; }
+  const S& H(std::int64_t i, std::int64_t j) const { return st.chunk_states(c, hv, i, j); }
+  const S& dO(std::int64_t t, std::int64_t j) const { return d_o(b, t0 + t, hv, j); }
+  const S& U(std::int64_t t, std::int64_t j) const { return st.u(b, t0 + t, hv, j); }
+  const S& INV(std::int64_t t, std::int64_t s) const { return st.inv(b, t0 + t, hv, s); }
+  const S& M(std::int64_t t, std::int64_t s) const { return st.m_qk(b, t0 + t, hv, s); }
+  const S& Qd(std::int64_t t, std::int64_t i) const { return st.q_decay(b, t0 + t, hv, i); }
+  const S& Kd(std::int64_t t, std::int64_t i) const { return st.k_decay(b, t0 + t, hv, i); }
+  const S& Ki(std::int64_t t, std::int64_t i) const { return st.k_inv(b, t0 + t, hv, i); }
+  const S& Kr(std::int64_t t, std::int64_t i) const { return st.k_restore(b, t0 + t, hv, i); }
+  const S& a(std::int64_t t, std::int64_t i) const { return st.decay(b, t0 + t, hv, i); }
+  const S& beta(std::int64_t t) const { return p.beta(b, t0 + t, hv); }
+  const S& dSo(std::int64_t i, std::int64_t j) const { return dS_out[i * V + j]; }
+};
+
+// Stage 2: dU = M_qk^T dO + K_restore dS_out and dX = INV^T dU (len x V each).
+template <class S>
+void chunk_du_and_dx(const AdjointChunk<S>& x, std::vector<S>& dU, std::vector<S>& dX) {
+  const std::int64_t len = x.len, K = x.K, V = x.V;
+  dU.assign(static_cast<std::size_t>(len * V), S(0));
+  dX.assign(static_cast<std::size_t>(len * V), S(0));
+  for (std::int64_t s = 0; s < len; ++s)
+    for (std::int64_t j = 0; j < V; ++j) {
+      S acc(0);
+      for (std::int64_t t = s; t < len; ++t) acc += x.M(t, s) * x.dO(t, j);
+      for (std::int64_t i = 0; i < K; ++i) acc += x.Kr(s, i) * x.dSo(i, j);
+      dU[s * V + j] = acc;
+    }
+  for (std::int64_t s = 0; s < len; ++s)
+    for (std::int64_t j = 0; j < V; ++j) {
+      S acc(0);
+      for (std::int64_t t = s; t < len; ++t) acc += x.INV(t, s) * dU[t * V + j];
+      dX[s * V + j] = acc;
+    }
+}
+
+// Stage 2: dh_c = Q_decay^T dO + Diag(a_last) dS_out - K_decay^T Diag(beta) dX (K x V).
+template <class S>
+std::vector<S> chunk_entering_state_gradient(const AdjointChunk<S>& x, const std::vector<S>& dX) {
+  const std::int64_t K = x.K, V = x.V;
+  std::vector<S> dh(static_cast<std::size_t>(K * V));
+  for (std::int64_t i = 0; i < K; ++i)
+    for (std::int64_t j = 0; j < V; ++j) {
+      S acc = x.a(x.len - 1, i) * x.dSo(i, j);
+      for (std::int64_t t = 0; t < x.len; ++t)
+        acc += x.Qd(t, i) * x.dO(t, j) - x.Kd(t, i) * x.beta(t) * dX[t * V + j];
+      dh[i * V + j] = acc;
+    }
+  return dh;
+}
+
+// Stage 3: dL = StrictTril(-dX U^T) and dM = tril(dO U^T) (len x len each).
+template <class S>
+void chunk_dl_and_dm(const AdjointChunk<S>& x, const std::vector<S>& dX, std::vector<S>& dL, std::vector<S>& dM) {
+  const std::int64_t len = x.len, V = x.V;
+  dL.assign(static_cast<std::size_t>(len * len), S(0));
+  dM.assign(static_cast<std::size_t>(len * len), S(0));
+  for (std::int64_t t = 0; t < len; ++t)
+    for (std::int64_t s = 0; s <= t; ++s) {
+      S xu(0), ou(0);
+      for (std::int64_t j = 0; j < V; ++j) {
+        xu += dX[t * V + j] * x.U(s, j);
+        ou += x.dO(t, j) * x.U(s, j);
+      }
+      if (s < t) dL[t * len + s] = -xu;
+      dM[t * len + s] = ou;
+    }
+}
+
+// Stage 3, token by token: dbeta_t, dV, and dq, dk through dQ_decay, dK_decay, dK_inv and
+// dK_restore; dG (len x K) receives each token's gradient w.r.t. the cumulative log decay,
+// its last row also the K_restore terms of every token.
+template <class S>
+void chunk_token_gradients(const AdjointChunk<S>& x, const std::vector<S>& dX, const std::vector<S>& dL,
+                           const std::vector<S>& dM, PreparedGradients<S>& g, std::vector<S>& dG) {
+  const std::int64_t len = x.len, K = x.K, V = x.V, b = x.b, t0 = x.t0, hv = x.hv;
+  dG.assign(static_cast<std::size_t>(len * K), S(0));
+  S* dG_last = &dG[(len - 1) * K];
+  for (std::int64_t t = 0; t < len; ++t) {
+    // Residual r_t = v_t - K_decay_t h_c (the X before beta).
+    S dbeta(0);
+    for (std::int64_t j = 0; j < V; ++j) {
+      S kh(0);
+      for (std::int64_t i = 0; i < K; ++i) kh += x.Kd(t, i) * x.H(i, j);
+      dbeta += dX[t * V + j] * (x.p.v(b, t0 + t, hv, j) - kh);
+      g.dv(b, t0 + t, hv, j) = x.beta(t) * dX[t * V + j];
+    }
+    for (std::int64_t s = 0; s < t; ++s) {
+      S kk(0);
+      for (std::int64_t i = 0; i < K; ++i) kk += x.Kd(t, i) * x.Ki(s, i);
+      dbeta += dL[t * len + s] * kk;
+    }
+    g.dbeta(b, t0 + t, hv) = dbeta;
+    for (std::int64_t i = 0; i < K; ++i) {
+      S dQd(0), dKi(0), dKd(0), dKr(0);
+      for (std::int64_t j = 0; j < V; ++j) {
+        dQd += x.dO(t, j) * x.H(i, j);
+        dKd -= dX[t * V + j] * x.H(i, j);
+        dKr += x.U(t, j) * x.dSo(i, j);
+      }
+      for (std::int64_t s = 0; s <= t; ++s) dQd += dM[t * len + s] * x.Ki(s, i);
+      for (std::int64_t r = t; r < len; ++r) dKi += dM[r * len + t] * x.Qd(r, i);
+      for (std::int64_t r = t + 1; r < len; ++r) dKi += dL[r * len + t] * x.beta(r) * x.Kd(r, i);
+      for (std::int64_t s = 0; s < t; ++s) dKd += dL[t * len + s] * x.Ki(s, i);
+      dKd *= x.beta(t);
+      const S a = x.a(t, i), a_last = x.a(len - 1, i);
+      g.dq(b, t0 + t, hv, i) = x.p.scale * (a * dQd);
+      g.dk(b, t0 + t, hv, i) = a * dKd + dKi / a + (a_last / a) * dKr;
+      dG[t * K + i] += x.Kd(t, i) * dKd + x.Qd(t, i) * dQd - x.Ki(t, i) * dKi - x.Kr(t, i) * dKr;
+      dG_last[i] += x.Kr(t, i) * dKr;
+    }
+  }
+}
+
+// Stage 3, the decays: dG_last += a_last o rowsum(h_c o dS_out); then dg_s = sum_{t >= s}
+// dG_t, the multiplicative decay's gradient dg / decay. Records dG in `dg_cumulative`.
+template <class S>
+void chunk_decay_gradients(const AdjointChunk<S>& x, std::vector<S>& dG, PreparedGradients<S>& g,
+                           Tensor<S>& dg_cumulative) {
+  const std::int64_t len = x.len, K = x.K, V = x.V, b = x.b, t0 = x.t0, hv = x.hv;
+  for (std::int64_t i = 0; i < K; ++i) {
+    S hs(0);
+    for (std::int64_t j = 0; j < V; ++j) hs += x.H(i, j) * x.dSo(i, j);
+    dG[(len - 1) * K + i] += x.a(len - 1, i) * hs;
+  }
+  for (std::int64_t i = 0; i < K; ++i) {
+    S suffix(0);
+    for (std::int64_t t = len; t-- > 0;) {
+      dg_cumulative(b, t0 + t, hv, i) = dG[t * K + i];
+      suffix += dG[t * K + i];
+      g.ddecay(b, t0 + t, hv, i) = suffix / x.p.decay(b, t0 + t, hv, i);
+    }
+  }
+}
+
+}  // namespace detail
+
 // The chunkwise backward over prepared inputs: prepared gradients and the stage tensors.
 // `initial_state` and `cot.d_final_state` K-first; chunkwise_backward converts.
 template <class S>
@@ -100,110 +250,19 @@ std::pair<PreparedGradients<S>, ChunkBackwardStages<S>> chunkwise_adjoint(
 
   exec::parallel_for(d.N * d.HV, opt.num_threads, [&](std::int64_t item) {
     const std::int64_t n = item / d.HV, hv = item % d.HV;
-    std::vector<S> dS_out = final_gradient(n, hv);
+    std::vector<S> dS_out = final_gradient(n, hv), dU, dX, dL, dM, dG;
     for (std::int64_t c = first_chunk[n + 1]; c-- > first_chunk[n];) {
-      const std::int64_t b = st.chunk_starts(c, 0), t0 = st.chunk_starts(c, 1), len = st.chunk_starts(c, 2);
-      const std::int64_t last = t0 + len - 1;
-      auto H = [&](std::int64_t i, std::int64_t j) -> const S& { return bs.chunk_states(c, hv, i, j); };
-      auto dO = [&](std::int64_t t, std::int64_t j) -> const S& { return cot.d_o(b, t0 + t, hv, j); };
-      auto U = [&](std::int64_t t, std::int64_t j) -> const S& { return st.u(b, t0 + t, hv, j); };
-      auto INV = [&](std::int64_t t, std::int64_t s) -> const S& { return st.inv(b, t0 + t, hv, s); };
-      auto M = [&](std::int64_t t, std::int64_t s) -> const S& { return st.m_qk(b, t0 + t, hv, s); };
-      auto Qd = [&](std::int64_t t, std::int64_t i) -> const S& { return st.q_decay(b, t0 + t, hv, i); };
-      auto Kd = [&](std::int64_t t, std::int64_t i) -> const S& { return st.k_decay(b, t0 + t, hv, i); };
-      auto Ki = [&](std::int64_t t, std::int64_t i) -> const S& { return st.k_inv(b, t0 + t, hv, i); };
-      auto Kr = [&](std::int64_t t, std::int64_t i) -> const S& { return st.k_restore(b, t0 + t, hv, i); };
-      auto beta = [&](std::int64_t t) -> const S& { return p.beta(b, t0 + t, hv); };
-      auto dSo = [&](std::int64_t i, std::int64_t j) -> const S& { return dS_out[i * V + j]; };
-
-      // Stage 2: dU = M^T dO + K_restore dS_out; dX = INV^T dU.
-      std::vector<S> dU(static_cast<std::size_t>(len * V), S(0)), dX(static_cast<std::size_t>(len * V), S(0));
-      for (std::int64_t s = 0; s < len; ++s)
-        for (std::int64_t j = 0; j < V; ++j) {
-          S acc(0);
-          for (std::int64_t t = s; t < len; ++t) acc += M(t, s) * dO(t, j);
-          for (std::int64_t i = 0; i < K; ++i) acc += Kr(s, i) * dSo(i, j);
-          dU[s * V + j] = acc;
-          bs.du(b, t0 + s, hv, j) = acc;
-        }
-      for (std::int64_t s = 0; s < len; ++s)
-        for (std::int64_t j = 0; j < V; ++j) {
-          S acc(0);
-          for (std::int64_t t = s; t < len; ++t) acc += INV(t, s) * dU[t * V + j];
-          dX[s * V + j] = acc;
-        }
-      // dh_c = Q_decay^T dO + Diag(a_last) dS_out - K_decay^T Diag(beta) dX.
-      std::vector<S> dh(static_cast<std::size_t>(K * V));
+      const detail::AdjointChunk<S> x{st, p, cot.d_o, dS_out, c, st.chunk_starts(c, 0), st.chunk_starts(c, 1),
+                                      st.chunk_starts(c, 2), hv, K, V};
+      detail::chunk_du_and_dx(x, dU, dX);
+      std::vector<S> dh = detail::chunk_entering_state_gradient(x, dX);
+      for (std::int64_t s = 0; s < x.len; ++s)
+        for (std::int64_t j = 0; j < V; ++j) bs.du(x.b, x.t0 + s, hv, j) = dU[s * V + j];
       for (std::int64_t i = 0; i < K; ++i)
-        for (std::int64_t j = 0; j < V; ++j) {
-          S acc = st.decay(b, last, hv, i) * dSo(i, j);
-          for (std::int64_t t = 0; t < len; ++t) acc += Qd(t, i) * dO(t, j) - Kd(t, i) * beta(t) * dX[t * V + j];
-          dh[i * V + j] = acc;
-          bs.chunk_state_gradients(c, hv, i, j) = acc;
-        }
-
-      // Stage 3: the intra-chunk gradients.
-      std::vector<S> dL(static_cast<std::size_t>(len * len), S(0)), dM(static_cast<std::size_t>(len * len), S(0));
-      for (std::int64_t t = 0; t < len; ++t)
-        for (std::int64_t s = 0; s <= t; ++s) {
-          S xu(0), ou(0);
-          for (std::int64_t j = 0; j < V; ++j) {
-            xu += dX[t * V + j] * U(s, j);
-            ou += dO(t, j) * U(s, j);
-          }
-          if (s < t) dL[t * len + s] = -xu;
-          dM[t * len + s] = ou;
-        }
-      std::vector<S> dG(static_cast<std::size_t>(len * K), S(0));
-      S* dG_last = &dG[(len - 1) * K];
-      for (std::int64_t t = 0; t < len; ++t) {
-        // Residual r_t = v_t - K_decay_t h_c (the X before beta).
-        S dbeta(0);
-        for (std::int64_t j = 0; j < V; ++j) {
-          S kh(0);
-          for (std::int64_t i = 0; i < K; ++i) kh += Kd(t, i) * H(i, j);
-          dbeta += dX[t * V + j] * (p.v(b, t0 + t, hv, j) - kh);
-          g.dv(b, t0 + t, hv, j) = beta(t) * dX[t * V + j];
-        }
-        for (std::int64_t s = 0; s < t; ++s) {
-          S kk(0);
-          for (std::int64_t i = 0; i < K; ++i) kk += Kd(t, i) * Ki(s, i);
-          dbeta += dL[t * len + s] * kk;
-        }
-        g.dbeta(b, t0 + t, hv) = dbeta;
-        for (std::int64_t i = 0; i < K; ++i) {
-          S dQd(0), dKi(0), dKd(0), dKr(0);
-          for (std::int64_t j = 0; j < V; ++j) {
-            dQd += dO(t, j) * H(i, j);
-            dKd -= dX[t * V + j] * H(i, j);
-            dKr += U(t, j) * dSo(i, j);
-          }
-          for (std::int64_t s = 0; s <= t; ++s) dQd += dM[t * len + s] * Ki(s, i);
-          for (std::int64_t r = t; r < len; ++r) dKi += dM[r * len + t] * Qd(r, i);
-          for (std::int64_t r = t + 1; r < len; ++r) dKi += dL[r * len + t] * beta(r) * Kd(r, i);
-          for (std::int64_t s = 0; s < t; ++s) dKd += dL[t * len + s] * Ki(s, i);
-          dKd *= beta(t);
-          const S a = st.decay(b, t0 + t, hv, i), a_last = st.decay(b, last, hv, i);
-          g.dq(b, t0 + t, hv, i) = p.scale * (a * dQd);
-          g.dk(b, t0 + t, hv, i) = a * dKd + dKi / a + (a_last / a) * dKr;
-          dG[t * K + i] += Kd(t, i) * dKd + Qd(t, i) * dQd - Ki(t, i) * dKi - Kr(t, i) * dKr;
-          dG_last[i] += Kr(t, i) * dKr;
-        }
-      }
-      for (std::int64_t i = 0; i < K; ++i) {
-        S hs(0);
-        for (std::int64_t j = 0; j < V; ++j) hs += H(i, j) * dSo(i, j);
-        dG_last[i] += st.decay(b, last, hv, i) * hs;
-      }
-      // dg_s = sum_{t >= s} dG_t; the multiplicative decay's gradient is dg / decay.
-      for (std::int64_t i = 0; i < K; ++i) {
-        S suffix(0);
-        for (std::int64_t t = len; t-- > 0;) {
-          bs.dg_cumulative(b, t0 + t, hv, i) = dG[t * K + i];
-          suffix += dG[t * K + i];
-          g.ddecay(b, t0 + t, hv, i) = suffix / p.decay(b, t0 + t, hv, i);
-        }
-      }
+        for (std::int64_t j = 0; j < V; ++j) bs.chunk_state_gradients(c, hv, i, j) = dh[i * V + j];
+      detail::chunk_dl_and_dm(x, dX, dL, dM);
+      detail::chunk_token_gradients(x, dX, dL, dM, g, dG);
+      detail::chunk_decay_gradients(x, dG, g, bs.dg_cumulative);
       dS_out = std::move(dh);
     }
     std::copy(dS_out.begin(), dS_out.end(), g.d_initial_state.data() + g.d_initial_state.offset(n, hv, 0, 0));
