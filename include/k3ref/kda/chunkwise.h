@@ -28,7 +28,9 @@
 //     K_decay and U' = INV Diag(beta) V are formed first, then U = U' - W S_in. With
 //     `safe_gate` the diagonal sub-chunks go through an anchor row (FLA's safe_gate=True).
 // Both are one template over the scalar and a rounding policy (kda/rounding.h): with
-// contract::Exact and rationals they equal the recurrence exactly.
+// contract::Exact and rationals they equal the recurrence exactly. The stage functions name
+// the kernel source each order models: FlashKDA at 1ce47ea (csrc/smxx/), FLA at bc3b101d
+// (fla/ops/).
 #pragma once
 
 #include <optional>
@@ -215,8 +217,9 @@ void round_all(const Policy& pol, contract::Site site, std::vector<S>& x) {
   round_all(pol, site, x.data(), static_cast<std::int64_t>(x.size()));
 }
 
-// (I + L)^-1 by Neumann doubling, as FlashKDA accumulates it: P = I - L, then
-// P <- P + P L^(2^j) for j = 1..m-1 (= P (I + L^(2^j))), L^(2^j) by squaring. Writes P
+// (I + L)^-1 by Neumann doubling, as FlashKDA accumulates it (utils.cuh, neumann_inv_fused_1warp,
+// called at fwd_kernel1.cuh:513): P = I - L, then P <- P + P L^(2^j) for j = 1..m-1
+// (= P (I + L^(2^j))), L^(2^j) by squaring. Writes P
 // (c x c); `work` is scratch of 2 c x c matrices (no allocation per chunk).
 template <class S, class Policy>
 void inverse_by_neumann_doubling_into(const Policy& pol, const S* L, std::int64_t c, int factors, S* P, S* work) {
@@ -275,8 +278,8 @@ std::vector<S> inverse_by_forward_substitution(const Policy& pol, const std::vec
   return X;
 }
 
-// (I + L)^-1 as FLA's chunk_kda forms it (its solve_tril): each sub x sub diagonal block by
-// forward substitution, then block (a, b) below the diagonal as -X_aa (L_ab X_bb) ... for
+// (I + L)^-1 as FLA's chunk_kda forms it (its solve_tril, fused in
+// kda/chunk_intra.py:315-343): each sub x sub diagonal block by forward substitution, then block (a, b) below the diagonal as -X_aa (L_ab X_bb) ... for
 // b = a - 1 as (X_aa L_ab) X_bb, otherwise -X_aa (sum_{b <= l < a} L_al X_lb), every product
 // with its operands rounded at inv_operand (tf32 in FLA's merges) and its sums at
 // inv_accumulate. With one block it is the forward substitution.
@@ -424,7 +427,8 @@ void gather_chunk(const Policy& pol, const ChunkIo<S>& io, const ChunkAt& at, Ch
 
 // Stage 2, FlashKDA: the decays as operands (rounded again), K_decay = a ⊙ K,
 // Q_decay = (a ⊙ Q) scale, K_inv = K / a from the inverse decays 1 / a, K_restore =
-// a_last ⊙ K_inv, and [G; M] = [K_decay; Q_decay] K_inv^T in one product.
+// a_last ⊙ K_inv (fwd_kernel1.cuh:452-467), and [G; M] = [K_decay; Q_decay] K_inv^T in one
+// product (its two MMAs, fwd_kernel1.cuh:483-485).
 template <class S, class Policy>
 void gram_by_inverse_decays(const Policy& pol, const ChunkIo<S>& io, std::int64_t c, ChunkScratch<S>& x) {
   using contract::Site;
@@ -450,7 +454,8 @@ void gram_by_inverse_decays(const Policy& pol, const ChunkIo<S>& io, std::int64_
        x.gram.data(), false);
 }
 
-// Stage 2, FLA, the diagonal sub-chunk [f, e): pairwise ratios, the product of the decays
+// Stage 2, FLA, the diagonal sub-chunk [f, e) (kda/chunk_intra_token_parallel.py: beta on
+// k_t at :111, the scale after the sum at :119): pairwise ratios, the product of the decays
 // s+1..t, rounded at `decay`, times k_s (rounded at intra_accumulate, as FLA's fp32
 // registers hold it); G from beta_t k_t, M from q_t, then M times the scale. For each row t
 // all columns s = f..t advance together (x = s - f is the inner, vectorisable index); for
@@ -496,7 +501,7 @@ void gram_diagonal_block(const Policy& pol, const ChunkIo<S>& io, std::int64_t c
 }
 
 // Stage 2, FLA with safe_gate, the diagonal sub-chunk [f, e): every factor through the anchor
-// row a = f + min(sub / 2, rows - 1) (a later row for the first half of the sub-chunk, so
+// row a = f + min(sub / 2, rows - 1) (kda/chunk_intra.py:746) (a later row for the first half of the sub-chunk, so
 // its ratios a_t / a_anchor exceed one there): q_t a_t / a_a, k_t a_t / a_a and
 // k_s a_a / a_s, each rounded at intra_operand, one product for G (then times beta_t) and M.
 template <class S, class Policy>
@@ -531,7 +536,8 @@ void gram_diagonal_block_through_anchor(const Policy& pol, const ChunkIo<S>& io,
     }
 }
 
-// Stage 2, FLA, sub-chunk [f, e) against all earlier rows [0, f): the ratio split at row f,
+// Stage 2, FLA, sub-chunk [f, e) against all earlier rows [0, f) (kda/chunk_intra.py:161-218,
+// stored with the scale at :225 and beta after): the ratio split at row f,
 // (a_t / a_f)(a_f / a_s), both factors <= 1, each rounded at `decay` and its product with
 // q or k at intra_operand; G then times beta_t and M times the scale. The k and q operands
 // are stacked (rows 0..rows-1 and rows..2 rows-1 of offdiag_rows) so that one product gives
@@ -612,7 +618,7 @@ void lower_and_mask(const Policy& pol, std::int64_t c, bool beta_in_gram, ChunkS
 }
 
 // Stage 4, FLA: the state-independent parts W = INV ((beta K) ⊙ a) (into rows 0..c-1 of
-// state_operands) and U' = INV (beta V).
+// state_operands) and U' = INV (beta V) (kda/wy_fast.py:99 and :127).
 template <class S, class Policy>
 void w_and_u_pre(const Policy& pol, std::int64_t K, std::int64_t V, std::int64_t c, ChunkScratch<S>& x) {
   using contract::Site;
@@ -631,7 +637,7 @@ void w_and_u_pre(const Policy& pol, std::int64_t K, std::int64_t V, std::int64_t
 
 // Stage 5 (both forms, FlashKDA's second kernel begins): record the entering state, then
 // [K_decay S_in (or W S_in); Q_decay S_in] in one product (FLA: with the state as an
-// operand, which a policy may round).
+// operand, which a policy may round: h.to(w.dtype), common/chunk_delta_h.py:213-236).
 template <class S, class Policy>
 void multiply_entering_state(const Policy& pol, const ChunkIo<S>& io, const ChunkAt& at, const std::vector<S>& state,
                              ChunkScratch<S>& x) {
@@ -674,7 +680,8 @@ void u_from_u_pre(const Policy& pol, std::int64_t V, std::int64_t c, ChunkScratc
 }
 
 // Stage 7, FlashKDA: O = Q_decay S_in + M_qk U from its two partial outputs, each stored;
-// S_out = Diag(a_last) S_in + K_restore^T U, the product first, then one multiply-add.
+// S_out = Diag(a_last) S_in + K_restore^T U, the product first, then one multiply-add
+// (fwd_kernel2.cuh, phases 1-6 of its fused MMA loop, from :533).
 template <class S, class Policy>
 void flashkda_output_and_next_state(const Policy& pol, const ChunkIo<S>& io, const ChunkAt& at,
                                     std::vector<S>& state, ChunkScratch<S>& x) {
@@ -698,8 +705,9 @@ void flashkda_output_and_next_state(const Policy& pol, const ChunkIo<S>& io, con
                                                                                       delta[i * V + j]));
 }
 
-// Stage 7, FLA: O = (Q_decay S_in) scale + M_qk U into the output, one sum; S_out =
-// Diag(a_last) S_in + K_restore^T U, accumulated into the decayed state.
+// Stage 7, FLA: O = (Q_decay S_in) scale + M_qk U into the output, one sum
+// (gla/chunk.py:416-432); S_out = Diag(a_last) S_in + K_restore^T U, accumulated into the
+// decayed state (common/chunk_delta_h.py:292-315).
 template <class S, class Policy>
 void fla_output_and_next_state(const Policy& pol, const ChunkIo<S>& io, const ChunkAt& at, std::vector<S>& state,
                                ChunkScratch<S>& x) {
