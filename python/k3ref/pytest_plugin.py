@@ -117,12 +117,13 @@ def _build(config):
         suite = cli.load_suite(goldens, adapters)
         limitations = collection.load_limitations(config.getoption("k3ref_known_limitations"))
         collection.validate(adapters, suite)
+        from k3ref.gpu_check import shapes
+
+        shapes.choose_all(adapters, suite)  # the metamorphic configs `run` uses (same test ids)
+        tests = collection.collect(adapters, suite, limitations=limitations)
     except (AdapterSpecError, cli.UsageError, ValueError) as e:
         raise pytest.UsageError(f"k3ref: {e}") from e
-    from k3ref.gpu_check import shapes
-
-    shapes.choose_all(adapters, suite)  # the metamorphic configs `run` uses (same test ids)
-    return adapters, requested, collection.collect(adapters, suite, limitations=limitations)
+    return adapters, requested, tests
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -163,8 +163,83 @@ class FailClosed(unittest.TestCase):
         entries = collection.load_limitations()
         self.assertGreater(len(entries), 0)
         for e in entries:
-            case = e.get("case", "*")
-            self.assertTrue(case == "*" or case in names, e)
+            self.assertTrue("case" not in e or e["case"] in names, e)
+            self.assertNotIn("case_pattern", e)
+
+
+class KnownLimitationNames(unittest.TestCase):
+    """Registry entries match names literally; no entry waives a whole kernel or check; the
+    file is read under the bounded rules."""
+
+    def entries(self, *entries):
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / "limits.json"
+            p.write_text(json.dumps({"entries": [dict(reason="r", **e) for e in entries]}))
+            from k3ref.gpu_check import collection
+            return collection.load_limitations(p)
+
+    def test_bracketed_and_starred_names_are_literal(self):
+        from k3ref.gpu_check.collection import limitation_for
+        e = self.entries({"adapter": "fla.chunk_kda[safe_gate]", "check": "causality"},
+                         {"adapter": "*", "check": "golden", "case": "kda_t1"})
+        self.assertIsNotNone(limitation_for(e, "fla.chunk_kda[safe_gate]", "causality", "b1_t70", ["b1_t70"]))
+        self.assertIsNone(limitation_for(e, "fla.chunk_kdas", "causality", "b1_t70", ["b1_t70"]))  # '[...]' no class
+        self.assertIsNone(limitation_for(e, "mykernel", "golden", "kda_t1", ["kda_t1", "kda_t100"]))  # '*' no wildcard
+        self.assertIsNotNone(limitation_for(e, "*", "golden", "kda_t1", ["kda_t1", "kda_t100"]))
+
+    def test_no_entry_waives_a_whole_check(self):
+        from k3ref.gpu_check.collection import limitation_for
+        with self.assertRaisesRegex(ValueError, "'case' is a literal case name"):
+            self.entries({"adapter": "a", "check": "golden", "case": "*"})
+        e = self.entries({"adapter": "a", "check": "golden", "case_pattern": "kda_*"})
+        with self.assertRaisesRegex(ValueError, "matches all 2 cases"):
+            limitation_for(e, "a", "golden", "kda_t1", ["kda_t1", "kda_t100"])
+        got = limitation_for(e, "a", "golden", "kda_t1", ["kda_t1", "kda_t100", "attnres_full_l8"])
+        self.assertIn("case_pattern 'kda_*', 2 of 3 cases", got)
+        e = self.entries({"adapter": "a", "check": "golden"})
+        with self.assertRaisesRegex(ValueError, "names no case, but the check has 2 cases"):
+            limitation_for(e, "a", "golden", "kda_t1", ["kda_t1", "kda_t100"])
+
+    def test_a_nan_kernel_is_not_waived_by_a_catch_all_file(self):
+        with tempfile.TemporaryDirectory() as d:
+            limits = Path(d) / "limits.json"
+            run = ("run", "--no-builtin", "--adapter", "test_adapters:NanEverywhere", "--checks", "golden",
+                   "--cases", "kda_t1,kda_t100", "--known-limitations", str(limits))
+            limits.write_text(json.dumps({"entries": [{"adapter": "*", "check": "golden", "case_pattern": "*",
+                                                       "reason": "everything"}]}))
+            r = gpu_check(*run)
+            self.assertEqual(r.returncode, 1, r.stdout + r.stderr)  # '*' names no adapter: nothing waived
+            limits.write_text(json.dumps({"entries": [{"adapter": "test.nan", "check": "golden", "case_pattern": "*",
+                                                       "reason": "everything"}]}))
+            r = gpu_check(*run)
+            self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
+            self.assertIn("may not waive a whole check", r.stderr)
+
+    def test_the_file_is_read_under_the_bounded_rules(self):
+        from k3ref.gpu_check import collection
+        with tempfile.TemporaryDirectory() as d:
+            fifo = Path(d) / "fifo.json"
+            os.mkfifo(fifo)
+            with self.assertRaisesRegex(ValueError, "not a regular file"):
+                collection.load_limitations(fifo)
+            with self.assertRaisesRegex(ValueError, "not a regular file"):
+                collection.load_limitations("/dev/zero")
+            deep = Path(d) / "deep.json"
+            deep.write_text("[" * 100000 + "]" * 100000)
+            with self.assertRaisesRegex(ValueError, "nested more than 64 deep"):
+                collection.load_limitations(deep)
+            dup = Path(d) / "dup.json"
+            dup.write_text('{"entries": [], "entries": []}')
+            with self.assertRaisesRegex(ValueError, "duplicate key 'entries'"):
+                collection.load_limitations(dup)
+            nul = Path(d) / "nul.json"
+            nul.write_bytes(b'{"entries": []}\0garbage')
+            with self.assertRaisesRegex(ValueError, "NUL"):
+                collection.load_limitations(nul)
+            big = Path(d) / "big.json"
+            big.write_text(" " * (2 << 20))
+            with self.assertRaisesRegex(ValueError, "byte limit"):
+                collection.load_limitations(big)
 
 
 class Isolation(unittest.TestCase):

@@ -96,3 +96,13 @@ class CrashOnLoadMutant(UncaughtMutant):
 
     def load(self):
         os.abort()
+
+
+class NanEverywhere(Correct):
+    """Returns NaN in every element: a wrong kernel no registry entry may turn into a pass."""
+
+    name = "test.nan"
+
+    def run(self, inputs, params, out=None):
+        o, final = super().run(inputs, params)
+        return torch.full_like(o, float("nan")), torch.full_like(final, float("nan"))

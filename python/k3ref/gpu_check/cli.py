@@ -175,7 +175,10 @@ def run_command(args):
     from . import shapes
 
     shapes.choose_all(adapters, suite)  # metamorphic configs on shapes the goldens compile (shapes.py)
-    tests = collection.collect(adapters, suite, checks=checks, cases=cases, limitations=limitations)
+    try:
+        tests = collection.collect(adapters, suite, checks=checks, cases=cases, limitations=limitations)
+    except ValueError as e:  # a known-limitation entry that would waive a whole check
+        raise UsageError(str(e)) from e
     if args.list:
         for t in tests:
             print(t.id)

@@ -62,31 +62,69 @@ def load_suite(directory, ops):
     return [c for c in cases if c.op in ops]
 
 
+LIMITATION_KEYS = ("adapter", "check", "case", "case_pattern", "reason", "evidence")
+MAX_LIMITATIONS_BYTES = 1024 * 1024
+
+
 def load_limitations(path=None):
     """The entries of a known-limitations file: a JSON object with "entries", a list of
-    {"adapter", "check", "case" (default "*"), "reason", "evidence"}; adapter and case may be
-    shell patterns. Raises ValueError (one line) on a malformed file."""
+    {"adapter", "check", "case" or "case_pattern" or neither, "reason", "evidence"}.
+
+    Names are literal: "adapter" and "check" name one adapter and one check exactly (brackets
+    and stars are characters of the name). "case" names one case exactly; "case_pattern" is a
+    shell pattern over the check's cases, which must match fewer than all of them (checked at
+    collection); neither: the check's only case (a check with several cases must name them).
+    No entry can waive a whole kernel. The file is read under the package's bounded rules
+    (k3ref._bounded). Raises ValueError (one line) on a malformed file."""
+    from .._bounded import load_json
+
     path = Path(path) if path else KNOWN_LIMITATIONS
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"known limitations {path}: {type(e).__name__}: {e}") from e
+    data = load_json(path, "known limitations", limit=MAX_LIMITATIONS_BYTES)
     entries = data.get("entries") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"known limitations {path}: expected an object with a list 'entries'")
     for n, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise ValueError(f"known limitations {path}: entry {n}: expected an object")
         missing = [k for k in ("adapter", "check", "reason") if not isinstance(e.get(k), str) or not e.get(k)]
-        extra = set(e) - {"adapter", "check", "case", "reason", "evidence"}
+        extra = set(e) - set(LIMITATION_KEYS)
         if missing or extra:
             raise ValueError(f"known limitations {path}: entry {n}: "
                              + (f"missing {', '.join(missing)}" if missing else f"unknown keys {', '.join(sorted(extra))}"))
+        for key in ("case", "case_pattern", "evidence"):
+            if key in e and (not isinstance(e[key], str) or not e[key]):
+                raise ValueError(f"known limitations {path}: entry {n}: '{key}' must be a non-empty string")
+        if "case" in e and "case_pattern" in e:
+            raise ValueError(f"known limitations {path}: entry {n}: give 'case' or 'case_pattern', not both")
+        if e.get("case") == "*" or any(ch in e.get("case", "") for ch in "*?["):
+            raise ValueError(f"known limitations {path}: entry {n}: 'case' is a literal case name; write a pattern "
+                             f"as 'case_pattern' (it must match fewer than all cases), or omit it for a one-case check")
     return entries
 
 
-def limitation_for(entries, adapter, check, case):
-    for e in entries:
-        if (fnmatch.fnmatchcase(adapter, e["adapter"]) and e["check"] == check
-                and fnmatch.fnmatchcase(case, e.get("case", "*"))):
+def limitation_for(entries, adapter, check, case, check_cases):
+    """The known-limitation reason of test (adapter, check, case), or None. `check_cases`: every
+    case id of that adapter's check, so that a pattern matching all of them, or an entry naming
+    no case for a check of several, is refused (ValueError, one line)."""
+    for n, e in enumerate(entries):
+        if e["adapter"] != adapter or e["check"] != check:
+            continue
+        if "case" in e:
+            if e["case"] == case:
+                return f"known limitation: {e['reason']}"
+        elif "case_pattern" in e:
+            matched = [c for c in check_cases if fnmatch.fnmatchcase(c, e["case_pattern"])]
+            if len(matched) >= len(check_cases):
+                raise ValueError(f"known limitations: entry {n} ({adapter} {check}): case_pattern "
+                                 f"'{e['case_pattern']}' matches all {len(check_cases)} cases; a known limitation may "
+                                 f"not waive a whole check: name the cases")
+            if case in matched:
+                return (f"known limitation (case_pattern '{e['case_pattern']}', {len(matched)} of "
+                        f"{len(check_cases)} cases): {e['reason']}")
+        else:
+            if len(check_cases) != 1:
+                raise ValueError(f"known limitations: entry {n} ({adapter} {check}) names no case, but the check "
+                                 f"has {len(check_cases)} cases: name them ('case' or 'case_pattern')")
             return f"known limitation: {e['reason']}"
     return None
 
@@ -135,16 +173,18 @@ def collect(adapters, suite, checks=None, cases=None, limitations=()):
         for check in a.checks:
             if checks is not None and check not in checks:
                 continue
-            for case_id, case, why in a.cases(check, suite):
+            check_cases = list(a.cases(check, suite))
+            case_ids = [case_id for case_id, _, _ in check_cases]
+            for case_id, case, why in check_cases:
                 if case is not None and cases is not None and case.name not in cases:
                     continue
                 path = str(case.path) if case is not None and getattr(case, "path", None) else None
                 t = Test(a, check, case_id, case_path=path, skip=why)
-                t.xfail = limitation_for(limitations, a.name, check, case_id)
+                t.xfail = limitation_for(limitations, a.name, check, case_id, case_ids)
                 tests.append(t)
         if a.kind == "mutant":
             if tests:
-                out.append(MutantTest(a, tests, limitation_for(limitations, a.name, "caught", "zoo")))
+                out.append(MutantTest(a, tests, limitation_for(limitations, a.name, "caught", "zoo", ["zoo"])))
         else:
             out += tests
     return out
