@@ -6,8 +6,7 @@
 // blocks permutes the weights) hold for any such functions as long as the exponential is a
 // homomorphism on the scores that occur, which 2^x on integer scores is. In double, the
 // two-phase form's error against the direct form is measured and reported.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 #include <cstdio>
@@ -277,28 +276,6 @@ Drawn draw(std::uint64_t seed, std::int64_t L, std::int64_t T, std::int64_t d, d
   return x;
 }
 
-template <class A, class B>
-double relative_rms(const Tensor<A>& x, const Tensor<B>& ref) {
-  double num = 0, den = 0;
-  for (std::int64_t i = 0; i < x.numel(); ++i) {
-    const double r = static_cast<double>(ref.values()[i]);
-    const double e = static_cast<double>(x.values()[i]) - r;
-    num += e * e;
-    den += r * r;
-  }
-  return std::sqrt(num / den);
-}
-// max |x - ref| / max |ref| (elementwise relative error is meaningless on components that cancel to ~0)
-template <class A>
-double max_relative(const Tensor<A>& x, const Tensor<A>& ref) {
-  double m = 0, r = 0;
-  for (std::int64_t i = 0; i < x.numel(); ++i) {
-    m = std::max(m, std::abs(static_cast<double>(x.values()[i] - ref.values()[i])));
-    r = std::max(r, std::abs(static_cast<double>(ref.values()[i])));
-  }
-  return m / r;
-}
-
 TEST(AttnResDouble, TwoPhaseErrorAgainstDirect) {
   // Random shapes, and a K3-like one (96 sublayers in blocks of 12, d = 1024). The merge adds
   // two exponentials and a few products per element; against the direct form the error is of
@@ -316,7 +293,7 @@ TEST(AttnResDouble, TwoPhaseErrorAgainstDirect) {
     const Drawn x = draw(1000 + i, s.L, s.T, s.d, s.query_scale);
     const Outputs<double> direct = block_forward(x.w, x.values, s.S, BlockForm::direct);
     const Outputs<double> two = block_forward(x.w, x.values, s.S, BlockForm::two_phase);
-    const double rms = relative_rms(two.h, direct.h), mx = max_relative(two.h, direct.h);
+    const double rms = test::rel_rms(two.h, direct.h), mx = test::max_relative_difference(two.h, direct.h);
     std::printf("L=%lld S=%lld T=%lld d=%lld query scale %g: two-phase vs direct relative RMS %.3e, max abs / max |h| %.3e\n",
                 static_cast<long long>(s.L), static_cast<long long>(s.S), static_cast<long long>(s.T),
                 static_cast<long long>(s.d), s.query_scale, rms, mx);
@@ -340,7 +317,7 @@ TEST(AttnResDouble, BothFormsAgainst256Bits) {
   const Outputs<double> direct = block_forward(x.w, x.values, 12, BlockForm::direct);
   const Outputs<double> two = block_forward(x.w, x.values, 12, BlockForm::two_phase);
   const Tensor<double> ref_d = ref.h.map<double>([](const HP& v) { return v.convert_to<double>(); });
-  const double e_direct = relative_rms(direct.h, ref_d), e_two = relative_rms(two.h, ref_d);
+  const double e_direct = test::rel_rms(direct.h, ref_d), e_two = test::rel_rms(two.h, ref_d);
   std::printf("against 256 bits (L=36, S=12, d=256): direct %.3e, two-phase %.3e relative RMS\n", e_direct, e_two);
   EXPECT_LE(e_direct, 2.3e-15);
   EXPECT_LE(e_two, 2.3e-15);

@@ -1,8 +1,7 @@
 // Gradients of h_l with respect to queries, norm weights and values, through the same
 // templated forward instantiated with forward-mode dual numbers (num::Dual), against
 // central finite differences at 256 bits (error O(δ²) ~ 1e-48 for δ = 2^-80).
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <cstdio>
 
@@ -86,17 +85,6 @@ std::int64_t size_of(const Problem& p, Param param) {
   return param == Param::value ? p.values.numel() : p.w.queries.numel();
 }
 
-// Errors of one Jacobian column: largest |dual - fd|, relative to the column's largest entry.
-template <class T>
-double column_error(const Tensor<T>& dual, const Tensor<HP>& fd) {
-  HP err(0), scale(0);
-  for (std::int64_t i = 0; i < fd.numel(); ++i) {
-    err = std::max(err, HP(abs(HP(dual.values()[i]) - fd.values()[i])));
-    scale = std::max(scale, HP(abs(fd.values()[i])));
-  }
-  return scale == 0 ? err.convert_to<double>() : (err / scale).convert_to<double>();
-}
-
 TEST(AttnResGradient, EveryDirectionOfASmallProblem) {
   // Every query, norm-weight and value entry of a 5-layer model in blocks of 2 (so there are
   // partial sums, a remainder block and an output slot), through the three forms.
@@ -110,7 +98,7 @@ TEST(AttnResGradient, EveryDirectionOfASmallProblem) {
         const Tensor<HP> fd = finite_difference(p, form, dir);
         const Tensor<HP> g_hp = dual_derivative<HP>(p, form, dir);
         const Tensor<double> g_d = dual_derivative<double>(p, form, dir);
-        const double e_hp = column_error(g_hp, fd), e_d = column_error(g_d, fd);
+        const double e_hp = test::max_relative_difference(g_hp, fd), e_d = test::max_relative_difference(g_d, fd);
         worst_hp = std::max(worst_hp, e_hp);
         worst_double = std::max(worst_double, e_d);
         ++columns;
@@ -142,12 +130,12 @@ RC_GTEST_PROP(AttnResGradient, RandomProblemsAndDirections, ()) {
   // Measured over 500 cases (seeds 20261130, 1-4): at most 1.5e-44 (256-bit duals) and
   // 2.6e-15 (double duals, d >= 2); seed 5 reaches 2.2e-43 at 256 bits (the step-size
   // truncation of the difference, not the duals, has a heavy tail). Bounds: 1e-41, 3e-14.
-  RC_ASSERT(column_error(dual_derivative<HP>(p, form, dir), fd) <= 1e-41);
+  RC_ASSERT(test::max_relative_difference(dual_derivative<HP>(p, form, dir), fd) <= 1e-41);
   // In double, d = 1 is left out: there the key x / sqrt(x² + eps) is ±1 up to eps and its
   // derivative eps / (x² + eps)^(3/2) comes out of a cancellation of two terms ~1/|x|, with
   // condition number ~x² / eps ~ 1e6 (measured: 3.5e-10 relative). The 256-bit check above
   // covers d = 1.
-  if (d >= 2) RC_ASSERT(column_error(dual_derivative<double>(p, form, dir), fd) <= 3e-14);
+  if (d >= 2) RC_ASSERT(test::max_relative_difference(dual_derivative<double>(p, form, dir), fd) <= 3e-14);
 }
 
 TEST(AttnResGradient, ZeroQueriesGiveTheQueryGradientOfTheUniformAverage) {

@@ -1,6 +1,6 @@
 // The pipeline-parallel communication simulator against the closed forms
 // (proofs/attnres_pipeline.md) on the whole grid P <= 8, V <= 4, N_p <= 4.
-#include <gtest/gtest.h>
+#include "test_support.h"
 
 #include "report/pipeline.h"
 #include "k3ref/error.h"

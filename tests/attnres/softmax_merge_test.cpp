@@ -2,8 +2,7 @@
 // Exact: scores given as their exponentials (ExactWeights) in rationals, so the identity
 // merge(stats(A), stats(B)) == stats(A ∪ B) is checked with ==, for any split and any
 // grouping. At 256 bits with the real exponential: equal to rounding.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <algorithm>
 #include <numeric>
@@ -17,11 +16,8 @@ namespace {
 using Q = num::rational;
 using HP = num::high_precision<256>;
 
-Q small_rational(int lo, int hi) {
-  const int num = *rc::gen::inRange(lo, hi + 1);
-  const int den = *rc::gen::element(1, 2, 3, 4, 7, 8);
-  return Q(num) / Q(den);
-}
+// Rationals over denominators 1, 2, 3, 4, 7, 8.
+constexpr std::array<int, 6> denominators{1, 2, 3, 4, 7, 8};
 
 // n sources of [T, d] values; scores are positive weights p/q ("e^s").
 struct Case {
@@ -42,10 +38,10 @@ Case random_case(std::size_t n) {
   Case c;
   for (std::size_t j = 0; j < n; ++j) {
     Tensor<Q> v({T, d});
-    for (Q& x : v.values()) x = small_rational(-8, 8);
+    for (Q& x : v.values()) x = test::small_rational(-8, 8, denominators);
     c.values.push_back(v);
     std::vector<Q> w(T);
-    for (Q& x : w) x = small_rational(1, 16);  // positive
+    for (Q& x : w) x = test::small_rational(1, 16, denominators);  // positive
     c.weights.push_back(w);
   }
   return c;
@@ -110,7 +106,7 @@ RC_GTEST_PROP(AttnResMergeExact, ConstantShiftOfAllScoresChangesNothing, ()) {
   const Average<Q> before = softmax_average<ExactWeights>(c.sources(iota(n)));
   const SoftmaxStats<Q> st_before = stats_of<ExactWeights>(c.sources(iota(n)));
   // Adding c to every score of a token multiplies every weight by e^c (any positive factor).
-  const Q factor = small_rational(1, 50);
+  const Q factor = test::small_rational(1, 50, denominators);
   for (auto& w : c.weights)
     for (Q& x : w) x *= factor;
   const Average<Q> after = softmax_average<ExactWeights>(c.sources(iota(n)));
@@ -133,9 +129,9 @@ RC_GTEST_PROP(AttnResMergeExact, ConstantShiftOfLogDomainScoresChangesNothing, (
   const std::size_t n = *rc::gen::inRange<std::size_t>(1, 9);
   Case c = random_case(n);
   for (auto& w : c.weights)
-    for (Q& x : w) x = small_rational(-40, 40);  // now ordinary (log-domain) scores
+    for (Q& x : w) x = test::small_rational(-40, 40, denominators);  // now ordinary (log-domain) scores
   const Average<Q> before = softmax_average<DoubleExp>(c.sources(iota(n)));
-  const Q shift = small_rational(-1000, 1000);
+  const Q shift = test::small_rational(-1000, 1000, denominators);
   for (auto& w : c.weights)
     for (Q& x : w) x += shift;
   const Average<Q> after = softmax_average<DoubleExp>(c.sources(iota(n)));
@@ -180,7 +176,7 @@ RC_GTEST_PROP(AttnResMergeHighPrecision, TwoPhaseEqualsDirectToRounding, ()) {
   for (std::size_t j = 0; j < n; ++j) {
     values.push_back(c.values[j].map<HP>([](const Q& x) { return HP(x.convert_to<HP>()); }));
     std::vector<HP> s;
-    for (std::size_t t = 0; t < c.weights[j].size(); ++t) s.push_back(HP(small_rational(-60, 60).convert_to<HP>()));
+    for (std::size_t t = 0; t < c.weights[j].size(); ++t) s.push_back(HP(test::small_rational(-60, 60, denominators).convert_to<HP>()));
     scores.push_back(s);
   }
   const std::size_t split = *rc::gen::inRange<std::size_t>(1, n);

@@ -1,6 +1,5 @@
 // Tests of the error metrics, on hand-derived inputs (the policies: policy_table_test.cpp).
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 #include <limits>

@@ -1,8 +1,7 @@
 // Tests of the policy table (policy/policies.json) and of the fail-closed judgement, on
 // hand-derived inputs; the committed goldens are checked to be covered by the table. The
 // same verdicts from the Python judge on real files: policy_parity_test.py.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 #include <cstdlib>
@@ -23,10 +22,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-fs::path source_root() {
-  const char* root = std::getenv("K3REF_SOURCE_ROOT");
-  return root ? fs::path(root) : fs::path(".");
-}
+using test::source_root;
 
 std::string read_text(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);

@@ -1,6 +1,6 @@
 // End-to-end tests of the k3ref command: exit codes (0 pass, 1 fail, 2 unusable input),
 // one-line errors on malformed files, and the kda command reproducing a golden.
-#include <gtest/gtest.h>
+#include "test_support.h"
 #include <nlohmann/json.hpp>
 
 #include <algorithm>

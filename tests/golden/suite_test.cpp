@@ -1,7 +1,7 @@
 // Tests of the golden suite: regeneration is byte-identical, the committed suite
 // verifies, a flipped bit is found and named, and the double tier's agreement with the
 // 256-bit goldens is reported in ulps.
-#include <gtest/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 #include <cstdlib>
@@ -24,10 +24,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-fs::path source_root() {
-  const char* root = std::getenv("K3REF_SOURCE_ROOT");
-  return root ? fs::path(root) : fs::path(".");
-}
+using test::source_root;
 
 std::vector<Case> cheap_cases() {
   std::vector<Case> picked;

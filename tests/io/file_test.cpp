@@ -1,7 +1,7 @@
 // io/file.h: printable excerpts of untrusted text, regular-file reading, output-path checks.
 #include "k3ref/io/file.h"
 
-#include <gtest/gtest.h>
+#include "test_support.h"
 #include <sys/stat.h>
 #include <unistd.h>
 

@@ -1,8 +1,6 @@
 #include "k3ref/io/safetensors.h"
 
-#include <gtest/gtest.h>
-#include <rapidcheck.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>

@@ -1,6 +1,6 @@
 #include "k3ref/io/sha256.h"
 
-#include <gtest/gtest.h>
+#include "test_support.h"
 #include <sys/stat.h>
 #include <unistd.h>
 

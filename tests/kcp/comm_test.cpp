@@ -1,5 +1,5 @@
 // The communication figures of the K3 report (section on KDA context parallelism).
-#include <gtest/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 

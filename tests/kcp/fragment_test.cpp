@@ -1,19 +1,17 @@
 // Tests of fragment pairs (eq. 17): the pair built through the recurrence against its
 // definition, eq. 17 at every token, the algebra of composition, and the scans.
 // Everything exact (==) in rationals with decays given as rationals.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <cstdio>
 
 #include "k3ref/kcp/fragment.h"
 #include "k3ref/num/random.h"
-#include "kcp_test_util.h"
 
 namespace k3ref::kcp {
 namespace {
 
-using namespace testing;
+using namespace test;
 
 struct Prepared {
   kda::Dims d;

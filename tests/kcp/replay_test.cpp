@@ -2,26 +2,15 @@
 // accepted draft tokens from the pre-draft state rebuilds the KDA state and the short-conv
 // state exactly (== in rationals; bitwise with SiLU and real gates at 256 bits), as does the
 // snapshot baseline; keeping the verification pass's state would be wrong.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include "report/comm.h"
 #include "k3ref/kcp/replay.h"
-#include "kcp_test_util.h"
 
 namespace k3ref::kcp {
 namespace {
 
-using namespace testing;
-
-template <class S>
-using Lift = Tensor<S> (*)(const Tensor<Q>&);
-
-template <class S>
-Tensor<S> lift(const Tensor<Q>& t) {
-  if constexpr (std::is_same_v<S, Q>) return t;
-  else return t.map<S>([](const Q& x) { return S(x); });
-}
+using namespace test;
 
 template <class S>
 ProjectedTokens<S> random_tokens(const DecodeLayer<S>& layer, std::int64_t L, bool raw_gate) {

@@ -2,20 +2,18 @@
 // its definition, streaming (decode) equals prefill, and any split of any document layout
 // equals the unsplit convolution (== in rationals without the activation, bitwise in
 // double with SiLU: each output sees the same four inputs in the same order).
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 
 #include "k3ref/kcp/fragment.h"
 #include "k3ref/kcp/short_conv.h"
 #include "k3ref/num/random.h"
-#include "kcp_test_util.h"
 
 namespace k3ref::kcp {
 namespace {
 
-using namespace testing;
+using namespace test;
 
 ShortConvInputs<Q> random_conv_inputs(const std::vector<std::int64_t>& cu, std::int64_t D, std::int64_t W,
                                       bool with_state, bool with_bias) {

@@ -6,12 +6,9 @@
 // along E equals <gradient, E>. Exactly (==) in rationals with decays given as rationals;
 // to 1e-54 relative at 200 bits with real gates; and central finite differences at 256
 // bits agree to their own truncation error.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
-
 #include <cmath>
 
-#include "kda_test_util.h"
+#include "test_support.h"
 #include "k3ref/kda/backward.h"
 #include "k3ref/num/dual.h"
 #include "k3ref/num/random.h"
@@ -19,7 +16,8 @@
 namespace k3ref::kda {
 namespace {
 
-using namespace test_util;
+using namespace test;
+using test::lift;
 
 using Q = num::rational;
 using HP = num::high_precision<200>;
@@ -51,13 +49,9 @@ Case random_case(bool with_initial_state, std::int64_t max_t = 6) {
     s.T = *rc::gen::inRange<std::int64_t>(0, max_t + 1);
   }
   const std::int64_t N = cu ? static_cast<std::int64_t>(cu->size()) - 1 : s.B;
-  Inputs<Q> in;
-  in.q = random_tensor({s.B, s.T, s.H, s.K}, -4, 4);
-  in.k = random_tensor({s.B, s.T, s.H, s.K}, -2, 2);
-  in.v = random_tensor({s.B, s.T, s.HV, s.V}, -4, 4);
-  in.g = random_decays({s.B, s.T, s.HV, s.K});
-  in.beta = random_tensor({s.B, s.T, s.HV}, 0, 2);
-  if (with_initial_state) in.initial_state = random_tensor({N, s.HV, s.K, s.V}, -4, 4);
+  const test::Sizes heads{s.H, s.HV, s.K, s.V};
+  Inputs<Q> in = random_exact_tokens(s.B, s.T, heads);
+  if (with_initial_state) in.initial_state = random_exact_state(N, heads, false);
   in.cu_seqlens = cu;
   return {in, s, N};
 }
@@ -69,21 +63,6 @@ T dot(const Tensor<T>& a, const Tensor<T>& b) {
   return sum;
 }
 
-template <class To, class From>
-Tensor<To> lift(const Tensor<From>& t) {
-  return t.template map<To>([](const From& x) { return To(x); });
-}
-template <class To, class From>
-std::optional<Tensor<To>> lift(const std::optional<Tensor<From>>& t) {
-  if (!t) return std::nullopt;
-  return lift<To>(*t);
-}
-template <class To, class From>
-Inputs<To> lift(const Inputs<From>& in) {
-  return Inputs<To>{lift<To>(in.q),          lift<To>(in.k),     lift<To>(in.v),       lift<To>(in.g),
-                    lift<To>(in.beta),       lift<To>(in.initial_state), lift<To>(in.A_log), lift<To>(in.dt_bias),
-                    in.cu_seqlens};
-}
 template <class To, class From>
 Options<To> lift(const Options<From>& o) {
   return convert_options<To>(o);
@@ -159,14 +138,6 @@ Inputs<S> random_direction(const Inputs<S>& in, int lo, int hi) {
   if (e.A_log) fill(*e.A_log);
   if (e.dt_bias) fill(*e.dt_bias);
   return e;
-}
-
-Options<Q> exact_options(StateLayout layout) {
-  Options<Q> opt;
-  opt.gate = GateForm::decay_factor;
-  opt.scale = Q(1) / Q(2);
-  opt.state_layout = layout;
-  return opt;
 }
 
 template <class S>

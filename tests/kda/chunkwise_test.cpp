@@ -2,15 +2,14 @@
 // Equalities with the recurrence are exact, with ==, in rationals (decays as rationals);
 // proofs/chunkwise_equals_recurrence.md, proofs/neumann_doubling.md and
 // proofs/inverse_decay_overflow.md name the tests here that check them.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
-
+#include <array>
 #include <cmath>
 
 #include "k3ref/kda/chunkwise.h"
 #include "k3ref/kda/kernel_contracts.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
+#include "test_support.h"
 
 namespace k3ref::kda {
 namespace {
@@ -18,66 +17,14 @@ namespace {
 using Q = num::rational;
 using HP = num::high_precision<256>;
 
-Q small_rational(int lo, int hi) {
-  const int num = *rc::gen::inRange(lo, hi + 1);
-  const int den = *rc::gen::element(1, 2, 4);
-  return Q(num) / Q(den);
-}
-
-Tensor<Q> random_tensor(const Shape& shape, int lo, int hi) {
-  Tensor<Q> t(shape);
-  for (Q& x : t.values()) x = small_rational(lo, hi);
-  return t;
-}
-
-// Decays as rationals in (0, 1]: p / q with 1 <= p <= q <= 4.
-Tensor<Q> random_decays(const Shape& shape) {
-  Tensor<Q> t(shape);
-  for (Q& x : t.values()) {
-    const int q = *rc::gen::inRange(1, 5);
-    x = Q(*rc::gen::inRange(1, q + 1)) / Q(q);
-  }
-  return t;
-}
-
-Options<Q> exact_options() {
-  Options<Q> opt;
-  opt.gate = GateForm::decay_factor;
-  opt.scale = Q(1) / Q(2);
-  return opt;
-}
+using namespace test;
 
 // Random inputs: batch or varlen (empty sequences too), GVA, nonzero initial state, T
-// rarely a multiple of the chunk size.
-struct Case {
-  Inputs<Q> in;
-  Options<Q> opt;
-};
-
-Case random_case(std::int64_t max_t) {
-  Case c;
-  const std::int64_t H = *rc::gen::inRange(1, 3), HV = H * *rc::gen::inRange(1, 3);
-  const std::int64_t K = *rc::gen::inRange(1, 4), V = *rc::gen::inRange(1, 4);
-  std::int64_t B = *rc::gen::inRange(1, 3), T = *rc::gen::inRange<std::int64_t>(0, max_t + 1), N = B;
-  if (*rc::gen::arbitrary<bool>()) {
-    B = 1;
-    N = *rc::gen::inRange(1, 4);
-    std::vector<std::int64_t> cu{0};
-    for (std::int64_t n = 0; n < N; ++n) cu.push_back(cu.back() + *rc::gen::inRange<std::int64_t>(0, max_t / 2 + 1));
-    T = cu.back();
-    c.in.cu_seqlens = cu;
-  }
-  c.in.q = random_tensor({B, T, H, K}, -4, 4);
-  c.in.k = random_tensor({B, T, H, K}, -2, 2);
-  c.in.v = random_tensor({B, T, HV, V}, -4, 4);
-  c.in.g = random_decays({B, T, HV, K});
-  c.in.beta = random_tensor({B, T, HV}, 0, 2);
-  c.opt = exact_options();
-  if (*rc::gen::arbitrary<bool>()) c.opt.state_layout = StateLayout::v_first;
-  const bool v_first = c.opt.state_layout == StateLayout::v_first;
-  c.in.initial_state = random_tensor(v_first ? Shape{N, HV, V, K} : Shape{N, HV, K, V}, -4, 4);
-  return c;
-}
+// rarely a multiple of the chunk size; smaller rationals than the other KDA tests'
+// (denominators 1, 2, 4, decays over q <= 4), so that chunks of 16 stay fast.
+constexpr std::array<int, 3> chunk_denominators{1, 2, 4};
+using Case = ExactCase;
+Case random_case(std::int64_t max_t) { return random_exact_case(max_t, ExactDraws{chunk_denominators, 4}); }
 
 // ---- chunkwise = recurrence, exactly (proofs/chunkwise_equals_recurrence.md) -------------------
 
@@ -107,22 +54,7 @@ RC_GTEST_PROP(KdaChunkwiseExact, FlaFormEqualsTheRecurrence, ()) {
 // The forms at their own sizes (C = 16 Neumann; C = 64 from 16-token sub-chunks) on
 // sequences that span several chunks and end in a partial one.
 TEST(KdaChunkwiseExact, BothFormsAtTheirOwnChunkSizesEqualTheRecurrence) {
-  num::Random rng(3);
-  auto draw = [&](const Shape& shape, int lo, int hi) {
-    Tensor<Q> t(shape);
-    for (Q& x : t.values()) x = Q(rng.between(lo, hi)) / Q(4);
-    return t;
-  };
-  Inputs<Q> in;
-  const std::int64_t T = 150;
-  in.q = draw({1, T, 1, 2}, -4, 4);
-  in.k = draw({1, T, 1, 2}, -2, 2);
-  in.v = draw({1, T, 2, 2}, -4, 4);
-  in.g = Tensor<Q>({1, T, 2, 2});
-  for (Q& x : in.g.values()) x = Q(rng.between(3, 4)) / Q(4);
-  in.beta = draw({1, T, 2}, 0, 4);
-  in.initial_state = draw({2, 2, 2, 2}, -4, 4);
-  in.cu_seqlens = std::vector<std::int64_t>{0, 81, T};
+  const Inputs<Q> in = seeded_exact_inputs(test_seed(3), 150, 81);
   const auto r = recurrent_forward(in, exact_options());
   for (ChunkForm form : {ChunkForm::flashkda, ChunkForm::fla}) {
     ChunkwiseOptions copt;
@@ -341,41 +273,6 @@ TEST(KdaInverseDecayOverflow, FlashKdaFormOverflowsPastTheBoundAndFlaFormDoesNot
 
 // ---- double against 256 bits; contracts --------------------------------------------------------
 
-Inputs<double> random_double_inputs(std::uint64_t seed, std::int64_t T, std::int64_t H, std::int64_t HV,
-                                    std::int64_t K, std::int64_t V, double g_lo, double g_hi) {
-  num::Random rng(seed);
-  auto draw = [&](const Shape& shape, double lo, double hi) {
-    Tensor<double> t(shape);
-    for (double& x : t.values()) x = num::round_to(num::Format::bf16, rng.dyadic(lo, hi, 20));
-    return t;
-  };
-  Inputs<double> in;
-  in.q = draw({1, T, H, K}, -1, 1);
-  in.k = draw({1, T, H, K}, -1, 1);
-  in.v = draw({1, T, HV, V}, -1, 1);
-  in.g = draw({1, T, HV, K}, g_lo, g_hi);
-  in.beta = draw({1, T, HV}, -3, 3);
-  in.initial_state = draw({1, HV, K, V}, -1, 1);
-  return in;
-}
-
-template <class S>
-Inputs<S> lift_all(const Inputs<double>& in) {
-  auto up = [](const Tensor<double>& t) { return t.map<S>([](double x) { return S(x); }); };
-  Inputs<S> out{up(in.q), up(in.k), up(in.v), up(in.g), up(in.beta), up(*in.initial_state), {}, {}, in.cu_seqlens};
-  return out;
-}
-
-double rel_rms(const Tensor<double>& x, const Tensor<HP>& ref) {
-  double e2 = 0, r2 = 0;
-  for (std::int64_t i = 0; i < x.numel(); ++i) {
-    const double r = num::to_double_rne(ref.data()[i]);
-    e2 += (x.data()[i] - r) * (x.data()[i] - r);
-    r2 += r * r;
-  }
-  return std::sqrt(e2 / r2);
-}
-
 TEST(KdaChunkwiseDouble, BothFormsAgreeWithTheRecurrenceAt256Bits) {
   const Inputs<double> in = random_double_inputs(5, 80, 1, 2, 16, 16, -5, 0);
   Options<double> dopt;
@@ -384,7 +281,7 @@ TEST(KdaChunkwiseDouble, BothFormsAgreeWithTheRecurrenceAt256Bits) {
   Options<HP> hopt;
   hopt.beta = BetaForm::sigmoid;
   hopt.qk_l2norm = true;
-  const auto ref = recurrent_forward(lift_all<HP>(in), hopt);
+  const auto ref = recurrent_forward(lift<HP>(in), hopt);
   for (ChunkForm form : {ChunkForm::flashkda, ChunkForm::fla}) {
     ChunkwiseOptions copt;
     copt.form = form;

@@ -6,9 +6,6 @@
 //    range around the value measured when the contract was written (Boost.Math style: a
 //    change of the model moves it out of the range and must be re-measured and explained in
 //    docs/contracts.md).
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
-
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -17,7 +14,7 @@
 #include "k3ref/check/metrics.h"
 #include "k3ref/kda/kernel_contracts.h"
 #include "k3ref/num/random.h"
-#include "kda_test_util.h"
+#include "test_support.h"
 
 namespace k3ref::kda {
 namespace {
@@ -26,11 +23,8 @@ using contract::Kernel;
 using contract::Precision;
 using contract::Site;
 using Q = num::rational;
-using test_util::random_decays;
-using test_util::random_tensor;
-
-using test_util::ExactCase;
-using test_util::random_exact_case;
+using test::ExactCase;
+using test::random_exact_case;
 
 // ---- rounding nowhere: the chunk form, exactly -------------------------------------------
 
@@ -73,22 +67,7 @@ RC_GTEST_PROP(KdaContractExact, FlashKdaEqualsTheChunkFormAndTheRecurrence, ()) 
 
 // At the kernels' own sizes (C = 64 from 16-row sub-chunks; C = 16) over several chunks.
 TEST(KdaContractExact, KernelChunkSizesEqualTheRecurrence) {
-  num::Random rng(5);
-  auto draw = [&](const Shape& shape, int lo, int hi) {
-    Tensor<Q> t(shape);
-    for (Q& x : t.values()) x = Q(rng.between(lo, hi)) / Q(4);
-    return t;
-  };
-  Inputs<Q> in;
-  const std::int64_t T = 140;
-  in.q = draw({1, T, 1, 2}, -4, 4);
-  in.k = draw({1, T, 1, 2}, -2, 2);
-  in.v = draw({1, T, 2, 2}, -4, 4);
-  in.g = Tensor<Q>({1, T, 2, 2});
-  for (Q& x : in.g.values()) x = Q(rng.between(3, 4)) / Q(4);
-  in.beta = draw({1, T, 2}, 0, 4);
-  in.initial_state = draw({2, 2, 2, 2}, -4, 4);
-  in.cu_seqlens = std::vector<std::int64_t>{0, 75, T};
+  const Inputs<Q> in = test::seeded_exact_inputs(test::test_seed(5), 140, 75);
   Options<Q> opt;
   opt.gate = GateForm::decay_factor;
   opt.scale = Q(1) / Q(2);

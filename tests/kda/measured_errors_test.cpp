@@ -9,7 +9,7 @@
 //
 // Regenerate the table after a deliberate change (and say why in the commit):
 //   K3REF_MEASURED_ERRORS_OUT=tests/kda/measured_errors.json build/tests/kda_measured_errors_test
-#include <gtest/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 #include <cstdio>
@@ -41,10 +41,7 @@ constexpr double kFactor = 2.0;
 constexpr double kRelRmsFloor = 0x1p-53;
 constexpr double kUlpFloor = 1.0;
 
-fs::path source_root() {
-  const char* root = std::getenv("K3REF_SOURCE_ROOT");
-  return root ? fs::path(root) : fs::path(".");
-}
+using test::source_root;
 
 // The named index of flat element `flat` of an output of the case.
 std::string element_name(const std::string& tensor, const Shape& shape, std::int64_t flat, bool v_first) {

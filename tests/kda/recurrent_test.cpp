@@ -1,22 +1,19 @@
 // Tests of the KDA recurrence, the definition every other KDA form is checked against.
 // Structural identities are checked with == in exact rationals (decays given as
 // rationals); the transcendental stages at 256 bits; double against 256 bits in ulps.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
-
 #include <cmath>
 #include <limits>
 
-#include "kda_test_util.h"
 #include "k3ref/kda/recurrent.h"
 #include "k3ref/check/metrics.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
+#include "test_support.h"
 
 namespace k3ref::kda {
 namespace {
 
-using namespace test_util;
+using namespace test;
 
 using Q = num::rational;
 using HP = num::high_precision<256>;
@@ -35,17 +32,11 @@ Sizes random_sizes(std::int64_t max_t = 8) {
 }
 
 Inputs<Q> random_inputs(const Sizes& s, bool with_initial_state) {
-  Inputs<Q> in;
-  in.q = random_tensor({s.B, s.T, s.H, s.K}, -4, 4);
-  in.k = random_tensor({s.B, s.T, s.H, s.K}, -2, 2);
-  in.v = random_tensor({s.B, s.T, s.HV, s.V}, -4, 4);
-  in.g = random_decays({s.B, s.T, s.HV, s.K});
-  in.beta = random_tensor({s.B, s.T, s.HV}, 0, 2);
-  if (with_initial_state) in.initial_state = random_tensor({s.B, s.HV, s.K, s.V}, -4, 4);
+  const test::Sizes heads{s.H, s.HV, s.K, s.V};
+  Inputs<Q> in = random_exact_tokens(s.B, s.T, heads);
+  if (with_initial_state) in.initial_state = random_exact_state(s.B, heads, false);
   return in;
 }
-
-using test_util::exact_options;
 
 template <class S>
 Tensor<S> axpby(const S& a, const Tensor<S>& x, const S& b, const Tensor<S>& y) {
@@ -279,46 +270,10 @@ TEST(KdaRecurrentExact, ZeroTokensGiveTheInitialStateBack) {
 
 // ---- transcendental stages at 256 bits -------------------------------------------------------
 
-Inputs<double> random_double_inputs(std::uint64_t seed, std::int64_t T, std::int64_t H, std::int64_t HV,
-                                    std::int64_t K, std::int64_t V, double g_lo, double g_hi) {
-  num::Random rng(seed);
-  auto draw = [&](const Shape& shape, double lo, double hi) {
-    Tensor<double> t(shape);
-    for (double& x : t.values()) x = num::round_to(num::Format::bf16, rng.dyadic(lo, hi, 20));
-    return t;
-  };
-  Inputs<double> in;
-  in.q = draw({1, T, H, K}, -1, 1);
-  in.k = draw({1, T, H, K}, -1, 1);
-  in.v = draw({1, T, HV, V}, -1, 1);
-  in.g = draw({1, T, HV, K}, g_lo, g_hi);
-  in.beta = draw({1, T, HV}, -3, 3);
-  in.initial_state = draw({1, HV, K, V}, -1, 1);
-  in.A_log = draw({HV}, 0, 2);
-  in.dt_bias = draw({HV, K}, -1, 1);
-  return in;
-}
-
-template <class S>
-Inputs<S> lift_all(const Inputs<double>& in) {
-  auto up = [](const Tensor<double>& t) { return t.map<S>([](double x) { return S(x); }); };
-  return Inputs<S>{up(in.q), up(in.k), up(in.v), up(in.g), up(in.beta), up(*in.initial_state), up(*in.A_log),
-                   up(*in.dt_bias), in.cu_seqlens};
-}
-
-HP max_relative_difference(const Tensor<HP>& a, const Tensor<HP>& b) {
-  HP worst(0), norm(0);
-  for (std::int64_t i = 0; i < a.numel(); ++i) {
-    worst = std::max(worst, HP(abs(a.data()[i] - b.data()[i])));
-    norm = std::max(norm, HP(abs(b.data()[i])));
-  }
-  return worst / norm;
-}
-
 TEST(KdaRecurrentHighPrecision, BaseEAndBase2GatesAgree) {
   for (GateForm form : {GateForm::log_decay, GateForm::softplus, GateForm::lower_bound}) {
-    const Inputs<double> raw = random_double_inputs(7, 24, 1, 2, 8, 8, -4, 4);
-    Inputs<HP> in = lift_all<HP>(raw);
+    const Inputs<double> raw = random_double_inputs(7, 24, 1, 2, 8, 8, -4, 4, true);
+    Inputs<HP> in = lift<HP>(raw);
     if (form == GateForm::log_decay) {
       in.g = in.g.map<HP>([](const HP& x) { return -abs(x); });
       in.A_log.reset();
@@ -332,14 +287,14 @@ TEST(KdaRecurrentHighPrecision, BaseEAndBase2GatesAgree) {
     const auto e = recurrent_forward(in, opt);
     opt.gate_base = GateBase::two;
     const auto two = recurrent_forward(in, opt);
-    const HP diff = max_relative_difference(two.o, e.o);
+    const double diff = max_relative_difference(two.o, e.o);
     std::printf("gate %-12s base e vs base 2: max relative difference o %.3e, final state %.3e\n",
-                std::string(to_string(form)).c_str(), static_cast<double>(diff),
-                static_cast<double>(max_relative_difference(*two.final_state, *e.final_state)));
+                std::string(to_string(form)).c_str(), diff,
+                max_relative_difference(*two.final_state, *e.final_state));
     // Measured (these fixed inputs): at most 2.8e-80 (o) and 2.8e-80 (state), a few 256-bit
     // roundings; the bound is 4x that.
-    EXPECT_LT(diff, HP(1.2e-79)) << "gate " << to_string(form) << ": relative difference " << diff;
-    EXPECT_LT(max_relative_difference(*two.final_state, *e.final_state), HP(1.2e-79));
+    EXPECT_LT(diff, 1.2e-79) << "gate " << to_string(form) << ": relative difference " << diff;
+    EXPECT_LT(max_relative_difference(*two.final_state, *e.final_state), 1.2e-79);
   }
 }
 
@@ -369,36 +324,24 @@ TEST(KdaRecurrentDouble, AgreesWithHighPrecisionToFewUlpsOfTheOutputScale) {
   std::printf("%-16s %12s %14s %12s\n", "decays", "rel RMS", "max ulp(f64)", "max ulp rel");
   for (const Row& row : {Row{"g in [-1, 0]", -1, 0}, Row{"g in [-5, 0]", -5, 0}, Row{"g in [-8, -7]", -8, -7}}) {
     const Inputs<double> in = random_double_inputs(11, 64, 2, 2, 32, 32, row.g_lo, row.g_hi);
-    Inputs<double> din = in;
-    din.A_log.reset();
-    din.dt_bias.reset();
     Options<double> dopt;
     dopt.beta = BetaForm::sigmoid;
     dopt.qk_l2norm = true;
-    const auto d = recurrent_forward(din, dopt);
-    Inputs<HP> hin = lift_all<HP>(in);
-    hin.A_log.reset();
-    hin.dt_bias.reset();
+    const auto d = recurrent_forward(in, dopt);
     Options<HP> hopt;
     hopt.beta = BetaForm::sigmoid;
     hopt.qk_l2norm = true;
-    const auto h = recurrent_forward(hin, hopt);
-    double err2 = 0, ref2 = 0, max_ulp = 0, max_scaled = 0, max_ref = 0;
-    for (std::int64_t i = 0; i < d.o.numel(); ++i) max_ref = std::max(max_ref, std::fabs(num::to_double_rne(h.o.data()[i])));
-    for (std::int64_t i = 0; i < d.o.numel(); ++i) {
-      const double ref = num::to_double_rne(h.o.data()[i]);
-      const double diff = std::fabs(d.o.data()[i] - ref);
-      err2 += diff * diff;
-      ref2 += ref * ref;
-      max_ulp = std::max(max_ulp, check::ulp_distance(num::Format::fp64, d.o.data()[i], ref));
-      max_scaled = std::max(max_scaled, diff / (max_ref * 0x1p-52));  // ulps of the largest output
-    }
-    std::printf("%-16s %12.3e %14.1f %12.1f\n", row.regime, std::sqrt(err2 / ref2), max_ulp, max_scaled);
+    const std::vector<double> ref = to_doubles(recurrent_forward(lift<HP>(in), hopt).o);
+    const check::Metrics m = check::compare(d.o.values(), ref, num::Format::fp64);
+    double max_ref = 0;
+    for (double r : ref) max_ref = std::max(max_ref, std::fabs(r));
+    const double max_scaled = m.max_abs / (max_ref * 0x1p-52);  // ulps of the largest output
+    std::printf("%-16s %12.3e %14.1f %12.1f\n", row.regime, m.rel_rms, m.max_ulp, max_scaled);
     // The recurrence is a contraction for these inputs. Measured (these fixed inputs):
     // rel RMS 2.60e-16, 2.61e-16, 2.48e-16 and 1.1, 1.8, 1.4 ulps of the largest output;
     // the bounds are 4x the worst (elementwise ulps are not bounded: an output near zero
     // has few significant bits against the scale of the sum that made it).
-    EXPECT_LT(std::sqrt(err2 / ref2), 1.1e-15) << row.regime;
+    EXPECT_LT(m.rel_rms, 1.1e-15) << row.regime;
     EXPECT_LT(max_scaled, 7.2) << row.regime;
   }
 }
@@ -407,9 +350,7 @@ TEST(KdaRecurrentDouble, AgreesWithHighPrecisionToFewUlpsOfTheOutputScale) {
 
 TEST(KdaRecurrentNonFinite, NaNPropagatesForwardInItsHeadOnly) {
   for (double poison : {std::nan(""), std::numeric_limits<double>::infinity()}) {
-    Inputs<double> in = random_double_inputs(3, 12, 1, 2, 4, 4, -1, 0);
-    in.A_log.reset();
-    in.dt_bias.reset();
+    Inputs<double> in = random_double_inputs(test_seed(3), 12, 1, 2, 4, 4, -1, 0);
     in.v(0, 5, 1, 2) = poison;  // value head 1, token 5
     const auto r = recurrent_forward(in, Options<double>{});
     for (std::int64_t t = 0; t < 12; ++t)

@@ -4,8 +4,7 @@
 // from the hardware (float, _Float16), and the hand cases carry their derivations.
 #include "k3ref/num/float_format.h"
 
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <bit>
 #include <cfloat>

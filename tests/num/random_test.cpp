@@ -1,8 +1,7 @@
 // The project's own random stream must be the same on every platform: its first
 // outputs are pinned to values computed independently (tools/xoshiro_reference.py,
 // a direct transcription of the published algorithm), and its transforms are checked.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 

@@ -1,19 +1,17 @@
 // Tests of QB online (include/k3ref/qb/online.h): the bias of batch t routes batch t+1 and
 // never its own batch; gating weights come from the unbiased affinities; the sign-update
 // baseline moves each bias by exactly +-gamma or 0. Exact rationals unless stated.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 
 #include "k3ref/num/scalar.h"
 #include "k3ref/qb/online.h"
-#include "qb_test_util.h"
 
 namespace k3ref::qb {
 namespace {
 
-using testing::Q;
+using test::Q;
 
 // Affinities in (0, 1): p / 64, 1 <= p <= 63, as sigmoid scores are.
 std::vector<Tensor<Q>> random_batches(std::int64_t count, std::int64_t m, std::int64_t n) {
@@ -37,7 +35,7 @@ OnlineOptions<Q> random_options(std::int64_t k) {
 }
 
 RC_GTEST_PROP(QbOnlineProperties, BiasOfBatchTRoutesBatchTPlusOneOnly, ()) {
-  const auto sz = testing::random_sizes(10, 5);
+  const auto sz = test::random_qb_sizes(10, 5);
   const auto opt = random_options(sz.k);
   auto batches = random_batches(4, sz.m, sz.n);
   const auto routed = route_online_qb(batches, opt);
@@ -55,7 +53,7 @@ RC_GTEST_PROP(QbOnlineProperties, BiasOfBatchTRoutesBatchTPlusOneOnly, ()) {
 }
 
 RC_GTEST_PROP(QbOnlineProperties, WeightsAreNormalisedUnbiasedAffinities, ()) {
-  const auto sz = testing::random_sizes(10, 5);
+  const auto sz = test::random_qb_sizes(10, 5);
   const auto opt = random_options(sz.k);
   const auto batches = random_batches(3, sz.m, sz.n);
   const auto routed = route_online_qb(batches, opt);
@@ -77,12 +75,12 @@ RC_GTEST_PROP(QbOnlineProperties, WeightsAreNormalisedUnbiasedAffinities, ()) {
 RC_GTEST_PROP(QbOnlineProperties, WeightsDependOnTheSelectionOnlyNotOnTheBias, ()) {
   // Two biases that differ by a constant select the same experts and give the same weights;
   // a bias that changes the selection changes the weights only through it.
-  const auto sz = testing::random_sizes(10, 5);
+  const auto sz = test::random_qb_sizes(10, 5);
   const auto s = random_batches(1, sz.m, sz.n).front();
   std::vector<Q> beta(static_cast<std::size_t>(sz.n)), shifted(beta.size());
-  const Q c = testing::small_rational();
+  const Q c = test::small_rational(-64, 64, test::qb_denominators);
   for (std::size_t j = 0; j < beta.size(); ++j) {
-    beta[j] = testing::small_rational();
+    beta[j] = test::small_rational(-64, 64, test::qb_denominators);
     shifted[j] = beta[j] + c;
   }
   const Q scale(5, 2);
@@ -92,7 +90,7 @@ RC_GTEST_PROP(QbOnlineProperties, WeightsDependOnTheSelectionOnlyNotOnTheBias, (
 }
 
 RC_GTEST_PROP(QbOnlineProperties, SignUpdateMovesEachBiasByGammaTowardsBalance, ()) {
-  const auto sz = testing::random_sizes(10, 5);
+  const auto sz = test::random_qb_sizes(10, 5);
   const auto batches = random_batches(4, sz.m, sz.n);
   const Q gamma(1, 1000);  // DeepSeek-V3's update speed
   const auto routed = route_online_sign_update(batches, sz.k, gamma, Q(1));

@@ -2,20 +2,18 @@
 // flow and the simplex agree, with each other and with brute force; both duals certify
 // optimality (strong duality, complementary slackness); the optimum moves as the LP says
 // under row and column shifts; and the solver's duality gap is >= 0.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <bit>
 #include <functional>
 
 #include "k3ref/qb/optimum.h"
 #include "k3ref/qb/solver.h"
-#include "qb_test_util.h"
 
 namespace k3ref::qb {
 namespace {
 
-using testing::Q;
+using test::Q;
 
 // Brute force: every way to give each token k experts, keep the balanced ones.
 Q brute_force_optimum(const Tensor<Q>& s, std::int64_t k) {
@@ -70,9 +68,9 @@ TEST(QbOptimum, SmallCaseByHand) {
 }
 
 RC_GTEST_PROP(QbOptimumProperties, TwoMethodsAgreeAndCertifyThemselves, ()) {
-  const auto sz = testing::random_sizes(10, 5);
+  const auto sz = test::random_qb_sizes(10, 5);
   const bool tie_free = *rc::gen::arbitrary<bool>();
-  const Tensor<Q> s = tie_free ? testing::tie_free_scores(sz.m, sz.n) : testing::tie_heavy_scores(sz.m, sz.n);
+  const Tensor<Q> s = tie_free ? test::tie_free_scores(sz.m, sz.n) : test::tie_heavy_scores(sz.m, sz.n);
   const auto flow = optimum_by_min_cost_flow(s, sz.k);
   const auto simplex = optimum_by_simplex(s, sz.k);
   const std::int64_t q = sz.m * sz.k / sz.n;
@@ -89,18 +87,18 @@ RC_GTEST_PROP(QbOptimumProperties, TwoMethodsAgreeAndCertifyThemselves, ()) {
 }
 
 RC_GTEST_PROP(QbOptimumProperties, AgreesWithBruteForceOnTinyInstances, ()) {
-  const auto sz = testing::random_sizes(6, 4);
-  const Tensor<Q> s = testing::any_scores(sz.m, sz.n);
+  const auto sz = test::random_qb_sizes(6, 4);
+  const Tensor<Q> s = test::any_scores(sz.m, sz.n);
   RC_ASSERT(optimum_by_min_cost_flow(s, sz.k).value == brute_force_optimum(s, sz.k));
 }
 
 RC_GTEST_PROP(QbOptimumProperties, ShiftsMoveTheOptimumByTheConstraintTotals, ()) {
   // Adding c to row i adds c k to every feasible objective; to column j adds c q. The set of
   // optimal assignments is unchanged.
-  const auto sz = testing::random_sizes();
+  const auto sz = test::random_qb_sizes();
   const std::int64_t q = sz.m * sz.k / sz.n;
-  const Tensor<Q> s = testing::tie_free_scores(sz.m, sz.n);
-  const Q c = testing::small_rational();
+  const Tensor<Q> s = test::tie_free_scores(sz.m, sz.n);
+  const Q c = test::small_rational(-64, 64, test::qb_denominators);
   const std::int64_t i0 = *rc::gen::inRange<std::int64_t>(0, sz.m), j0 = *rc::gen::inRange<std::int64_t>(0, sz.n);
   Tensor<Q> row = s, col = s;
   for (std::int64_t j = 0; j < sz.n; ++j) row(i0, j) += c;
@@ -114,8 +112,8 @@ RC_GTEST_PROP(QbOptimumProperties, ShiftsMoveTheOptimumByTheConstraintTotals, ()
 }
 
 RC_GTEST_PROP(QbOptimumProperties, SolverDualityGapIsNonNegativeAndNonIncreasing, ()) {
-  const auto sz = testing::random_sizes();
-  const Tensor<Q> s = testing::any_scores(sz.m, sz.n);
+  const auto sz = test::random_qb_sizes();
+  const Tensor<Q> s = test::any_scores(sz.m, sz.n);
   const Q optimum = optimum_by_simplex(s, sz.k).value;
   Q previous_gap;
   bool first = true;

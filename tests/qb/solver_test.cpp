@@ -1,8 +1,7 @@
 // Tests of the QB alternating solver (include/k3ref/qb/solver.h): the tie rule, the
 // invariances, the quantile property at fixed points, and exactness of the double tier.
 // Properties run on 100 random instances each (RapidCheck's default), in exact rationals.
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 #include <set>
@@ -10,13 +9,11 @@
 #include "k3ref/num/random.h"
 #include "k3ref/qb/optimum.h"
 #include "k3ref/qb/solver.h"
-#include "qb_test_util.h"
 
 namespace k3ref::qb {
 namespace {
 
-using testing::Q;
-using testing::random_sizes;
+using test::Q;
 
 Tensor<Q> matrix(std::int64_t m, std::int64_t n, std::vector<Q> v) { return Tensor<Q>({m, n}, std::move(v)); }
 
@@ -94,8 +91,8 @@ TEST(QbSolver, OneIterationByHand) {
 // ---- properties in exact arithmetic --------------------------------------------------------
 
 RC_GTEST_PROP(QbSolverProperties, EveryTokenGetsExactlyKDistinctTopExperts, ()) {
-  const auto sz = random_sizes();
-  const Tensor<Q> s = testing::any_scores(sz.m, sz.n);
+  const auto sz = test::random_qb_sizes();
+  const Tensor<Q> s = test::any_scores(sz.m, sz.n);
   const auto trace = alternating_solver(s, sz.k, 4);
   for (const auto& it : trace) {
     std::int64_t total = 0;
@@ -118,10 +115,10 @@ RC_GTEST_PROP(QbSolverProperties, EveryTokenGetsExactlyKDistinctTopExperts, ()) 
 }
 
 RC_GTEST_PROP(QbSolverProperties, AddingAConstantToATokenChangesNothingButItsCutoff, ()) {
-  const auto sz = random_sizes();
-  const Tensor<Q> s = testing::any_scores(sz.m, sz.n);
+  const auto sz = test::random_qb_sizes();
+  const Tensor<Q> s = test::any_scores(sz.m, sz.n);
   const std::int64_t i0 = *rc::gen::inRange<std::int64_t>(0, sz.m);
-  const Q c = testing::small_rational();
+  const Q c = test::small_rational(-64, 64, test::qb_denominators);
   Tensor<Q> shifted = s;
   for (std::int64_t j = 0; j < sz.n; ++j) shifted(i0, j) += c;
   const auto a = alternating_solver(s, sz.k, 4), b = alternating_solver(shifted, sz.k, 4);
@@ -136,10 +133,10 @@ RC_GTEST_PROP(QbSolverProperties, AddingAConstantToAnExpertChangesOnlyTiedChoice
   // Shift column j0 by c and start from beta0 + c e_j0: every biased score s - beta is
   // unchanged, so alpha is unchanged and beta shifts by c e_j0; the selection can differ only
   // where rule 2 (raw score) breaks a tie of equal biased scores.
-  const auto sz = random_sizes();
-  const Tensor<Q> s = testing::any_scores(sz.m, sz.n);
+  const auto sz = test::random_qb_sizes();
+  const Tensor<Q> s = test::any_scores(sz.m, sz.n);
   const std::int64_t j0 = *rc::gen::inRange<std::int64_t>(0, sz.n);
-  const Q c = testing::small_rational();
+  const Q c = test::small_rational(-64, 64, test::qb_denominators);
   Tensor<Q> shifted = s;
   for (std::int64_t i = 0; i < sz.m; ++i) shifted(i, j0) += c;
   std::vector<Q> start(static_cast<std::size_t>(sz.n), Q(0)), start_shifted = start;
@@ -161,9 +158,9 @@ RC_GTEST_PROP(QbSolverProperties, AddingAConstantToAnExpertChangesOnlyTiedChoice
 }
 
 RC_GTEST_PROP(QbSolverProperties, PermutingTokensPermutesTheResult, ()) {
-  const auto sz = random_sizes();
-  const Tensor<Q> s = testing::any_scores(sz.m, sz.n);  // ties allowed: no rule involves tokens
-  const auto perm = testing::random_permutation(sz.m);
+  const auto sz = test::random_qb_sizes();
+  const Tensor<Q> s = test::any_scores(sz.m, sz.n);  // ties allowed: no rule involves tokens
+  const auto perm = test::random_permutation(sz.m);
   Tensor<Q> p({sz.m, sz.n});
   for (std::int64_t i = 0; i < sz.m; ++i)
     for (std::int64_t j = 0; j < sz.n; ++j) p(i, j) = s(perm[i], j);
@@ -181,9 +178,9 @@ RC_GTEST_PROP(QbSolverProperties, PermutingTokensPermutesTheResult, ()) {
 RC_GTEST_PROP(QbSolverProperties, PermutingExpertsPermutesTheResultWhenRawScoresDiffer, ()) {
   // With distinct raw scores in every row, rule 3 (index) never decides, so the rule is
   // equivariant. Selections are compared as sets (order within the top k follows values).
-  const auto sz = random_sizes();
-  const Tensor<Q> s = testing::tie_free_scores(sz.m, sz.n);
-  const auto perm = testing::random_permutation(sz.n);  // new expert j is old expert perm[j]
+  const auto sz = test::random_qb_sizes();
+  const Tensor<Q> s = test::tie_free_scores(sz.m, sz.n);
+  const auto perm = test::random_permutation(sz.n);  // new expert j is old expert perm[j]
   Tensor<Q> p({sz.m, sz.n});
   for (std::int64_t i = 0; i < sz.m; ++i)
     for (std::int64_t j = 0; j < sz.n; ++j) p(i, j) = s(i, perm[j]);
@@ -204,12 +201,12 @@ RC_GTEST_PROP(QbSolverProperties, PermutingExpertsPermutesTheResultWhenRawScores
 // column off X (the (k+1)-th of the row, the (q+1)-th of the column). Then one iteration from
 // beta returns (alpha, beta) exactly and the quantile property holds: every load is q.
 RC_GTEST_PROP(QbSolverProperties, TieFreeFixedPointIsBalancedAndOptimal, ()) {
-  const auto sz = random_sizes();
+  const auto sz = test::random_qb_sizes();
   const std::int64_t q = sz.m * sz.k / sz.n;
-  const Tensor<std::uint8_t> X = optimum_by_min_cost_flow(testing::tie_free_scores(sz.m, sz.n), sz.k).chosen;
+  const Tensor<std::uint8_t> X = optimum_by_min_cost_flow(test::tie_free_scores(sz.m, sz.n), sz.k).chosen;
   std::vector<Q> alpha(static_cast<std::size_t>(sz.m)), beta(static_cast<std::size_t>(sz.n));
-  for (Q& a : alpha) a = testing::small_rational();
-  for (Q& b : beta) b = testing::small_rational();
+  for (Q& a : alpha) a = test::small_rational(-64, 64, test::qb_denominators);
+  for (Q& b : beta) b = test::small_rational(-64, 64, test::qb_denominators);
   Tensor<std::uint8_t> zero({sz.m, sz.n}, 0);
   for (std::int64_t i = 0; i < sz.m; ++i) {
     std::vector<std::int64_t> off;
@@ -245,9 +242,9 @@ RC_GTEST_PROP(QbSolverProperties, TieFreeFixedPointIsBalancedAndOptimal, ()) {
 // Whatever fixed point a random run reaches: if no tie sits at any row's k-th/(k+1)-th or
 // any column's q-th/(q+1)-th boundary, every expert gets exactly q tokens.
 RC_GTEST_PROP(QbSolverProperties, RandomFixedPointsWithoutBoundaryTiesAreBalanced, ()) {
-  const auto sz = random_sizes();
+  const auto sz = test::random_qb_sizes();
   const std::int64_t q = sz.m * sz.k / sz.n;
-  const Tensor<Q> s = testing::tie_free_scores(sz.m, sz.n);
+  const Tensor<Q> s = test::tie_free_scores(sz.m, sz.n);
   const auto run = run_until_repeat(s, sz.k, 100);
   RC_ASSERT(run.repeat_of.has_value());
   const auto& last = run.trace.back();
@@ -272,8 +269,8 @@ RC_GTEST_PROP(QbSolverProperties, RandomFixedPointsWithoutBoundaryTiesAreBalance
 RC_GTEST_PROP(QbSolverProperties, DualObjectiveDecreasesAndBoundsTheOptimum, ()) {
   // Block-coordinate descent on the dual (proofs/qb_dual.md): D never increases and never
   // falls below the LP optimum; a balanced selection's objective never exceeds it.
-  const auto sz = random_sizes();
-  const Tensor<Q> s = testing::any_scores(sz.m, sz.n);
+  const auto sz = test::random_qb_sizes();
+  const Tensor<Q> s = test::any_scores(sz.m, sz.n);
   const Q optimum = optimum_by_min_cost_flow(s, sz.k).value;
   const auto trace = alternating_solver(s, sz.k, 6);
   Q previous = dual_objective(s, std::vector<Q>(static_cast<std::size_t>(sz.m), Q(0)),
@@ -289,8 +286,8 @@ RC_GTEST_PROP(QbSolverProperties, DualObjectiveDecreasesAndBoundsTheOptimum, ())
 }
 
 RC_GTEST_PROP(QbSolverProperties, RepeatDetectionIsConsistent, ()) {
-  const auto sz = random_sizes();
-  const Tensor<Q> s = testing::any_scores(sz.m, sz.n);
+  const auto sz = test::random_qb_sizes();
+  const Tensor<Q> s = test::any_scores(sz.m, sz.n);
   const auto run = run_until_repeat(s, sz.k, 100);
   RC_ASSERT(run.repeat_of.has_value());  // small exact instances always settle within 100
   const auto& earlier = run.beta_at(*run.repeat_of);

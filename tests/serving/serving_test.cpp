@@ -3,8 +3,7 @@
 // (bitwise, NaN poison included); K-first and V-first pools with K != V hold the same
 // states; checkpoints, resume and split prefill equal the single shot; the prefix-cache hit
 // rule. RapidCheck prints the seed that replays a failure (RC_PARAMS is set by meson).
-#include <gtest/gtest.h>
-#include <rapidcheck/gtest.h>
+#include "test_support.h"
 
 #include <cmath>
 #include <cstring>
@@ -12,7 +11,6 @@
 #include <numeric>
 #include <set>
 
-#include "../kda/kda_test_util.h"
 #include "report/comm.h"
 #include "k3ref/serving/checkpoint.h"
 #include "k3ref/serving/decode.h"
@@ -21,32 +19,17 @@
 namespace k3ref::serving {
 namespace {
 
-using kda::test_util::Q;
-using kda::test_util::random_tensor;
-
-struct Sizes {
-  std::int64_t H, HV, K, V;
-};
-
-// H in 1..2, HV = H or 2H (grouped value heads), K and V in 1..3 independently (K != V often).
-Sizes random_sizes() {
-  const std::int64_t H = *rc::gen::inRange(1, 3);
-  return Sizes{H, H * *rc::gen::inRange(1, 3), *rc::gen::inRange<std::int64_t>(1, 4), *rc::gen::inRange<std::int64_t>(1, 4)};
-}
-
-kda::Options<Q> exact_options(StateLayout layout) {
-  kda::Options<Q> opt;
-  opt.gate = kda::GateForm::decay_factor;
-  opt.scale = Q(1) / Q(2);
-  opt.state_layout = layout;
-  return opt;
-}
+using test::exact_options;
+using test::Q;
+using test::random_sizes;
+using test::random_tensor;
+using test::Sizes;
 
 // Packed tokens of N sequences with the given lengths (B = 1, cu_seqlens), no initial state.
 kda::Inputs<Q> random_batch(const Sizes& s, const std::vector<std::int64_t>& lengths) {
   std::vector<std::int64_t> cu{0};
   for (auto l : lengths) cu.push_back(cu.back() + l);
-  return kda::test_util::random_packed_inputs(s, cu, false);
+  return test::random_packed_inputs(s, cu, false);
 }
 
 // Sequence n of a packed batch alone (B = 1), entering with `state` ([HV, K, V] K-first).

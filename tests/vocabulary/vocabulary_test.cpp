@@ -1,7 +1,7 @@
 // The options vocabulary (k3ref/vocabulary.h): every table's names and values are each
 // other's inverse, the registry is the tables with the option structs' defaults, and an
 // unknown name gives one line naming the option and every allowed name.
-#include <gtest/gtest.h>
+#include "test_support.h"
 
 #include <set>
 #include <string>
