@@ -24,6 +24,7 @@
 #include "k3ref/check/metrics.h"
 #include "k3ref/kda/kernel_contracts.h"
 #include "k3ref/num/random.h"
+#include "test_support.h"
 
 namespace k3ref::kda {
 namespace {
@@ -42,11 +43,7 @@ Problem random_problem(Kernel kernel, int index) {
   num::Random rng(0x6b337265660000ull + static_cast<std::uint64_t>(kernel) * 1000 + index);
   const std::int64_t T = rng.between(1, 96), H = rng.between(1, 2), HV = H * rng.between(1, 2);
   const std::int64_t K = 8 * rng.between(1, 4), V = 8 * rng.between(1, 4);
-  auto draw = [&](const Shape& shape, double lo, double hi) {
-    Tensor<double> t(shape);
-    for (double& x : t.values()) x = num::round_to(num::Format::bf16, rng.dyadic(lo, hi, 24));
-    return t;
-  };
+  auto draw = [&](const Shape& shape, double lo, double hi) { return test::bf16_tensor(rng, shape, lo, hi); };
   Problem p;
   p.name = std::string(contract::to_string(kernel)) + "/random_" + std::to_string(index);
   p.in.q = draw({1, T, H, K}, -1, 1);
@@ -62,11 +59,7 @@ Problem random_problem(Kernel kernel, int index) {
     N = 2;
   }
   if (kernel == Kernel::flashkda) {
-    p.in.g = draw({1, T, HV, K}, -4, 4);
-    p.in.A_log = draw({HV}, -0.5, 0.5);
-    p.in.dt_bias = draw({HV, K}, -0.5, 0.5);
-    p.opt.gate = GateForm::lower_bound;
-    p.opt.lower_bound = -5.0;
+    test::draw_lower_bound_gate(rng, p.in, p.opt, T, HV, K);
   } else {
     p.in.g = draw({1, T, HV, K}, -0.5, 0);
   }
@@ -92,10 +85,6 @@ std::string bits_of(const Outputs<double>& out) {
   return text;
 }
 
-double rel_rms(const Tensor<double>& x, const Tensor<double>& ref) {
-  return check::compare(x.values(), ref.values(), num::Format::bf16).rel_rms;
-}
-
 // {"<contract>|<problem>": {"o": e, "final_state": e} or {"refused": message}}
 nlohmann::json figures() {
   std::vector<Problem> problems;
@@ -113,8 +102,8 @@ nlohmann::json figures() {
       try {
         const Outputs<double> got = contract::evaluate_contract(con, p.in, p.opt);
         const Outputs<double> ref = recurrent_forward(p.in, p.opt);
-        f["o"] = rel_rms(got.o, ref.o);
-        if (ref.final_state) f["final_state"] = rel_rms(*got.final_state, *ref.final_state);
+        f["o"] = test::rel_rms(got.o, ref.o);
+        if (ref.final_state) f["final_state"] = test::rel_rms(*got.final_state, *ref.final_state);
         f["bits"] = bits_of(got);
       } catch (const std::exception& e) {
         f["refused"] = e.what();

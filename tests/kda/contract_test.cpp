@@ -129,11 +129,7 @@ struct Problem {
 Problem bf16_problem(std::uint64_t seed, std::int64_t H, std::int64_t HV, bool lower_bound_gate) {
   const std::int64_t T = 80, K = 32, V = 32;
   num::Random rng(seed);
-  auto draw = [&](const Shape& shape, double lo, double hi) {
-    Tensor<double> t(shape);
-    for (double& x : t.values()) x = num::round_to(num::Format::bf16, rng.dyadic(lo, hi, 24));
-    return t;
-  };
+  auto draw = [&](const Shape& shape, double lo, double hi) { return test::bf16_tensor(rng, shape, lo, hi); };
   Problem p;
   p.in.q = draw({1, T, H, K}, -1, 1);
   p.in.k = draw({1, T, H, K}, -1, 1);
@@ -142,11 +138,7 @@ Problem bf16_problem(std::uint64_t seed, std::int64_t H, std::int64_t HV, bool l
   p.opt.qk_l2norm = true;
   p.opt.beta = BetaForm::sigmoid;
   if (lower_bound_gate) {
-    p.in.g = draw({1, T, HV, K}, -4, 4);
-    p.in.A_log = draw({HV}, -0.5, 0.5);
-    p.in.dt_bias = draw({HV, K}, -0.5, 0.5);
-    p.opt.gate = GateForm::lower_bound;
-    p.opt.lower_bound = -5.0;
+    test::draw_lower_bound_gate(rng, p.in, p.opt, T, HV, K);
   } else {
     p.in.g = draw({1, T, HV, K}, -0.5, 0);
     p.in.initial_state = draw({1, HV, K, V}, -1, 1);

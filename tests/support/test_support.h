@@ -219,6 +219,25 @@ inline kda::Inputs<Q> seeded_exact_inputs(std::uint64_t seed, std::int64_t T, st
 
 // ---- double KDA inputs ---------------------------------------------------------------------
 
+// A tensor of bf16 values, each a dyadic of `bits` bits drawn uniformly in [lo, hi) and
+// rounded to bf16.
+inline Tensor<double> bf16_tensor(num::Random& rng, const Shape& shape, double lo, double hi, int bits = 24) {
+  Tensor<double> t(shape);
+  for (double& x : t.values()) x = num::round_to(num::Format::bf16, rng.dyadic(lo, hi, bits));
+  return t;
+}
+
+// FlashKDA's gate domain, drawn in this order: the raw gate g in [-4, 4], A_log and dt_bias in
+// [-0.5, 0.5], the lower-bound gate at -5.
+inline void draw_lower_bound_gate(num::Random& rng, kda::Inputs<double>& in, kda::Options<double>& opt,
+                                  std::int64_t T, std::int64_t HV, std::int64_t K) {
+  in.g = bf16_tensor(rng, {1, T, HV, K}, -4, 4);
+  in.A_log = bf16_tensor(rng, {HV}, -0.5, 0.5);
+  in.dt_bias = bf16_tensor(rng, {HV, K}, -0.5, 0.5);
+  opt.gate = kda::GateForm::lower_bound;
+  opt.lower_bound = -5.0;
+}
+
 // bf16-exact double inputs from num::Random(seed) (dyadic, 20 bits, rounded to bf16): B = 1,
 // q, k, v in [-1, 1], log decays g in [g_lo, g_hi], beta in [-3, 3], an initial state in
 // [-1, 1]; with gate_parameters also A_log in [0, 2] and dt_bias in [-1, 1], drawn last.
@@ -226,11 +245,7 @@ inline kda::Inputs<double> random_double_inputs(std::uint64_t seed, std::int64_t
                                                 std::int64_t K, std::int64_t V, double g_lo, double g_hi,
                                                 bool gate_parameters = false) {
   num::Random rng(seed);
-  auto draw = [&](const Shape& shape, double lo, double hi) {
-    Tensor<double> t(shape);
-    for (double& x : t.values()) x = num::round_to(num::Format::bf16, rng.dyadic(lo, hi, 20));
-    return t;
-  };
+  auto draw = [&](const Shape& shape, double lo, double hi) { return bf16_tensor(rng, shape, lo, hi, 20); };
   kda::Inputs<double> in;
   in.q = draw({1, T, H, K}, -1, 1);
   in.k = draw({1, T, H, K}, -1, 1);
