@@ -5,6 +5,7 @@
 
 #include "k3ref/error.h"
 #include "k3ref/io/safetensors.h"
+#include "k3ref/tensor/convert.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace k3ref;

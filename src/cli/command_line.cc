@@ -31,6 +31,7 @@
 #include "k3ref/kda/recurrent.h"
 #include "k3ref/num/scalar.h"
 #include "k3ref/num/tier.h"
+#include "k3ref/tensor/convert.h"
 #include "k3ref/vocabulary.h"
 
 namespace {

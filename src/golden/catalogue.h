@@ -23,6 +23,7 @@
 #include "k3ref/num/float_format.h"
 #include "k3ref/num/random.h"
 #include "k3ref/num/scalar.h"
+#include "k3ref/tensor/convert.h"
 #include "k3ref/tensor/tensor.h"
 
 namespace k3ref::golden {

@@ -1,6 +1,7 @@
 #include "k3ref/kda/kda_io.h"
 
 #include "k3ref/error.h"
+#include "k3ref/tensor/convert.h"
 
 namespace k3ref::kda {
 

@@ -15,6 +15,7 @@
 #include "golden/suite.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/num/float_format.h"
+#include "k3ref/tensor/convert.h"
 #include "k3ref/vocabulary.h"
 
 namespace k3ref {

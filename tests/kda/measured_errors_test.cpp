@@ -27,6 +27,7 @@
 #include "k3ref/kda/chunkwise.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/kda/recurrent.h"
+#include "k3ref/tensor/convert.h"
 
 namespace k3ref::kda {
 namespace {

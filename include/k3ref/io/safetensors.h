@@ -14,6 +14,9 @@
 // requires the tensors, sorted by offset, to tile the data buffer exactly (no gaps, no
 // overlaps, nothing left over). The writer is deterministic: the same SafetensorsFile
 // always gives the same bytes, which the manifests' SHA-256 digests rely on.
+//
+// This is the container only: a RawTensor's bytes go in and out as they are. Decoding and
+// encoding its elements is k3ref/tensor/convert.h.
 #pragma once
 
 #include <cstdint>
@@ -25,19 +28,9 @@
 #include <utility>
 #include <vector>
 
-#include "k3ref/tensor/dtype.h"
-#include "k3ref/tensor/tensor.h"
+#include "k3ref/tensor/convert.h"
 
 namespace k3ref::io {
-
-// One stored tensor, bytes exactly as in the file (little-endian elements, row-major).
-struct RawTensor {
-  DType dtype = DType::F64;
-  Shape shape;
-  std::vector<std::uint8_t> bytes;
-
-  friend bool operator==(const RawTensor&, const RawTensor&) = default;
-};
 
 struct SafetensorsFile {
   std::map<std::string, std::string> metadata;             // "__metadata__"; omitted from the file when empty
@@ -86,24 +79,5 @@ std::vector<std::uint8_t> serialize_safetensors(const SafetensorsFile& file);
 // before anything is written.
 void write_safetensors_atomic(const std::filesystem::path& path, const SafetensorsFile& file);
 void write_file_atomic(const std::filesystem::path& path, std::span<const std::uint8_t> bytes);
-
-// Element values as doubles, exactly: float dtypes are decoded, integer dtypes must be
-// exactly representable (an I64 beyond 2^53 that a double cannot hold throws), BOOL
-// bytes must be 0 or 1. Throws InvalidArgument naming `what` otherwise, or when the byte
-// count does not match shape x dtype.
-Tensor<double> to_f64(const RawTensor& raw, const std::string& what);
-
-// Stores doubles as `dtype`. Narrower float dtypes round to nearest, ties to even.
-// Integer and BOOL dtypes require every value to be integral and in range (BOOL: 0 or 1),
-// else InvalidArgument naming the element.
-RawTensor from_f64(const Tensor<double>& values, DType dtype);
-
-// Element values as int64, exactly: float dtypes must hold integral values in range.
-Tensor<std::int64_t> to_i64(const RawTensor& raw, const std::string& what);
-
-// Stores int64 values as `dtype`. Integer and BOOL dtypes require the value in range;
-// float dtypes require it to be exactly a double (|v| <= 2^53 or suitably even) so that
-// only one rounding, to the target format, takes place.
-RawTensor from_i64(const Tensor<std::int64_t>& values, DType dtype);
 
 }  // namespace k3ref::io

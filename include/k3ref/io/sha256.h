@@ -1,5 +1,6 @@
-// SHA-256 (FIPS 180-4), own implementation: manifests record the digest of every golden
-// file so a reader can tell a corrupted or substituted file from a genuine one.
+// SHA-256 (FIPS 180-4) of bytes and of files, computed by nettle or OpenSSL's libcrypto
+// (src/io/sha256.cc): manifests record the digest of every golden file so a reader can
+// tell a corrupted or substituted file from a genuine one.
 #pragma once
 
 #include <cstdint>
