@@ -186,13 +186,73 @@ class GoldenCase:
         return out
 
 
-def load_case(name_or_path, directory_=None, *, reader="auto"):
-    """One golden case: a path to a .safetensors file, or a case name in the golden directory."""
+# A case name as the C++ golden tool accepts it (src/golden/suite.cc): a file stem of letters,
+# digits, '_', '-' and '.', at most 200 characters, not '.' or '..' (so never a path).
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+
+
+def check_case_name(name, where="k3ref.goldens"):
+    """`name` if it is a valid case name, else ValueError (one line)."""
+    if (not isinstance(name, str) or not name or len(name) > 200 or name in (".", "..")
+            or not set(name) <= _NAME_CHARS):
+        raise ValueError(f"{where}: {str(name)[:80]!r} is not a case name (letters, digits, '_', '-', '.'; "
+                         f"at most 200 characters; no path)")
+    return name
+
+
+def manifest(directory_=None):
+    """The parsed MANIFEST.json of a golden directory (read under k3ref._bounded's rules), or
+    None when the directory has none."""
+    from ._bounded import load_json
+
+    path = directory(directory_) / "MANIFEST.json"
+    if not path.exists():
+        return None
+    data = load_json(path, "golden manifest", limit=MAX_MANIFEST_BYTES)
+    cases = data.get("cases") if isinstance(data, dict) else None
+    if not isinstance(cases, list) or not all(isinstance(c, dict) for c in cases):
+        raise ValueError(f"golden manifest {path}: expected an object with a list 'cases'")
+    for c in cases:
+        check_case_name(c.get("name"), f"golden manifest {path}")
+        if not isinstance(c.get("sha256"), str) or len(c["sha256"]) != 64:
+            raise ValueError(f"golden manifest {path}: case {c['name']!r}: 'sha256' must be 64 hexadecimal digits")
+    return data
+
+
+def _sha256_of(path):
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_case(name_or_path, directory_=None, *, reader="auto", verify=True):
+    """One golden case: a path to a .safetensors file, or a case name in the golden directory.
+
+    verify (default True): a case loaded by name from a directory with a MANIFEST.json must be
+    listed there and its file must match the manifest's sha256 (an edited or substituted
+    golden is an error naming the file); verify=False skips the digest. A name must be a case
+    name (no path, see check_case_name)."""
     p = Path(name_or_path)
+    listed = None
     if not p.suffix == ".safetensors":
-        p = directory(directory_) / f"{name_or_path}.safetensors"
+        check_case_name(str(name_or_path))
+        d = directory(directory_)
+        p = d / f"{name_or_path}.safetensors"
+        m = manifest(d) if verify else None
+        if m is not None:
+            listed = next((c for c in m["cases"] if c["name"] == name_or_path), None)
+            if listed is None:
+                raise FileNotFoundError(f"k3ref.goldens: no case {name_or_path!r} in {d / 'MANIFEST.json'}")
     if not p.is_file():
         raise FileNotFoundError(f"k3ref.goldens: no golden file {p}")
+    if listed is not None and _sha256_of(p) != listed["sha256"]:
+        raise ValueError(f"{p}: sha256 differs from MANIFEST.json's: the file was changed or replaced "
+                         "(regenerate the suite, or pass verify=False)")
     tensors, meta = read_tensors(p, reader)
     if meta.get("k3ref.schema") != SCHEMA:
         raise ValueError(f"{p}: golden schema {meta.get('k3ref.schema', '(none)')!r}, this k3ref reads {SCHEMA!r} "
@@ -216,18 +276,19 @@ def case_names(directory_=None, ops=None):
     """Names of the cases in the directory's MANIFEST.json, in its order (optionally only
     operators in `ops`); without a manifest, of every .safetensors file, by name."""
     d = directory(directory_)
-    if not (d / "MANIFEST.json").is_file():
+    m = manifest(d)
+    if m is None:
         return [c.name for c in load_suite(d, ops)]
-    manifest = json.loads((d / "MANIFEST.json").read_text())
-    return [c["name"] for c in manifest["cases"] if ops is None or c["op"] in ops]
+    return [c["name"] for c in m["cases"] if ops is None or c.get("op") in ops]
 
 
 def load_suite(directory_=None, ops=None, *, reader="auto"):
-    """Every case of the manifest (optionally only operators in `ops`), in its order; a
+    """Every case of the manifest (optionally only operators in `ops`), in its order, each
+    checked against the manifest's sha256; a
     directory without MANIFEST.json (e.g. failures written by k3ref.gpu_check prop): every
     .safetensors file, by file name."""
     d = directory(directory_)
-    if (d / "MANIFEST.json").is_file():
+    if (d / "MANIFEST.json").exists():
         return [load_case(n, d, reader=reader) for n in case_names(d, ops)]
     cases = [load_case(p, reader=reader) for p in sorted(d.glob("*.safetensors"))]
     return [c for c in cases if ops is None or c.op in ops]

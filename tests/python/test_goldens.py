@@ -134,8 +134,10 @@ def test_with_the_safetensors_package_same_tensors():
 def test_unknown_reader_and_missing_case():
     with pytest.raises(ValueError, match="reader must be"):
         goldens.read_tensors(GOLDENS / "kda_t1.safetensors", reader="numpy")
-    with pytest.raises(FileNotFoundError, match="no golden file"):
+    with pytest.raises(FileNotFoundError, match="no case 'kda_nope' in .*MANIFEST.json"):
         goldens.load_case("kda_nope", GOLDENS)
+    with pytest.raises(FileNotFoundError, match="no golden file"):
+        goldens.load_case("kda_nope", GOLDENS, verify=False)
 
 
 def _file(header, data=b""):
