@@ -427,11 +427,27 @@ def _measure(res, x, r, rule):
     if bool(mismatch.any()):
         res.first_nonfinite_mismatch = int(mismatch.nonzero()[0, 0])
     both = xf & rf
+    # Not report fields (the C++ judgement's JSON has none): what the verdict rules read.
+    res.finite_pairs, res.first_zero_sign_mismatch = int(both.sum()), -1
     zero = torch.zeros_like(x)
     diff = torch.where(both, (x - r).abs(), zero)
     rr = torch.where(both, r, zero)
-    err_sq, ref_sq = _ordered_sum(diff * diff), _ordered_sum(rr * rr)
-    fl = _round_to(rr, fmt) - rr
+    signs = both & (x == 0) & (r == 0) & (torch.signbit(x) != torch.signbit(r))
+    if bool(signs.any()):
+        res.first_zero_sign_mismatch = int(signs.nonzero()[0, 0])
+    # Sums of squares scaled by a power of two near the largest magnitude compared, as two exact
+    # factors in turn (k3ref::check::PowerOfTwoScale): plain squares overflow past 1e154 and
+    # vanish below 1e-154. Exact wherever the plain sums were, so ordinary figures are unchanged.
+    largest = float(torch.where(both, torch.maximum(x.abs(), r.abs()), zero).max()) if x.numel() else 0.0
+    first = second = 1.0
+    if largest > 0 and math.isfinite(largest):
+        e = math.frexp(largest)[1]
+        half = int(-e / 2)  # toward zero, as C++'s integer division
+        first, second = math.ldexp(1.0, half), math.ldexp(1.0, -e - half)
+    xs, rs = torch.where(both, x * first * second, zero), rr * first * second
+    sd = xs - rs
+    err_sq, ref_sq = _ordered_sum(sd * sd), _ordered_sum(rs * rs)
+    fl = (_round_to(rr, fmt) - rr) * first * second
     floor_sq = _ordered_sum(fl * fl)
     res.rel_rms = math.sqrt(err_sq / ref_sq) if ref_sq > 0 else (math.inf if err_sq > 0 else 0.0)
     res.floor = math.sqrt(floor_sq / ref_sq) if ref_sq > 0 else 0.0
@@ -451,8 +467,10 @@ def _apply_rule(res, x, r, rule):
     ratio = f"; {res.ratio:.3g}x" if res.floor > 0 else ""
     if rule.metric == "exact":
         res.figure, res.bound = res.max_abs, 0.0
-        ok = res.max_abs == 0
-        why = "bitwise equal" if ok else f"not equal: max abs error {_e(res.max_abs)} at flat index {res.max_abs_index}"
+        ok = res.max_abs == 0 and res.first_zero_sign_mismatch < 0
+        why = ("bitwise equal" if ok else
+               f"not equal: max abs error {_e(res.max_abs)} at flat index {res.max_abs_index}" if res.max_abs != 0 else
+               f"not equal: 0.0 against -0.0 at flat index {res.first_zero_sign_mismatch}")
     elif rule.metric == "floor":
         res.figure, res.bound = res.rel_rms, rule.multiple * res.floor
         ok = res.rel_rms <= res.bound or res.max_abs == 0
@@ -460,6 +478,9 @@ def _apply_rule(res, x, r, rule):
                f"{rule.floor_dtype} floor {_e(res.floor)}{ratio})")
         if not math.isfinite(res.floor):  # fail closed: an infinite floor would pass anything
             ok, why = False, f"the golden overflows {rule.floor_dtype}: its floor is infinite"
+        elif res.floor >= 1:  # every value rounds to zero: a sign flip would pass
+            ok = False
+            why = f"the golden underflows {rule.floor_dtype}: every value rounds to zero there, its floor is 100 %"
     elif rule.metric == "rel-rms":
         res.figure, res.bound = res.rel_rms, rule.bound
         ok = res.rel_rms <= res.bound
@@ -476,6 +497,8 @@ def _apply_rule(res, x, r, rule):
         ok = False
         why = (f"NaN/Inf where the golden has none (or the reverse), first at flat index "
                f"{res.first_nonfinite_mismatch}")
+    elif res.count > 0 and res.finite_pairs == 0:  # a figure over nothing vouches for nothing
+        ok, why = False, f"no finite value compared ({res.count} non-finite pairs)"
     res.passed = ok
     res.status = "pass" if ok else "fail"
     res.reason = why
@@ -566,6 +589,13 @@ def judge(expected, candidate, op, policy="floor:2", *, tensors=None, known=(), 
             continue
         x = cand.detach().reshape(-1).to(torch.float64)
         r = ref.detach().reshape(-1).to(device=x.device, dtype=torch.float64)
+        bad = (~r.isfinite()).nonzero()
+        if bad.numel():
+            res.status = "error"
+            res.reason = (f"the golden holds a non-finite value (first at flat index {int(bad[0, 0])}): no verdict "
+                          "can be vouched for against it")
+            note(EXIT_UNUSABLE, f"{name}: {res.reason}")
+            continue
         _apply_rule(res, x, r, rule)
         if res.max_abs_index >= 0:
             res.worst_index = _unravel(res.max_abs_index, res.shape)

@@ -63,9 +63,11 @@ void apply_rule(TensorJudgement& res, const std::vector<double>& x, const std::v
     case RuleMetric::exact:
       res.figure = m.max_abs;
       res.bound = 0;
-      ok = m.max_abs == 0;
+      ok = m.max_abs == 0 && m.first_zero_sign_mismatch < 0;
       why = ok ? "bitwise equal"
-               : "not equal: max abs error " + e3(m.max_abs) + " at flat index " + std::to_string(m.max_abs_index);
+               : m.max_abs != 0
+                   ? "not equal: max abs error " + e3(m.max_abs) + " at flat index " + std::to_string(m.max_abs_index)
+                   : "not equal: 0.0 against -0.0 at flat index " + std::to_string(m.first_zero_sign_mismatch);
       break;
     case RuleMetric::floor_multiple:
       res.figure = m.rel_rms;
@@ -76,6 +78,9 @@ void apply_rule(TensorJudgement& res, const std::vector<double>& x, const std::v
       if (!std::isfinite(m.floor_rel_rms)) {  // fail closed: an infinite floor would pass anything
         ok = false;
         why = "the golden overflows " + dtype + ": its floor is infinite";
+      } else if (m.floor_rel_rms >= 1) {  // every value rounds to zero: a sign flip would pass
+        ok = false;
+        why = "the golden underflows " + dtype + ": every value rounds to zero there, its floor is 100 %";
       }
       break;
     case RuleMetric::rel_rms:
@@ -101,6 +106,9 @@ void apply_rule(TensorJudgement& res, const std::vector<double>& x, const std::v
     ok = false;
     why = "NaN/Inf where the golden has none (or the reverse), first at flat index " +
           std::to_string(m.first_nonfinite_mismatch);
+  } else if (m.count > 0 && m.finite_pairs == 0) {  // a figure over nothing vouches for nothing
+    ok = false;
+    why = "no finite value compared (" + std::to_string(m.count) + " non-finite pairs)";
   }
   res.passed = ok;
   res.status = ok ? "pass" : "fail";
@@ -237,6 +245,13 @@ CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& q) {
     } else if (!cand.numeric) {
       res.status = "error";
       res.reason = "dtype " + cand.dtype + " is not a numeric output";
+      note_unusable(name + ": " + res.reason);
+    } else if (const auto bad = std::find_if(ref.values.begin(), ref.values.end(),
+                                             [](double v) { return !std::isfinite(v); });
+               bad != ref.values.end()) {
+      res.status = "error";
+      res.reason = "the golden holds a non-finite value (first at flat index " +
+                   std::to_string(bad - ref.values.begin()) + "): no verdict can be vouched for against it";
       note_unusable(name + ": " + res.reason);
     } else {
       apply_rule(res, cand.values, ref.values, rule);

@@ -1,5 +1,6 @@
 #include "k3ref/check/metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -21,15 +22,24 @@ double ulp_distance(num::Format format, double x, double ref) {
   return std::fabs(x - ref) / spacing;
 }
 
+PowerOfTwoScale PowerOfTwoScale::of(double largest) {
+  PowerOfTwoScale p;
+  if (!(largest > 0) || !std::isfinite(largest)) return p;
+  int e = 0;
+  (void)std::frexp(largest, &e);  // largest in [2^(e-1), 2^e)
+  const int half = -e / 2;
+  p.first = std::ldexp(1.0, half);
+  p.second = std::ldexp(1.0, -e - half);
+  return p;
+}
+
 Metrics compare(const std::vector<double>& candidate, const std::vector<double>& reference, num::Format format) {
   if (candidate.size() != reference.size())
     throw InvalidArgument("check::compare: candidate has " + std::to_string(candidate.size()) +
                           " elements, reference " + std::to_string(reference.size()));
   Metrics m;
   m.count = static_cast<std::int64_t>(candidate.size());
-  // Sums in long double would change with the platform; plain double with a fixed order
-  // keeps the figures reproducible.
-  double err_sq = 0, ref_sq = 0, floor_sq = 0;
+  double largest = 0;  // the largest finite magnitude compared, for the scale of the sums
   for (std::size_t i = 0; i < candidate.size(); ++i) {
     const double x = candidate[i], r = reference[i];
     m.candidate_nan += std::isnan(x);
@@ -42,10 +52,26 @@ Metrics compare(const std::vector<double>& candidate, const std::vector<double>&
       continue;
     }
     if (!x_finite) continue;
+    ++m.finite_pairs;
+    largest = std::max({largest, std::fabs(x), std::fabs(r)});
+    if (x == 0 && r == 0 && std::signbit(x) != std::signbit(r) && m.first_zero_sign_mismatch < 0)
+      m.first_zero_sign_mismatch = static_cast<std::int64_t>(i);
+  }
+  // Sums of squares of the values scaled by a power of two near the largest magnitude: squares
+  // of plain doubles overflow past 1e154 and vanish below 1e-154 (a decayed state), which would
+  // let any candidate pass. The scaling is exact wherever the plain sums were, so ordinary
+  // figures are unchanged. Sums in long double would change with the platform; plain double in
+  // a fixed order keeps the figures reproducible.
+  const PowerOfTwoScale scale = PowerOfTwoScale::of(largest);
+  double err_sq = 0, ref_sq = 0, floor_sq = 0;
+  for (std::size_t i = 0; i < candidate.size(); ++i) {
+    const double x = candidate[i], r = reference[i];
+    if (!std::isfinite(x) || !std::isfinite(r)) continue;
     const double diff = std::fabs(x - r);
-    err_sq += diff * diff;
-    ref_sq += r * r;
-    const double rounded = num::round_to(format, r) - r;
+    const double scaled_diff = scale(x) - scale(r), scaled_ref = scale(r);
+    err_sq += scaled_diff * scaled_diff;
+    ref_sq += scaled_ref * scaled_ref;
+    const double rounded = scale(num::round_to(format, r) - r);
     floor_sq += rounded * rounded;
     if (diff > m.max_abs || m.max_abs_index < 0) {
       m.max_abs = diff;
@@ -75,15 +101,23 @@ std::vector<double> rel_rms_by_window(const std::vector<double>& candidate, cons
   // No elements, no windows (a zero-element shape may still declare a huge extent); the
   // ceiling is formed without overflow for any window up to 2^63 - 1.
   const std::int64_t windows = n == 0 ? 0 : extent / window + (extent % window != 0);
-  std::vector<double> err(windows, 0.0), ref(windows, 0.0);
+  std::vector<double> err(windows, 0.0), ref(windows, 0.0), largest(windows, 0.0);
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t w = (i / inner) % extent / window;
-    const double diff = candidate[i] - reference[i];
+    largest[w] = std::max({largest[w], std::fabs(candidate[i]), std::fabs(reference[i])});
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t w = (i / inner) % extent / window;
+    const PowerOfTwoScale scale = PowerOfTwoScale::of(largest[w]);  // as in compare: no over- or underflow
+    const double diff = scale(candidate[i]) - scale(reference[i]), r = scale(reference[i]);
     err[w] += diff * diff;
-    ref[w] += reference[i] * reference[i];
+    ref[w] += r * r;
   }
   std::vector<double> out(windows);
-  for (std::int64_t w = 0; w < windows; ++w) out[w] = ref[w] > 0 ? std::sqrt(err[w] / ref[w]) : std::sqrt(err[w]);
+  for (std::int64_t w = 0; w < windows; ++w) {
+    // A window without a reference gives its error's RMS in units of the window's largest value.
+    out[w] = ref[w] > 0 ? std::sqrt(err[w] / ref[w]) : (err[w] > 0 ? std::numeric_limits<double>::infinity() : 0);
+  }
   return out;
 }
 

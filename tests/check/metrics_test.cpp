@@ -49,6 +49,38 @@ TEST(Metrics, NonFiniteValuesAreCountedAndTheFirstMismatchFound) {
   EXPECT_EQ(same.max_abs, 0);
 }
 
+// Magnitudes whose plain squares overflow or vanish: a negated or doubled candidate must still
+// be off by 200 % or 100 %, a wrong candidate against zeros infinitely so.
+TEST(Metrics, FiguresNeitherOverflowNorUnderflow) {
+  for (double magnitude : {1e-170, 1e-300, 4e-320, 1e160, 1e300}) {
+    const std::vector<double> ref = {magnitude, -magnitude / 2, magnitude / 4};
+    std::vector<double> negated, doubled;
+    for (double r : ref) {
+      negated.push_back(-r);
+      doubled.push_back(2 * r);
+    }
+    EXPECT_DOUBLE_EQ(compare(negated, ref, Format::bf16).rel_rms, 2.0) << magnitude;
+    EXPECT_DOUBLE_EQ(compare(doubled, ref, Format::bf16).rel_rms, 1.0) << magnitude;
+    EXPECT_EQ(compare(ref, ref, Format::bf16).rel_rms, 0.0) << magnitude;
+  }
+  const std::vector<double> zeros = {0, 0, 0};
+  EXPECT_EQ(compare({1e-300, 0, 0}, zeros, Format::bf16).rel_rms, std::numeric_limits<double>::infinity());
+  EXPECT_EQ(compare(zeros, zeros, Format::bf16).rel_rms, 0.0);
+  // The bf16 floor of a tiny golden: its rounding, not zero (bf16 has fp32's exponent range,
+  // so 1e-30 is normal there; 1e-170 rounds to 0 in bf16 and its floor is 100 %).
+  EXPECT_GT(compare({1e-30, 3e-30}, {1e-30, 3e-30}, Format::bf16).floor_rel_rms, 1e-4);
+  EXPECT_DOUBLE_EQ(compare({1e-170}, {1e-170}, Format::bf16).floor_rel_rms, 1.0);
+}
+
+TEST(Metrics, SignedZerosAndFinitePairsAreReported) {
+  const Metrics m = compare({0.0, -0.0, 1.0}, {0.0, 0.0, 1.0}, Format::fp32);
+  EXPECT_EQ(m.first_zero_sign_mismatch, 1);
+  EXPECT_EQ(m.max_abs, 0);
+  EXPECT_EQ(m.finite_pairs, 3);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_EQ(compare({nan, nan}, {nan, nan}, Format::fp32).finite_pairs, 0);
+}
+
 TEST(Metrics, ErrorByWindowLocalisesTheBadTokens) {
   // Shape [1, 4, 2]: tokens 0..3, window 2. Only token 3 is wrong.
   const std::vector<double> ref = {1, 1, 1, 1, 1, 1, 1, 1};

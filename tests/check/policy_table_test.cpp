@@ -200,6 +200,42 @@ Case recurrent_case(const std::string& policy) {
   return c;
 }
 
+// A golden holding NaN or Inf cannot vouch for anything (exit 2 under every rule); a candidate
+// whose pairs are all non-finite is not judged to pass; exact tells -0.0 from 0.0.
+TEST(Judgement, NonFiniteGoldensAndEmptyFiguresNeverPass) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (const char* policy : {"recurrent", "floor:2", "rel-rms:1e-3", "exact"}) {
+    Case c = recurrent_case(policy);
+    c.q.expected = {{"o", values({1, 1, 1, 2}, {nan, nan})}, {"final_state", values({1, 1, 1, 2}, {a, 1})}};
+    c.candidate = {{"o", values({1, 1, 1, 2}, {nan, nan})}, {"final_state", values({1, 1, 1, 2}, {a, 1})}};
+    const CaseJudgement j = c.judge();
+    EXPECT_EQ(j.exit_code, 2) << policy << ": " << j.reason;
+    EXPECT_NE(j.reason.find("the golden holds a non-finite value (first at flat index 0)"), std::string::npos)
+        << j.reason;
+  }
+  Case z = recurrent_case("exact");
+  z.q.expected = {{"o", values({1, 1, 1, 2}, {0.0, 1})}, {"final_state", values({1, 1, 1, 2}, {a, 1})}};
+  z.candidate = {{"o", values({1, 1, 1, 2}, {-0.0, 1})}, {"final_state", values({1, 1, 1, 2}, {a, 1})}};
+  const CaseJudgement j = z.judge();
+  EXPECT_EQ(j.exit_code, 1);
+  EXPECT_NE(z.at(j, "o").reason.find("0.0 against -0.0 at flat index 0"), std::string::npos) << z.at(j, "o").reason;
+}
+
+// A negated or doubled candidate against a golden of 1e-170 or 1e160 fails every rule.
+TEST(Judgement, TinyAndHugeGoldensAreJudgedLikeOrdinaryOnes) {
+  for (double magnitude : {1e-170, 1e160})
+    for (const char* policy : {"floor:2", "rel-rms:1e-3"})
+      for (double factor : {-1.0, 2.0}) {
+        Case c = recurrent_case(policy);
+        c.q.expected = {{"o", values({1, 1, 1, 2}, {magnitude, magnitude / 3})},
+                        {"final_state", values({1, 1, 1, 2}, {a, 1})}};
+        c.candidate = {{"o", values({1, 1, 1, 2}, {factor * magnitude, factor * magnitude / 3})},
+                       {"final_state", values({1, 1, 1, 2}, {a, 1})}};
+        const CaseJudgement j = c.judge();
+        EXPECT_EQ(j.exit_code, 1) << magnitude << " " << policy << " x" << factor << ": " << j.reason;
+      }
+}
+
 TEST(Judgement, FloorComesFromTheTableNotTheCandidatesDtype) {
   // An fp32 final state off by 2^-12 in its first element: 1/8 of the bf16 floor. Judged at
   // the fp32 floor (the candidate's dtype, zero here) it would fail every multiple.

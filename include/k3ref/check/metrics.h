@@ -23,7 +23,18 @@ struct Metrics {
   std::int64_t candidate_nan = 0, candidate_inf = 0;
   std::int64_t reference_nan = 0, reference_inf = 0;
   std::int64_t first_nonfinite_mismatch = -1;  // first index where finiteness differs
+  std::int64_t first_zero_sign_mismatch = -1;  // first index where one is +0.0 and the other -0.0
+  std::int64_t finite_pairs = 0;               // pairs where both are finite: what the figures cover
   double floor_rel_rms = 0;    // rel RMS of rounding the reference to the output format
+};
+
+// Multiplication by 2^-e, e the exponent of `largest` (so every value up to it lands in
+// [0, 1)), as two exact power-of-two factors applied in turn; the identity for 0 or a
+// non-finite `largest`. The Python judge (k3ref.policy) scales with the same two factors.
+struct PowerOfTwoScale {
+  double first = 1, second = 1;
+  static PowerOfTwoScale of(double largest);
+  double operator()(double x) const { return x * first * second; }
 };
 
 // Distance |x - ref| in ulps of `format` at ref: the spacing of the format around |ref|
