@@ -127,6 +127,7 @@ struct GoldenArgs {
   int jobs = default_jobs();
   bool quiet = false;
   bool force = false;
+  bool subset = false;  // verify: a subset suite (generate --only) is asked for
 };
 
 int golden_generate(const GoldenArgs& a) {
@@ -163,7 +164,20 @@ int golden_verify(const GoldenArgs& a) {
   }
   // A manifest that cannot be read or parsed is unusable input (exit 2, one line), not a
   // difference: nothing can be verified against it.
-  (void)golden::read_manifest(fs::path(a.dir) / "MANIFEST.json");
+  const golden::Manifest manifest = golden::read_manifest(fs::path(a.dir) / "MANIFEST.json");
+  const std::size_t suite_cases = golden::suite(manifest.suite).size();
+  // Verifying fewer cases than the suite holds passes only when asked for: a manifest marked
+  // as a subset (or cut down to one) must not make a folder of missing files "match".
+  if (manifest.subset && !a.subset) {
+    std::printf("golden verify: %s: MANIFEST.json marks a subset suite (%zu of the %zu cases of suite '%s'); "
+                "verifying a subset needs --subset\n",
+                io::printable(a.dir).c_str(), manifest.cases.size(), suite_cases, io::printable(manifest.suite).c_str());
+    return exit_fail;
+  }
+  if (manifest.cases.empty()) {
+    std::printf("golden verify: %s: MANIFEST.json lists no case: nothing to verify\n", io::printable(a.dir).c_str());
+    return exit_fail;
+  }
   const auto problems = golden::verify_suite(a.dir, options);
   for (const auto& p : problems)
     std::printf("DIFFERENT %s%s: %s\n", io::printable(p.file).c_str(),
@@ -172,8 +186,11 @@ int golden_verify(const GoldenArgs& a) {
     std::printf("golden verify: %zu problem(s) in %s\n", problems.size(), io::printable(a.dir).c_str());
     return exit_fail;
   }
-  std::printf("golden verify: every file in %s matches the %s\n", io::printable(a.dir).c_str(),
-              a.generated.empty() ? "regenerated suite" : ("suite in " + io::printable(a.generated)).c_str());
+  std::printf("golden verify: every file in %s matches the %s (%s)\n", io::printable(a.dir).c_str(),
+              a.generated.empty() ? "regenerated suite" : ("suite in " + io::printable(a.generated)).c_str(),
+              manifest.subset ? ("a subset: " + std::to_string(manifest.cases.size()) + " of " +
+                                 std::to_string(suite_cases) + " cases").c_str()
+                              : (std::to_string(manifest.cases.size()) + " cases").c_str());
   return exit_ok;
 }
 
@@ -459,6 +476,8 @@ int run(int argc, const char* const* argv, bool execute) {
                   "Compare with a suite already generated into this directory instead of regenerating");
   add_integer_option(ver, "--jobs,-j", golden_args.jobs, 1, max_threads, "Cases regenerated in parallel");
   ver->add_flag("--quiet,-q", golden_args.quiet, "No progress lines");
+  ver->add_flag("--subset", golden_args.subset,
+                "Accept a subset suite (written by generate --only): verify only the cases its manifest lists");
   CLI::App* lst = golden_cmd->add_subcommand("list", "List the cases of a suite with their parameters");
   lst->add_option("--suite", golden_args.suite, "Suite name")->capture_default_str();
 

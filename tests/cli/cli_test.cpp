@@ -315,8 +315,23 @@ TEST(CliHostile, GoldenGenerateNeverDestroysFilesItDidNotWrite) {
   const golden::Manifest subset = golden::read_manifest(dir / "subset" / "MANIFEST.json");
   EXPECT_TRUE(subset.subset);
   ASSERT_EQ(subset.cases.size(), 1u);
-  const CommandResult verify = k3ref("golden verify -q --dir " + (dir / "subset").string());
+  const CommandResult verify = k3ref("golden verify -q --subset --dir " + (dir / "subset").string());
   EXPECT_EQ(verify.code, 0) << verify.out;
+  EXPECT_NE(verify.out.find("(a subset: 1 of "), std::string::npos) << verify.out;
+  // Without --subset a subset suite does not verify: fewer cases than the suite holds.
+  const CommandResult unasked = k3ref("golden verify -q --dir " + (dir / "subset").string());
+  EXPECT_EQ(unasked.code, 1) << unasked.out;
+  EXPECT_NE(unasked.out.find("verifying a subset needs --subset"), std::string::npos) << unasked.out;
+  // A subset manifest listing nothing verifies nothing, and says so, --subset or not.
+  {
+    nlohmann::json m = nlohmann::json::parse(slurp(dir / "subset" / "MANIFEST.json"));
+    m["cases"] = nlohmann::json::array();
+    fs::create_directories(dir / "empty");
+    std::ofstream(dir / "empty" / "MANIFEST.json") << m.dump();
+    const CommandResult empty = k3ref("golden verify -q --subset --dir " + (dir / "empty").string());
+    EXPECT_EQ(empty.code, 1) << empty.out;
+    EXPECT_NE(empty.out.find("lists no case: nothing to verify"), std::string::npos) << empty.out;
+  }
   // With --force the user's directory is written.
   EXPECT_EQ(k3ref("golden generate -q --only kda_t1 --force --out " + (dir / "mine").string()).code, 0);
   EXPECT_EQ(slurp(dir / "mine" / "kda_t1.safetensors"), slurp(golden("kda_t1")));
