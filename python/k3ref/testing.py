@@ -14,6 +14,7 @@ and the reason. An unknown policy or operator raises ValueError.
 import torch
 
 from . import policy as _policy
+from .policy import _unravel
 
 # Axis names of each tensor by its golden name (docs/conventions.md layouts).
 _TOKEN = ("batch", "token", "head", "channel")
@@ -55,31 +56,56 @@ def _line(r, layout):
     line = f"{r.tensor}: {r.reason or r.status}"
     if r.status in ("missing", "unknown", "error"):
         return line
+    if r.first_nonfinite_mismatch >= 0:  # the figure is over the finite pairs only: name the NaN/Inf instead
+        at = _unravel(r.first_nonfinite_mismatch, r.shape)
+        return (f"{line}; {r.candidate_nan} NaN and {r.candidate_inf} Inf in the candidate, the first mismatch at "
+                f"{format_index(r.tensor, at, layout)}")
     line += f" [{r.metric}: figure {r.figure:.3e}, bound {r.bound:.3e}]"
-    if r.worst_index:
+    if r.worst_index and r.max_abs > 0:
         line += (f"; worst element at {format_index(r.tensor, r.worst_index, layout)}: candidate "
                  f"{r.candidate_value!r}, golden {r.golden_value!r} (abs error {r.max_abs:.3e})")
-    if r.candidate_nan or r.candidate_inf:
-        line += f"; {r.candidate_nan} NaN and {r.candidate_inf} Inf in the candidate"
     return line
 
 
-def assert_kda_close(actual, expected_or_case, policy="floor:2", *, op=None, tensors=None, name="o", msg=None,
+# FLA's KDA functions return (o, final_state); a tuple or list is read in that order.
+RETURN_ORDER = ("o", "final_state")
+
+
+def _recommended_policy(case):
+    """The one policy a golden case recommends for its outputs ("floor:2" for plain tensors)."""
+    named = set((getattr(case, "recommended_policies", None) or {}).values())
+    if not named:
+        return "floor:2"
+    if len(named) > 1:
+        raise ValueError(f"assert_kda_close: the golden recommends {len(named)} policies ({', '.join(sorted(named))}); "
+                         "pass policy= to name one")
+    return named.pop()
+
+
+def assert_kda_close(actual, expected_or_case, policy="recommended", *, op=None, tensors=None, name="o", msg=None,
                      table=None):
     """Judges `actual` against a golden and raises AssertionError unless every judged
     tensor passes.
 
-    actual            {name: tensor} (any float dtype, any device), or one tensor (named `name`)
+    actual            {name: tensor} (any float dtype, any device), one tensor (named `name`), or
+                      a tuple in FLA's return order (o, final_state); None entries are left out
     expected_or_case  a golden case (k3ref.goldens.GoldenCase, or any object with .op,
                       .expected and .tensors), or {name: tensor} / one tensor of expected
                       values (then `op`, the golden operator such as "kda.recurrent", is required)
-    policy            a policy of the table ("recurrent", "chunk", ...) or "exact",
-                      "floor:<m>", "rel-rms:<r>"
+    policy            "recommended" (default: the policy the golden recommends for its outputs,
+                      k3ref.policies; with plain expected tensors, "floor:2"), a policy of
+                      the table ("recurrent", "chunk", ...) or "exact", "floor:<m>", "rel-rms:<r>"
     tensors           judge only these outputs (each then required); default every output
     msg               replaces the first line of the failure message
     Returns the k3ref.policy.Verdict on success."""
+    __tracebackhide__ = True  # pytest shows the caller's line, not this function's
     if isinstance(actual, torch.Tensor):
         actual = {name: actual}
+    elif isinstance(actual, (tuple, list)):
+        if len(actual) > len(RETURN_ORDER):
+            raise TypeError(f"assert_kda_close: a tuple of actual outputs is read as {RETURN_ORDER} (FLA's order); "
+                            f"got {len(actual)} items")
+        actual = {n: t for n, t in zip(RETURN_ORDER, actual) if t is not None}
     if not hasattr(actual, "keys"):
         raise TypeError(f"assert_kda_close: actual must be a tensor or a mapping of names to tensors, not "
                         f"{type(actual).__name__}")
@@ -99,6 +125,8 @@ def assert_kda_close(actual, expected_or_case, policy="floor:2", *, op=None, ten
             raise ValueError("assert_kda_close: pass op= (the golden operator, e.g. 'kda.recurrent') with "
                              "expected tensors that are not a golden case")
         known = []
+    if policy == "recommended":
+        policy = _recommended_policy(case)
     verdict = _policy.judge(expected, actual, op, policy, tensors=tensors, known=known, table=table)
     if verdict.passed:
         return verdict

@@ -58,7 +58,20 @@ def test_nan_is_reported(case):
     cand["final_state"][1, 0, 2, 3] = float("nan")
     with pytest.raises(AssertionError) as info:
         assert_kda_close(cand, case, policy="recurrent")
-    assert "final_state: " in str(info.value) and "1 NaN" in str(info.value)
+    text = str(info.value)
+    assert "final_state: " in text and "1 NaN and 0 Inf in the candidate" in text
+    assert "the first mismatch at (sequence 1, head 0, k 2, v 3)" in text
+    assert "worst element" not in text  # no figure over the finite pairs passed off as the worst
+
+
+def test_defaults_to_the_recommended_policy_and_takes_fla_tuples(case):
+    cand = rounded(case)
+    assert assert_kda_close((cand["o"], cand["final_state"]), case).policy == case.recommended_policies["o"]
+    assert assert_kda_close(cand, case, policy="recommended").passed
+    with pytest.raises(AssertionError, match="final_state"):
+        assert_kda_close((cand["o"], -cand["final_state"]), case)
+    with pytest.raises(TypeError, match="FLA's order"):
+        assert_kda_close((cand["o"], cand["final_state"], cand["o"]), case)
 
 
 def test_shape_mismatch_fails(case):
