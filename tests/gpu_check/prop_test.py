@@ -39,14 +39,15 @@ SEED = 20261130
 
 
 def replay(cmd):
-    """Runs a printed replay command (PYTHONPATH=... python3 -m k3ref.gpu_check ...) with this interpreter."""
+    """Runs a printed replay command (PYTHONPATH=... <interpreter> -m k3ref.gpu_check ...) as printed: it
+    names the running interpreter, not whatever `python3` is first on PATH."""
     words = shlex.split(cmd)
     env = dict(os.environ)
     while "=" in words[0]:
         key, _, value = words.pop(0).partition("=")
         env[key] = value
-    assert words[0] == "python3", cmd
-    return subprocess.run([sys.executable] + words[1:], env=env, capture_output=True, text=True, timeout=120)
+    assert words[0] == sys.executable, cmd
+    return subprocess.run(words, env=env, capture_output=True, text=True, timeout=120)
 
 
 class WrongKernels(unittest.TestCase):

@@ -23,7 +23,9 @@ import json
 import math
 import os
 import random
+import shlex
 import struct
+import sys
 import time
 from pathlib import Path
 
@@ -281,8 +283,13 @@ def _env_prefix():
     return f"PYTHONPATH={python_path()}" + (f" K3REF_CORE_PATH={core}" if core else "")
 
 
+def _interpreter():
+    """The running interpreter, quoted for a shell: a replay must use the Python that has k3ref."""
+    return shlex.quote(sys.executable or "python3")
+
+
 def replay_command(path, adapter_name, extra=""):
-    return f"{_env_prefix()} python3 -m k3ref.gpu_check prop --kernel '{adapter_name}' --replay {path}{extra}"
+    return f"{_env_prefix()} {_interpreter()} -m k3ref.gpu_check prop --kernel '{adapter_name}' --replay {path}{extra}"
 
 
 # --------------------------------------------------------------------------- golden files
@@ -443,7 +450,7 @@ def main(args):
     buckets, share, bucket_flags = warmup.prop_prepare(args, adapter, fixed_for(adapter))  # shapes.py
     flags += bucket_flags
     print(f"prop: kernel {adapter.name}, {args.examples} examples, T <= {args.max_T}, seed {seed}", flush=True)
-    print(f"replay the whole run: {_env_prefix()} python3 -m k3ref.gpu_check prop "
+    print(f"replay the whole run: {_env_prefix()} {_interpreter()} -m k3ref.gpu_check prop "
           f"--kernel '{adapter.name}' --examples {args.examples} --max-T {args.max_T} --seed {seed}{flags}", flush=True)
     res = property_run(adapter, args.examples, seed, args.max_T, args.out, args.device, buckets=buckets,
                        outside_share=share)
