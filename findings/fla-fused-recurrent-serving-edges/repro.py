@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Standalone reproductions (PyTorch and FLA only, no k3ref) of what FLA's fused_recurrent_kda
 does at the edges of its serving arguments, as read from fla/ops/kda/fused_recurrent.py
-(docs/serving.md). Each prints what it observed and whether that matches the prediction.
+(docs/serving.md). Each prints what it observed and whether that matches the prediction; the script exits 1
+while any predicted defect is present, 0 once none is.
 Needs a CUDA device and FLA (set K3REF_FLA_PATH to a checkout); exit 77 otherwise.
 Not part of the CPU test suite. Usage: K3REF_FLA_PATH=<dir holding fla> python3 repro.py
 """
@@ -16,6 +17,10 @@ except ImportError:
 if not torch.cuda.is_available():
     print("no CUDA device: skipped")
     sys.exit(77)
+# FLA's own Triton kernels, not a backend it may dispatch to (as the other FLA findings).
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+os.environ.setdefault("FLA_TILELANG", "0")
 if os.environ.get("K3REF_FLA_PATH"):
     sys.path.insert(0, os.environ["K3REF_FLA_PATH"])
 try:
@@ -38,8 +43,13 @@ def tokens(T):
     return q, k, v, g, beta
 
 
+REPRODUCED = []  # the defects seen as predicted: the exit code is 1 while any is present
+
+
 def report(name, predicted, observed):
     print(f"[{'as predicted' if observed else 'NOT as predicted'}] {name}: {predicted}")
+    if observed:
+        REPRODUCED.append(name)
 
 
 # 1. num_accepted_tokens = 0 reads the previous row's last entry (the neighbour's slot).
@@ -98,3 +108,6 @@ o_public, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool.clone(), 
 o_plain, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool.clone(), cu_seqlens=torch.tensor([0, 1, 2], device=dev))
 report("public wrapper", "ssm_state_indices is silently ignored (outputs equal those without it)",
        torch.equal(o_public, o_plain))
+
+print(f"{len(REPRODUCED)} of 5 defects present" + (f": {', '.join(REPRODUCED)}" if REPRODUCED else ""))
+sys.exit(1 if REPRODUCED else 0)

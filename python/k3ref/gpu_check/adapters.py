@@ -30,9 +30,11 @@ K3REF_TORCHTITAN_PATH, and K3GC_LIB for libk3gc.so.
 Adapters are pickled into the child process that runs their checks (isolation.py): keep
 their state picklable before load() (module-level classes and functions, no lambdas).
 """
+import hashlib
 import importlib
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -214,11 +216,87 @@ def _need_cuda():
         raise RuntimeError("no CUDA device")
 
 
+def _git_commit(start):
+    """The commit checked out in the git work tree holding `start` (read from .git's files, no
+    git command), or None."""
+    for d in [start, *start.parents][:6]:
+        git = d / ".git"
+        try:
+            if git.is_file():  # a worktree or submodule: "gitdir: <path>"
+                git = (d / git.read_text(errors="replace").strip().partition("gitdir:")[2].strip()).resolve()
+            if not git.is_dir():
+                continue
+            head = (git / "HEAD").read_text().strip()
+            if not head.startswith("ref:"):
+                return head[:40]
+            ref = head.partition("ref:")[2].strip()
+            bases = [git]
+            if (git / "commondir").is_file():  # a worktree keeps its refs in the main .git
+                bases.append((git / (git / "commondir").read_text().strip()).resolve())
+            for base in bases:
+                if (base / ref).is_file():
+                    return (base / ref).read_text().strip()[:40]
+                if (base / "packed-refs").is_file():
+                    for line in (base / "packed-refs").read_text().splitlines():
+                        if line.endswith(" " + ref):
+                            return line.split()[0][:40]
+        except OSError:
+            return None
+    return None
+
+
+_SOURCE_IDENTITY = {}
+
+
+def source_identity(mod):
+    """Which source a kernel module is: 'git <commit>' of the checkout it lies in, else
+    'files sha256:<12 hex>' over its package's .py files (relative paths and contents), so that
+    two trees of one package version months apart are told apart in every report."""
+    where = Path(getattr(mod, "__file__", "") or "").resolve().parent
+    if where in _SOURCE_IDENTITY:
+        return _SOURCE_IDENTITY[where]
+    commit = _git_commit(where) if where.name else None
+    if commit:
+        ident = f"git {commit}"
+    else:
+        h = hashlib.sha256()
+        for f in sorted(where.rglob("*.py")):
+            h.update(str(f.relative_to(where)).encode() + b"\0" + f.read_bytes() + b"\0")
+        ident = f"files sha256:{h.hexdigest()[:12]}"
+    _SOURCE_IDENTITY[where] = ident
+    return ident
+
+
 def _module_version(name):
     mod = sys.modules.get(name)
-    version = getattr(mod, "__version__", "") if mod else ""
-    where = getattr(mod, "__file__", "") if mod else ""
-    return f"{name} {version or '(no __version__)'} from {where}" if mod else ""
+    if not mod:
+        return ""
+    version = getattr(mod, "__version__", "")
+    where = getattr(mod, "__file__", "")
+    try:
+        ident = source_identity(mod)
+    except OSError as e:
+        ident = f"source not identified ({e.strerror})"
+    return f"{name} {version or '(no __version__)'} from {where}, {ident}"
+
+
+# FLA may dispatch chunk_kda to another backend (FlashKDA, TileLang) by environment: pinned so
+# that an adapter named after FLA's Triton kernel runs that kernel (the findings scripts pin the
+# same). Recorded in every FLA adapter's version line.
+FLA_DISPATCH = {"FLA_DISABLE_BACKEND_DISPATCH": "1", "FLA_FLASH_KDA": "0", "FLA_TILELANG": "0"}
+
+
+def load_fla(path):
+    """Pins FLA_DISPATCH, puts `path` (a directory holding the fla package; None: the installed
+    one) first on sys.path, and imports fla.ops.kda."""
+    os.environ.update(FLA_DISPATCH)
+    _add_path(path)
+    return importlib.import_module("fla.ops.kda")
+
+
+def fla_version():
+    pins = ", ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in FLA_DISPATCH)
+    return f"{_module_version('fla')}; {pins}"
 
 
 def fla_option_kwargs(inputs, params):
@@ -273,11 +351,10 @@ class FlaAdapter(KdaAdapter):
 
     def load(self):
         _need_cuda()
-        _add_path(_env_path("K3REF_FLA_PATH", FlaAdapter.fla_path))
-        self.fn = getattr(importlib.import_module("fla.ops.kda"), self.variant)
+        self.fn = getattr(load_fla(_env_path("K3REF_FLA_PATH", FlaAdapter.fla_path)), self.variant)
 
     def version(self):
-        return _module_version("fla")
+        return fla_version()
 
     def unsupported(self, params, s):
         if s["K"] > 256:

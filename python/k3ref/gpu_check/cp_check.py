@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapters import Adapter, _add_path, _env_path, _module_version, _need_cuda, fla_option_kwargs
+from .adapters import Adapter, _env_path, _need_cuda, fla_option_kwargs, fla_version, load_fla
 from .checks import CheckResult
 
 FORWARD_OP = "kcp.context_parallel"
@@ -464,15 +464,14 @@ class FlaCpAdapter(TorchCpAdapter):
         _need_cuda()
         if torch.cuda.device_count() < self.ranks:
             raise RuntimeError(f"needs {self.ranks} CUDA devices (one per rank); this host has {torch.cuda.device_count()}")
-        _add_path(_env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))
+        load_fla(_env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))
         import fla.ops.cp  # noqa: F401
-        import fla.ops.kda  # noqa: F401
 
     def version(self):
-        return _module_version("fla")
+        return fla_version()
 
     def rank_device(self, rank):
-        _add_path(_env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))  # a spawned rank imports fla itself
+        load_fla(_env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))  # a spawned rank imports fla itself
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
 

@@ -47,7 +47,8 @@ import torch
 
 from .. import goldens as golden_io
 from . import reference
-from .adapters import Adapter, _add_path, _env_path, _module_version, _need_cuda, fla_option_kwargs
+from .adapters import (Adapter, _env_path, _module_version, _need_cuda, fla_option_kwargs, fla_version,
+                       load_fla)
 from .checks import CheckResult
 
 PAD = -1
@@ -723,7 +724,7 @@ class FlaServingAdapter(ServingAdapter):
 
     def load(self):
         _need_cuda()
-        _add_path(_env_path("K3REF_FLA_PATH", FlaServingAdapter.fla_path))
+        load_fla(_env_path("K3REF_FLA_PATH", FlaServingAdapter.fla_path))
         import importlib
 
         mod = importlib.import_module("fla.ops.kda.fused_recurrent")
@@ -731,7 +732,7 @@ class FlaServingAdapter(ServingAdapter):
         self.plain = mod.fused_recurrent_kda
 
     def version(self):
-        return _module_version("fla")
+        return fla_version()
 
     @staticmethod
     def _kw(inputs, params):
@@ -793,13 +794,10 @@ class FlaChunkIntermediateAdapter(ServingAdapter):
 
     def load(self):
         _need_cuda()
-        _add_path(_env_path("K3REF_FLA_PATH", FlaChunkIntermediateAdapter.fla_path))
-        import importlib
-
-        self.fn = importlib.import_module("fla.ops.kda").chunk_kda
+        self.fn = load_fla(_env_path("K3REF_FLA_PATH", FlaChunkIntermediateAdapter.fla_path)).chunk_kda
 
     def version(self):
-        return _module_version("fla")
+        return fla_version()
 
     def varlen(self, inputs, params):
         o, final = self.fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
