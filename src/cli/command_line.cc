@@ -145,6 +145,14 @@ int golden_generate(const GoldenArgs& a) {
   // Before any computing: the directory must take the suite without losing a file that
   // k3ref did not write, and --only never shrinks a manifest that lists more cases.
   golden::check_suite_output(a.out, cases, subset, a.force);
+  // One generate at a time per directory: a second one refuses at once instead of interleaving
+  // its files and manifest with the first's. Under the lock, the directory is checked again
+  // and the temporaries of an interrupted earlier run are removed (nobody else holds them).
+  std::error_code ec;
+  fs::create_directories(a.out, ec);
+  const io::DirectoryLock lock(a.out, "golden generate: --out");
+  golden::check_suite_output(a.out, cases, subset, a.force);
+  golden::remove_own_temporaries(a.out, cases);
   const auto start = std::chrono::steady_clock::now();
   const auto generated = golden::generate_cases(cases, a.jobs, a.quiet ? golden::Progress{} : stderr_progress());
   golden::write_suite(a.out, a.suite, generated, subset);
@@ -371,8 +379,12 @@ void print_judgement(const CompareArgs& a, const check::CaseJudgement& j, const 
 
 int compare_command(const CompareArgs& a) {
   // Report paths are checked before anything is read or judged (io/file.h's rules).
+  // Outputs never overwrite an input (the policy table included) or each other.
+  std::vector<fs::path> inputs{fs::path(a.golden), fs::path(a.candidate)};
+  if (!a.policy_table.empty()) inputs.emplace_back(a.policy_table);
   for (const auto& [path, option] : {std::pair{&a.json, "--json"}, {&a.junit, "--junit"}})
-    if (!path->empty()) io::check_output_path(*path, io::OutputCheck{{fs::path(a.golden), fs::path(a.candidate)}, false, option});
+    if (!path->empty()) io::check_output_path(*path, io::OutputCheck{inputs, false, option});
+  io::check_distinct_outputs({{fs::path(a.json), "--json"}, {fs::path(a.junit), "--junit"}});
   std::string op, case_name = fs::path(a.golden).stem().string();
   try {
     std::optional<check::PolicyTable> loaded;

@@ -1,14 +1,18 @@
-// The thread pool is Boost.Asio's thread_pool (threads started and joined by the library);
-// what is ours is only the shared item counter and the deterministic choice of exception.
+// The pool is std::thread, started one thread at a time: Boost.Asio's thread_pool starts all
+// of its threads in its constructor, and when the system refuses one (an address-space or
+// process limit) it threw with the started ones still waiting and deadlocked joining them.
+// Started one by one, a refused thread only means fewer helpers: the caller's thread drains
+// the items too, so the run completes with the threads it got. What is ours beyond that is
+// the shared item counter and the deterministic choice of exception.
 #include "k3ref/exec/parallel.h"
 
 #include <algorithm>
 #include <atomic>
 #include <exception>
 #include <mutex>
-
-#include <boost/asio/post.hpp>
-#include <boost/asio/thread_pool.hpp>
+#include <system_error>
+#include <thread>
+#include <vector>
 
 #include "k3ref/num/scalar.h"
 
@@ -33,17 +37,20 @@ void parallel_for(std::int64_t count, int threads, const std::function<void(std:
       }
     }
   };
-  if (n == 1) {
-    drain();
-  } else {
-    boost::asio::thread_pool pool(static_cast<std::size_t>(n));
-    for (std::int64_t t = 0; t < n; ++t)
-      boost::asio::post(pool, [&] {
+  std::vector<std::thread> helpers;
+  helpers.reserve(static_cast<std::size_t>(n - 1));
+  for (std::int64_t t = 1; t < n; ++t) {
+    try {
+      helpers.emplace_back([&] {
         drain();
         num::release_thread_caches();
       });
-    pool.join();
+    } catch (const std::system_error&) {
+      break;  // the system gives no more threads: the ones running, and this one, do all items
+    }
   }
+  drain();
+  for (std::thread& h : helpers) h.join();
   if (failure) std::rethrow_exception(failure);
 }
 

@@ -214,6 +214,28 @@ std::string manifest_text(const std::string& suite_name, const std::vector<Gener
   return manifest.dump(2) + "\n";
 }
 
+namespace {
+
+// The files a suite of `cases` writes into a directory that lists `listed`, and MANIFEST.json.
+std::set<std::string> listed_files_and(const std::map<std::string, const ManifestEntry*>& listed,
+                                       const std::vector<Case>& cases) {
+  std::set<std::string> files{"MANIFEST.json"};
+  for (const auto& [file, entry] : listed) files.insert(file);
+  for (const Case& c : cases) files.insert(file_name_of(c));
+  return files;
+}
+
+// "<file>.tmp.<pid>.<hex>" (or an earlier version's "<file>.tmp.<pid>") of one of `files`.
+bool is_own_temporary(const std::string& name, const std::set<std::string>& files) {
+  std::string target;
+  if (io::is_temporary_name(name, &target)) return files.count(target) > 0;
+  const std::size_t tmp = name.rfind(".tmp.");
+  return tmp != std::string::npos && tmp + 5 < name.size() &&
+         name.find_first_not_of("0123456789", tmp + 5) == std::string::npos && files.count(name.substr(0, tmp)) > 0;
+}
+
+}  // namespace
+
 void check_suite_output(const fs::path& dir, const std::vector<Case>& cases, bool subset, bool force) {
   const std::string where = "golden generate: --out " + io::printable(dir.string());
   auto refuse = [&](const std::string& rule) { throw FileError(where + ": " + rule); };
@@ -256,11 +278,8 @@ void check_suite_output(const fs::path& dir, const std::vector<Case>& cases, boo
   for (const auto& item : fs::directory_iterator(dir)) {
     const std::string name = item.path().filename().string();
     if (name == "MANIFEST.json") continue;
-    // A temporary file of an interrupted k3ref write: "<file>.tmp.<pid>".
-    const std::size_t tmp = name.rfind(".tmp.");
-    if (tmp != std::string::npos && tmp + 5 < name.size() &&
-        name.find_first_not_of("0123456789", tmp + 5) == std::string::npos && listed.count(name.substr(0, tmp)))
-      continue;
+    // A temporary of an interrupted k3ref write of this suite: removed before writing.
+    if (is_own_temporary(name, listed_files_and(listed, cases))) continue;
     const auto it = listed.find(name);
     const std::string file = io::excerpt(name);
     if (it == listed.end())
@@ -279,6 +298,27 @@ void check_suite_output(const fs::path& dir, const std::vector<Case>& cases, boo
     if (io::sha256_hex(bytes) != it->second->sha256)
       refuse(file + " differs from the sha256 in MANIFEST.json (edited since k3ref wrote it); --force overwrites it");
   }
+}
+
+std::size_t remove_own_temporaries(const fs::path& dir, const std::vector<Case>& cases) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return 0;
+  std::map<std::string, const ManifestEntry*> listed;
+  std::optional<Manifest> existing;
+  try {
+    existing = read_manifest(dir / "MANIFEST.json");
+  } catch (const std::exception&) {
+  }
+  if (existing)
+    for (const ManifestEntry& e : existing->cases) listed[e.file] = &e;
+  const std::set<std::string> files = listed_files_and(listed, cases);
+  std::size_t removed = 0;
+  for (const auto& item : fs::directory_iterator(dir)) {
+    const std::string name = item.path().filename().string();
+    if (is_own_temporary(name, files) && !item.is_symlink(ec) && item.is_regular_file(ec) && fs::remove(item.path(), ec))
+      ++removed;
+  }
+  return removed;
 }
 
 void write_suite(const fs::path& dir, const std::string& suite_name, const std::vector<GeneratedCase>& generated,

@@ -62,6 +62,11 @@ std::string manifest_text(const std::string& suite_name, const std::vector<Gener
 //   refused even with `force`: a subset suite goes into a directory of its own.
 void check_suite_output(const std::filesystem::path& dir, const std::vector<Case>& cases, bool subset, bool force);
 
+// Removes the temporaries an interrupted generate of `cases` into `dir` left behind
+// ("<file>.tmp.<pid>.<hex>" of a case file or MANIFEST.json); returns how many. Call it while
+// holding the directory's lock (io::DirectoryLock), so that no live writer owns them.
+std::size_t remove_own_temporaries(const std::filesystem::path& dir, const std::vector<Case>& cases);
+
 // Writes each file atomically, then MANIFEST.json.
 void write_suite(const std::filesystem::path& dir, const std::string& suite_name,
                  const std::vector<GeneratedCase>& generated, bool subset = false);

@@ -1,10 +1,13 @@
 #include "k3ref/io/file.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <random>
 #include <cstring>
 #include <optional>
 
@@ -196,6 +199,13 @@ void check_output_path(const std::filesystem::path& path, const OutputCheck& che
   if (::access(directory.c_str(), W_OK | X_OK) != 0)
     refuse("directory " + printable(directory.string()) + " is not writable: " + errno_text(errno));
 
+  // Every write goes through "<name>.tmp.<pid>.<random>": refuse now, before any work, a name
+  // whose temporary would exceed the file system's limit on a name.
+  const std::size_t name_bytes = path.filename().string().size();
+  if (name_bytes + max_temporary_suffix_bytes > max_name_bytes)
+    refuse("the name has " + std::to_string(name_bytes) + " bytes; k3ref writes it through a temporary of up to " +
+           std::to_string(name_bytes + max_temporary_suffix_bytes) + ", beyond the " + std::to_string(max_name_bytes) +
+           "-byte limit on a name");
   if (::lstat(path.c_str(), &status) != 0) {
     if (errno == ENOENT) return;  // a new file
     refuse("cannot stat: " + errno_text(errno));
@@ -214,6 +224,56 @@ void check_output_path(const std::filesystem::path& path, const OutputCheck& che
     if (::stat(input.c_str(), &input_status) == 0 && input_status.st_dev == target.st_dev &&
         input_status.st_ino == target.st_ino)
       refuse("is the input " + printable(input.string()) + "; writing would overwrite it (--force does)");
+  }
+}
+
+void check_distinct_outputs(const std::vector<std::pair<std::filesystem::path, std::string>>& outputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i)
+    for (std::size_t j = i + 1; j < outputs.size(); ++j) {
+      const auto& [a, a_option] = outputs[i];
+      const auto& [b, b_option] = outputs[j];
+      if (a.empty() || b.empty()) continue;
+      struct ::stat sa, sb;
+      const bool same_file = ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev &&
+                             sa.st_ino == sb.st_ino;
+      if (same_file || std::filesystem::absolute(a).lexically_normal() == std::filesystem::absolute(b).lexically_normal())
+        throw FileError(a_option + " " + printable(a.string()) + " and " + b_option + " " + printable(b.string()) +
+                        " name the same file: one would replace the other");
+    }
+}
+
+std::string temporary_name_for(const std::filesystem::path& target) {
+  static thread_local std::mt19937_64 random(std::random_device{}() ^ static_cast<std::uint64_t>(::getpid()));
+  char suffix[32];
+  std::snprintf(suffix, sizeof suffix, ".tmp.%ld.%08llx", static_cast<long>(::getpid()),
+                static_cast<unsigned long long>(random() & 0xffffffffull));
+  return target.string() + suffix;
+}
+
+bool is_temporary_name(std::string_view name, std::string* target) {
+  // "<target>.tmp.<pid>.<8 hex>"
+  const std::size_t at = name.rfind(".tmp.");
+  if (at == std::string_view::npos || at == 0) return false;
+  const std::string_view rest = name.substr(at + 5);
+  const std::size_t dot = rest.find('.');
+  if (dot == std::string_view::npos || dot == 0 || rest.size() - dot - 1 != 8) return false;
+  const std::string_view pid = rest.substr(0, dot), hex = rest.substr(dot + 1);
+  if (pid.find_first_not_of("0123456789") != std::string_view::npos ||
+      hex.find_first_not_of("0123456789abcdef") != std::string_view::npos)
+    return false;
+  if (target) *target = std::string(name.substr(0, at));
+  return true;
+}
+
+DirectoryLock::DirectoryLock(const std::filesystem::path& directory, const std::string& what)
+    : fd_(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) {
+  if (fd_.get() < 0) throw FileError(what + " " + printable(directory.string()) + ": cannot open: " + errno_text(errno));
+  if (::flock(fd_.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int error_number = errno;
+    throw FileError(what + " " + printable(directory.string()) +
+                    (error_number == EWOULDBLOCK ? ": another k3ref is writing there now (it holds the directory's "
+                                                   "lock); wait for it, or write elsewhere"
+                                                 : ": cannot lock: " + errno_text(error_number)));
   }
 }
 

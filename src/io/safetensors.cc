@@ -364,14 +364,20 @@ std::string errno_text(int error_number) { return std::strerror(error_number); }
 
 void write_all_atomic(const std::filesystem::path& path, std::span<const std::uint8_t> bytes, const char* caller) {
   const std::string target = path.string();
-  const std::string temporary = target + ".tmp." + std::to_string(::getpid());
+  std::string temporary = temporary_name_for(path);
   const auto fail = [&](const std::string& step, int error_number, bool remove_temporary) {
     if (remove_temporary) ::unlink(temporary.c_str());
     throw FileError(std::string(caller) + ": cannot write " + one_line(target) + ": " + step + ": " +
                     errno_text(error_number));
   };
 
-  FileDescriptor fd(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0666));
+  // A fresh name, created exclusively: never a file, link or FIFO someone placed at the name.
+  FileDescriptor fd;
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    fd = FileDescriptor(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666));
+    if (fd.get() >= 0 || errno != EEXIST) break;
+    temporary = temporary_name_for(path);
+  }
   if (fd.get() < 0) fail("cannot create temporary file " + one_line(temporary), errno, false);
   std::size_t written = 0;
   while (written < bytes.size()) {

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "golden/suite.h"
+#include "k3ref/io/file.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/num/float_format.h"
 #include "k3ref/tensor/convert.h"
@@ -270,6 +271,53 @@ TEST(CliHostile, KdaChecksItsOutputBeforeComputingAndNeverDestroysAnother) {
   EXPECT_EQ(forced.code, 0) << forced.out;
   EXPECT_NE(io::read_safetensors(in).find("o"), nullptr);
   EXPECT_EQ(io::read_safetensors(in).find("q"), nullptr);
+}
+
+// Every write is safe: no output is an input (the policy table included) or another output,
+// a name too long for its temporary is refused before any work, and a write goes through a
+// fresh temporary created exclusively.
+TEST(CliHostile, OutputsNeverReplaceInputsOrEachOther) {
+  const fs::path dir = fresh_dir("outputs");
+  const fs::path table = dir / "t.json";
+  fs::copy_file(test::source_root() / "policy" / "policies.json", table);
+  const std::string original = slurp(table);
+  const std::string compare = "compare --golden " + golden("kda_t1").string() + " --candidate " +
+                              golden("kda_t1").string() + " --policy exact ";
+  expect_one_line_exit_two(compare + "--policy-table " + table.string() + " --json " + table.string(),
+                           {"--json", "is the input"});
+  EXPECT_EQ(slurp(table), original);
+  expect_one_line_exit_two(compare + "--json " + (dir / "x").string() + " --junit " + (dir / "x").string(),
+                           {"--json", "--junit", "name the same file"});
+  EXPECT_FALSE(fs::exists(dir / "x"));
+  const std::string long_name = std::string(240, 'n');
+  expect_one_line_exit_two("kda --in " + golden("kda_t1").string() + " --out " + (dir / long_name).string(),
+                           {"--out", "beyond the 255-byte limit"});
+  const CommandResult ok = k3ref(compare + "--json " + (dir / "v.json").string());
+  EXPECT_EQ(ok.code, 0) << ok.out;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"t.json", "v.json"}));  // no temporary left behind
+}
+
+// golden generate: one writer per directory at a time; an interrupted run's temporaries do not
+// block the next run, which removes them.
+TEST(CliHostile, GoldenGenerateLocksItsDirectoryAndRecoversItsTemporaries) {
+  const fs::path dir = fresh_dir("generate_lock");
+  std::ofstream(dir / ("kda_t1.safetensors.tmp." + std::to_string(::getpid()) + ".0badcafe")) << "half a file";
+  std::ofstream(dir / "MANIFEST.json.tmp.1.00000001") << "{";
+  const std::string generate = "golden generate -q --only kda_t1 --out " + dir.string();
+  {
+    const io::DirectoryLock held(dir, "test");
+    expect_one_line_exit_two(generate, {"another k3ref is writing there now"});
+  }
+  const CommandResult r = k3ref(generate);
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"MANIFEST.json", "kda_t1.safetensors"}));
+  EXPECT_EQ(slurp(dir / "kda_t1.safetensors"), slurp(golden("kda_t1")));
 }
 
 TEST(CliHostile, KdaBoundsTheWorkOfInputsWithoutTokens) {

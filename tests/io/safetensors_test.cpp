@@ -556,10 +556,19 @@ TEST_F(SafetensorsFiles, WriterKilledMidWriteLeavesThePreviousFileIntact) {
     }
     ::_exit(0);
   }
-  const std::filesystem::path temporary = target.string() + ".tmp." + std::to_string(child);
+  // The child's temporary: "<target>.tmp.<pid>.<8 random hex>", created exclusively.
+  const std::string prefix = target.filename().string() + ".tmp." + std::to_string(child) + ".";
   bool killed_mid_write = false;
   for (int i = 0; i < 20000; ++i) {  // up to ~20 s
     std::error_code ec;
+    std::filesystem::path temporary;
+    for (const auto& e : std::filesystem::directory_iterator(directory_, ec))
+      if (e.path().filename().string().rfind(prefix, 0) == 0) temporary = e.path();
+    if (temporary.empty()) {
+      ::usleep(1000);
+      continue;
+    }
+    EXPECT_TRUE(is_temporary_name(temporary.filename().string()));
     const auto size = std::filesystem::file_size(temporary, ec);
     if (!ec && size > 0 && size < (256u << 20)) {
       ::kill(child, SIGKILL);

@@ -16,6 +16,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace k3ref::io {
@@ -88,5 +89,30 @@ struct OutputCheck {
 // UTF-8, nothing other than a regular file (or nothing) is at the path, and it is not one
 // of the inputs.
 void check_output_path(const std::filesystem::path& path, const OutputCheck& check);
+
+// Names of a file system's directory entries have at most this many bytes (NAME_MAX), and a
+// write's temporary (temporary_name_for) adds at most this many to the target's.
+inline constexpr std::size_t max_name_bytes = 255;
+inline constexpr std::size_t max_temporary_suffix_bytes = 5 + 10 + 1 + 8;  // ".tmp." pid "." 8 hex
+
+// Throws FileError naming both options when two outputs of one command are the same file
+// (the same path, or two names of one existing file). Empty paths are not outputs.
+void check_distinct_outputs(const std::vector<std::pair<std::filesystem::path, std::string>>& outputs);
+
+// "<target>.tmp.<pid>.<8 random hex>": the name a write creates (O_EXCL) and renames into
+// place; is_temporary_name recognises one and gives its target's name.
+std::string temporary_name_for(const std::filesystem::path& target);
+bool is_temporary_name(std::string_view name, std::string* target = nullptr);
+
+// An exclusive, non-blocking lock of a directory (flock on the directory itself, so no lock
+// file is left behind), held for the object's life: two k3ref runs writing one directory
+// cannot interleave; the second gets FileError naming `what` and the directory.
+class DirectoryLock {
+ public:
+  DirectoryLock(const std::filesystem::path& directory, const std::string& what);
+
+ private:
+  FileDescriptor fd_;
+};
 
 }  // namespace k3ref::io

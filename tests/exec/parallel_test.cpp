@@ -1,0 +1,91 @@
+// The thread pool (exec/parallel.h): every item runs once whatever the thread count, the
+// lowest failing item's exception is the one rethrown, and when the system refuses threads
+// the run completes on the ones it gave instead of deadlocking.
+#include "test_support.h"
+
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <stdexcept>
+#include <vector>
+
+#include "k3ref/exec/parallel.h"
+
+namespace k3ref::exec {
+namespace {
+
+TEST(ParallelFor, EveryItemRunsOnceForAnyThreadCount) {
+  for (int threads : {1, 2, 3, 16, 400}) {
+    std::vector<std::atomic<int>> seen(1000);
+    parallel_for(1000, threads, [&](std::int64_t i) { ++seen[i]; });
+    for (const auto& s : seen) ASSERT_EQ(s.load(), 1) << threads << " threads";
+  }
+  parallel_for(0, 8, [](std::int64_t) { FAIL() << "no item to run"; });
+}
+
+TEST(ParallelFor, TheLowestFailingItemsExceptionIsRethrown) {
+  for (int threads : {1, 4}) {
+    std::atomic<int> ran{0};
+    try {
+      parallel_for(100, threads, [&](std::int64_t i) {
+        ++ran;
+        if (i == 37 || i == 90) throw std::runtime_error("item " + std::to_string(i));
+      });
+      FAIL() << "expected an exception";
+    } catch (const std::runtime_error& e) {
+      EXPECT_STREQ(e.what(), "item 37");
+    }
+    EXPECT_EQ(ran.load(), 100);  // the other items still ran
+  }
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;  // reserves terabytes of address space: no RLIMIT_AS
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
+// In a child whose address space leaves room for a few thread stacks only, 400 threads are
+// asked for: the run must finish (the parent waits at most 30 s) with every item done.
+TEST(ParallelFor, RefusedThreadsDegradeInsteadOfDeadlocking) {
+  if (kAddressSanitizer) GTEST_SKIP() << "an address-space limit cannot be set under AddressSanitizer";
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    std::vector<char> warm(1 << 20, 1);  // touch the heap before the limit
+    rlimit as{};
+    ::getrlimit(RLIMIT_AS, &as);
+    // Room for the process as it is plus about 8 default (8 MiB) thread stacks.
+    long pages = 0;
+    if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    const rlim_t limit = static_cast<rlim_t>(pages) * ::sysconf(_SC_PAGESIZE) + (64ull << 20);
+    as.rlim_cur = limit;
+    if (::setrlimit(RLIMIT_AS, &as) != 0) ::_exit(3);
+    std::atomic<int> done{0};
+    try {
+      parallel_for(4000, 400, [&](std::int64_t) { ++done; });
+    } catch (...) {
+      ::_exit(4);
+    }
+    ::_exit(done.load() == 4000 ? 0 : 5);
+  }
+  int status = 0;
+  for (int i = 0; i < 3000 && ::waitpid(child, &status, WNOHANG) == 0; ++i) ::usleep(10000);
+  if (::waitpid(child, &status, WNOHANG) == 0) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, &status, 0);
+    FAIL() << "parallel_for did not finish within 30 s under an address-space limit (a deadlock)";
+  }
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: setrlimit failed, 4: threw, 5: items missing";
+}
+
+}  // namespace
+}  // namespace k3ref::exec
