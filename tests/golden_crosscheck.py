@@ -15,9 +15,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import kda_forward, load, rel_rms, worst_element  # noqa: E402  (the one NumPy oracle)
 
-# Bound on the relative RMS difference: about 5x the measured worst over the suite (4.4e-16,
-# generator version 2; 4.6e-16 on version 1's inputs).
-TOLERANCE = 2.5e-15
+# Bound on the relative RMS difference (was 2.5e-15): measured worst 4.42e-16 over 30 goldens
+# (date 2026-12-01); bound 4x (3.85x).
+TOLERANCE = 1.7e-15
 
 AXES = {"o": ("batch", "token", "head", "channel"), "final_state": ("sequence", "head", "row", "column"),
         "all_states": ("batch", "token", "head", "row", "column")}

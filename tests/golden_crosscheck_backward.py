@@ -23,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import kda_forward, load, sequences  # noqa: E402  (the one NumPy oracle)
 
 H_STEP = 1e-30
-# Relative to sum |gradient * E|; about 5x the measured worst, 1.18e-15 (kda_backward_fla_chunk_like,
-# generator version 2; 2.5e-16 on version 1's inputs).
-TOLERANCE = 6e-15
+# Relative to sum |gradient * E| (and the stored states' max-relative difference); was 6e-15:
+# measured worst 1.177e-15 over 14 goldens (kda_backward_fla_chunk_like; the directions E are
+# drawn from the fixed seed below) (date 2026-12-01); bound 4x (3.99x).
+TOLERANCE = 4.7e-15
 
 
 def forward(t, p, inject=None, record=None):

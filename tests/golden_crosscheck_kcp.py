@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import load, rel_rms, run, stages  # noqa: E402  (the one NumPy oracle)
 
 
-# Bound on the relative RMS difference: about 5x the measured worst, 2.2e-15 (fragment_transition of
-# kcp_p4_docs_fla_gate: products of 20 to 31 factors (I - beta k k^T) Diag(a) of norm about 1
-# whose entries fall to 8e-7 .. 4e-32; generator version 2; 3.1e-16 on version 1's inputs).
-TOLERANCE = 1.1e-14
+# Bound on the relative RMS difference (was 1.1e-14): measured worst 2.235e-15 over 3 goldens
+# (fragment_transition of kcp_p4_docs_fla_gate: products of 20 to 31 factors (I - beta k k^T) Diag(a)
+# of norm about 1 whose entries fall to 8e-7 .. 4e-32) (date 2026-12-01); bound 4x (3.98x).
+TOLERANCE = 8.9e-15
 
 
 def prepared(t, p):
@@ -96,7 +96,9 @@ def crosscheck(t, p):
                 S = np.zeros((K, V))
                 for tok in range(cu[n], a):
                     S = transition(tok, hv) @ S + write(tok, hv)
-                assert np.allclose(S, enter[r, hv], rtol=1e-9, atol=1e-12), "entering state is not the state before the rank"
+                # was rtol=1e-9, atol=1e-12: measured worst |difference| 2.78e-16 (entries up to 0.51)
+                # over the 22 (rank, head) entering states of 3 goldens (date 2026-12-01); bound 4x (3.96x), absolute.
+                assert np.allclose(S, enter[r, hv], rtol=0, atol=1.1e-15), "entering state is not the state before the rank"
     return {"o": o, "final_state": final, "fragment_transition": M, "fragment_state": St, "entering_state": enter}, origin
 
 

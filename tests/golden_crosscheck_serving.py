@@ -22,9 +22,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import load, rel_rms, run, stages as prepared  # noqa: E402  (the one NumPy oracle)
 
-# Bound on the relative RMS difference: about 4x the measured worst (4.1e-16, generator version 2;
-# 3.3e-16 on version 1's inputs).
-TOLERANCE = 1.7e-15
+# Bound on the relative RMS difference (was 1.7e-15): measured worst 4.06e-16 over 13 goldens
+# (date 2026-12-01); bound 4x (3.94x).
+TOLERANCE = 1.6e-15
 PAD = -1
 PADDING_VALUE = 2.0**100  # what the generator writes between and around slots
 
@@ -203,7 +203,9 @@ def rollback_case(t, p):
     problems = []
     # The rollback state is not the verification pass's final state unless every draft was accepted.
     full = snaps[-1][0]
-    if (a < p["L"]) == bool(np.allclose(snaps[a][0], full, rtol=0, atol=1e-12)):
+    # Exact equality (was allclose, atol 1e-12): measured 0 at a = L (snapshot L is the final state
+    # itself) and a max |difference| of 0.90 and 1.05 for a < L, over 3 goldens (date 2026-12-01).
+    if (a < p["L"]) == bool(np.array_equal(snaps[a][0], full)):
         problems.append("snapshot a equals the verification pass's final state for a < L (or differs at a = L)")
     return ours, problems
 

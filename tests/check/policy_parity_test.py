@@ -122,12 +122,17 @@ class Parity(unittest.TestCase):
             self.assertEqual(v.exit_code, 0, v.reason)
             fs = v["final_state"]
             self.assertEqual((fs.floor_dtype, fs.candidate_dtype), ("bf16", "F32"))
-            self.assertLess(fs.ratio, 1e-3)  # fp32 arithmetic: far inside the bf16 floor
-            self.assertLess(v["o"].ratio, 1.01)  # o rounded once to bf16: at the floor
+            # fp32 arithmetic: far inside the bf16 floor. Was 1e-3: measured worst 3.76e-5 over the
+            # 3 goldens (2026-12-01); bound 4x (3.99x).
+            self.assertLess(fs.ratio, 1.5e-4)
+            # o rounded once to bf16: at the floor. Was 1.01: measured worst 1 + 4.50e-13 over the
+            # 3 goldens (2026-12-01); bound 4x on ratio - 1 (3.78x).
+            self.assertLess(v["o"].ratio, 1 + 1.7e-12)
             # Against the fp32 floor it is what the old command measured: over 1.5x.
             over = policy.judge_case(case, {"final_state": fp32_recurrence(case)["final_state"]}, "recurrent",
                                      tensors=["final_state"], table=_fp32_state_table())
             self.assertEqual(over.exit_code, 1, over.reason)
+            # measured least 2.09 over the 3 goldens (2026-12-01): within 4x (1.39x)
             self.assertGreater(over["final_state"].ratio, 1.5)
 
     def test_rounded_and_perturbed_outputs_of_every_family(self):

@@ -3,9 +3,9 @@
 
 PyTorch's autograd through gpu_check's fp64 reference forward (k3ref/gpu_check/reference.py, which
 knows nothing about gradients) gives a third derivation of every gradient golden, after
-k3ref's adjoint recurrence and the complex-step cross-check: each must agree to 1e-12
-relative RMS. It also exercises the scoring that the GPU run reports (FLA's err_ratio,
-the bf16 floor, thresholds) and shows it fails a wrong gradient.
+k3ref's adjoint recurrence and the complex-step cross-check: each must agree to 4.8e-14
+relative RMS (4x the measured worst). It also exercises the scoring that the GPU run reports
+(FLA's err_ratio, the bf16 floor, thresholds) and shows it fails a wrong gradient.
 Usage: backward_test.py SOURCE_ROOT (exit 77 = skipped: no torch).
 """
 import sys
@@ -43,7 +43,8 @@ def main():
             s = backward.score(name, grads[name], case.tensors[name])
             worst = max(worst, s["err_ratio"])
             checked += 1
-            assert s["err_ratio"] <= 1e-12, f"{case.name} {name}: autograd vs golden {s['err_ratio']:.3e}"
+            # was 1e-12: measured worst 1.20e-14 over 14 goldens (90 gradient tensors; date 2026-12-01); bound 4x
+            assert s["err_ratio"] <= 4.8e-14, f"{case.name} {name}: autograd vs golden {s['err_ratio']:.3e}"
     # The scoring fails a gradient that is wrong by more than the threshold, passes a
     # bf16-rounded correct one, and flags a NaN.
     want = cases[0].tensors["dq"]

@@ -53,7 +53,8 @@ class Metrics(unittest.TestCase):
         self.assertEqual(m.max_abs_index, 2)
         self.assertEqual(m.first_offending, 2)
         # rel RMS = sqrt((2^-14 + 2^-10) / 11)
-        self.assertAlmostEqual(m.rel_rms, math.sqrt((2**-14 + 2**-10) / 11), places=15)
+        # was assertAlmostEqual(places=15): measured exactly equal (2026-12-01)
+        self.assertEqual(m.rel_rms, math.sqrt((2**-14 + 2**-10) / 11))
 
     def test_nonfinite_mismatch_fails_every_policy(self):
         ref = torch.ones(5, dtype=torch.float64)
@@ -132,8 +133,10 @@ class Reference(unittest.TestCase):
             o, final = reference.kda_forward(case.inputs, case.params)
             m = metrics.compare(o, case.expected["o"], torch.float64)
             mf = metrics.compare(final, case.expected["final_state"], torch.float64)
-            self.assertLess(m.rel_rms, 1e-13, case.name)
-            self.assertLess(mf.rel_rms, 1e-13, case.name)
+            # were 1e-13: measured worst 4.28e-16 (o) and 3.10e-16 (final_state) over 30 goldens
+            # (date 2026-12-01); bounds 4x (3.97x, 3.87x)
+            self.assertLess(m.rel_rms, 1.7e-15, case.name)
+            self.assertLess(mf.rel_rms, 1.2e-15, case.name)
 
 
 class Checks(unittest.TestCase):
@@ -147,7 +150,8 @@ class Checks(unittest.TestCase):
         self.assertTrue(all(r.status == "fail" for r in bad if r.check == "golden"))
         # A golden check of a kernel that only rounds the exact result is at the floor.
         ratios = [r.ratio for r in good if r.check == "golden"]
-        self.assertTrue(all(abs(x - 1.0) < 1e-9 for x in ratios), ratios)
+        # was |ratio - 1| < 1e-9: measured exactly 1.0 on both goldens (2026-12-01)
+        self.assertTrue(all(x == 1.0 for x in ratios), ratios)
 
     def test_unavailable_kernel_is_skipped_with_reason(self):
         class Missing(adapters.KdaAdapter):

@@ -39,8 +39,9 @@ class AttnRes(unittest.TestCase):
         for r in res:
             self.assertEqual(r.status, "pass", (r.case, r.reason))
             # The stand-in is the contract computed in fp32 instead of fp64: the same roundings
-            # to bf16, so within 1 % of the contract's own error (measured: 1 + 3e-7).
-            self.assertLessEqual(r.ratio, 1.01, (r.case, r.reason))
+            # to bf16, so close to the contract's own error. Was 1.01: measured worst 1.00108 over
+            # 7 goldens (date 2026-12-01); bound 4x on ratio - 1 (3.97x).
+            self.assertLessEqual(r.ratio, 1.0043, (r.case, r.reason))
 
     def test_wrong_kernels_fail(self):
         for wrong in ("no_norm_weight", "no_rms"):
@@ -58,7 +59,8 @@ class AttnRes(unittest.TestCase):
         self.assertEqual(counts, [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5])
         # The output slot's sources are the golden's block sums (rounded to double).
         last = list(AC.slots(case))[-1][1]
-        self.assertLess(float((last - case.tensors["block_sums"]).abs().max()), 1e-12)
+        # was max |difference| < 1e-12: measured 0 (2026-12-01): sums of a few bf16 values are exact in double
+        self.assertTrue(torch.equal(last, case.tensors["block_sums"]))
 
     @unittest.skipIf(torch.cuda.is_available(), "a GPU is present: the real kernel runs in the GPU job")
     def test_real_kernel_is_unavailable_with_a_reason_without_gpu(self):

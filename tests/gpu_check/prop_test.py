@@ -70,8 +70,11 @@ class WrongKernels(unittest.TestCase):
             params = json.loads(meta["k3ref.params"])
             self.assertEqual(meta["k3ref.op"], "kda.recurrent")
             mine = kda_reference(tensors, params)
+            # Measured worst over 10,000 derandomized draws of the shrunk-case family (K = V = H = HV = 1,
+            # T <= 2, every other choice of prop.case_strategy) written by prop.write_failure (2026-12-01):
+            # o 2.60e-14 (1e-13 kept: 3.85x), final_state 1.42e-14 (was 1e-13; bound 4x, 3.94x).
             self.assertLess(rel_rms(mine["o"], tensors["o"]), 1e-13)
-            self.assertLess(rel_rms(mine["final_state"], tensors["final_state"]), 1e-13)
+            self.assertLess(rel_rms(mine["final_state"], tensors["final_state"]), 5.6e-14)
             # The one printed command reproduces the failure; the correct kernel passes it.
             run = replay(res["replay"])
             self.assertEqual(run.returncode, 1, run.stdout + run.stderr)

@@ -2,7 +2,7 @@
 
 The PyTorch CP kernel passes every check at P = 2, 4 and 8 on the kcp_* goldens, the
 context-parallel gradient golden and each P's own case (T not divisible by P, GVA, documents
-over one and several rank boundaries), rank by rank within 1e-14 of the 256-bit references,
+over one and several rank boundaries), rank by rank within 3.4e-15 of the 256-bit references,
 with exactly P x HV x K x (K + V) fp64 elements gathered per rank and phase; each of its
 mutants is caught (kill rate 100 %); a rank that raises or hangs is an error, never a pass;
 a bf16 kernel under a precision contract is judged by it. Run:
@@ -96,9 +96,10 @@ def test_torch_cp_kernel_passes_rank_by_rank(P):
         assert len(rank_rows) == P
         for row in res.extra["ranks"]:
             for name, t in row["tensors"].items():
-                # fp64 against 256 bits: measured worst 7e-16; exact zeros (M of a rank whose last
-                # document starts on it, the entering state of a rank that starts its own) exactly.
-                assert t["status"] == "pass" and t["rel_rms"] <= 1e-14, f"{check} {cid} rank {row['rank']} {name}: {t}"
+                # fp64 against 256 bits; exact zeros (M of a rank whose last document starts on it, the
+                # entering state of a rank that starts its own) exactly. Was 1e-14: measured worst 8.71e-16
+                # over 246 rank tensors of every case at P = 2, 4, 8 (date 2026-12-01); bound 4x (3.9x).
+                assert t["status"] == "pass" and t["rel_rms"] <= 3.4e-15, f"{check} {cid} rank {row['rank']} {name}: {t}"
         elements = P * p["HV"] * p["K"] * (p["K"] + p["V"])
         phases = ("forward",) if check == "cp_forward" else ("forward", "backward")
         for row in rank_rows:
@@ -234,7 +235,8 @@ def test_a_kernel_with_a_contract_is_judged_by_it():
     assert good.status == "pass", good.reason
     for row in good.extra["ranks"]:
         c = row["tensors"]["o"]["contract"]
-        assert c["contract"] == "fla_recurrent" and c["passed"] and c["ratio"] <= 1.01  # bf16 rounding only
+        # bf16 rounding only; was <= 1.01: measured exactly 1.0 on all 4 ranks (2026-12-01)
+        assert c["contract"] == "fla_recurrent" and c["passed"] and c["ratio"] <= 1.0
     bad = Bf16OutputOff(4).run_check("cp_forward", case, "cpu")
     assert bad.status == "fail" and "contract fla_recurrent" in bad.reason
 
@@ -271,7 +273,9 @@ class FlaLikeOnCpu(C.FlaCpAdapter):
     the PyTorch kernel, for the CPU: what FLA leaves unspecified is filled with garbage, which
     the checks must not judge; `short` returns the old bug's short output instead of refusing."""
 
-    policy = "rel-rms:1e-12"
+    # fp64 against 256 bits. Was rel-rms:1e-12 (the fp64 adapter's product policy): measured worst
+    # 1.01e-15 over the 77 judged rank tensors at P = 2, 4 (date 2026-12-01); bound 4x (3.94x).
+    policy = "rel-rms:4e-15"
     contract_name = None
     backend = "gloo"
     requires_cuda = False

@@ -36,9 +36,10 @@ def test_bf16_inputs_are_taken_as_bf16(case):
     q = case.inputs["q"]
     assert q.dtype == torch.bfloat16
     out = k3ref.kda(case.inputs, **case.options)
-    # double tier: within rounding of the mp256 golden (measured 2e-16 relative)
+    # double tier: within rounding of the mp256 golden. Was 1e-14: measured worst 1.83e-16 over
+    # 1 golden (this one; date 2026-12-01); bound 4x (3.8x).
     err = (out["o"] - case.expected["o"]).norm() / case.expected["o"].norm()
-    assert err < 1e-14
+    assert err < 7e-16
 
 
 def _cli_help(sub):

@@ -184,8 +184,9 @@ def test_bf16_and_f8_decode_exactly(tmp_path):
 # --- the references reproduce the goldens ----------------------------------------------------
 
 # mp256 is the goldens' tier, so the package's references must give the same bits. Two heavy
-# cases (seconds each at 256 bits) are checked in double, to the bound measured for them
-# (worst 7.7e-16): rel RMS error at most 1e-14. (kda_backward_fla_chunk_like stays at mp256:
+# cases (seconds each at 256 bits) are checked in double, to the bound measured for them:
+# rel RMS error at most 3e-15 (was 1e-14; measured worst 7.55e-16 over the 2 goldens, dbeta of
+# kda_backward_k128_t65, date 2026-12-01; bound 4x, 3.97x). (kda_backward_fla_chunk_like stays at mp256:
 # its softplus decays overflow the inverse-decay chunk form's double range, docs/python.md.)
 HEAVY = {"kda_backward_cp2_varlen", "kda_backward_k128_t65"}
 REPRODUCIBLE = [n for n in NAMES if OPS[n] in goldens.REFERENCE_OPS and n != "qb_solver_k3_m4480_n896_k16"]
@@ -206,7 +207,8 @@ def test_reference_reproduces_the_golden(name):
             assert t.dtype == want.dtype and torch.equal(t, want), f"{name}: {n} differs from the golden"
         else:
             err = float((t - want).norm() / want.norm()) if want.norm() > 0 else float(t.abs().max())
-            assert err <= 1e-14, f"{name}: {n}: rel RMS {err:.3e} in double"
+            # measured worst 7.55e-16 over the 2 goldens (2026-12-01); bound 4x (see above)
+            assert err <= 3e-15, f"{name}: {n}: rel RMS {err:.3e} in double"
 
 
 @needs_core
@@ -219,8 +221,10 @@ def test_gradients_and_chunk_stages_by_the_chunkwise_backward():
     for n in ("chunk_states", "chunk_state_gradients"):
         assert torch.equal(out[n], case.expected[n]), n
     assert torch.equal(out["chunk_starts"], case.tensors["chunk_starts"])
+    # Was max |difference| <= 1e-15 x max |golden|: measured 0 (bit for bit) over 1 golden (date
+    # 2026-12-01), so equality: both are the 256-bit values rounded once to double.
     for n in ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state"):
-        assert float((out[n] - case.expected[n]).abs().max()) <= 1e-15 * float(case.expected[n].abs().max()), n
+        assert torch.equal(out[n], case.expected[n]), n
 
 
 def test_operators_without_a_reference_say_so():

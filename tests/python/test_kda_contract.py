@@ -46,8 +46,11 @@ def test_rounding_nowhere_each_contract_is_the_recurrence(seed, T, contract):
     for name in ("o", "final_state"):
         if contract == "fla_recurrent":  # the same template in double: bit for bit
             assert torch.equal(got[name], ref[name]), name
-        else:  # another operation order in double: agreement to rounding of double
-            assert rel(got[name], ref[name]) < 1e-13, (name, rel(got[name], ref[name]))
+        else:  # another operation order in double: agreement to rounding of double. Was 1e-13:
+            # measured worst 7.83e-16 (fla_chunk o) over 40,000 derandomized draws of this strategy
+            # (5.2e-16 over 2,000, 6.0e-16 over 10,000; date 2026-12-01, after the chunk template's
+            # stage reordering); bound 4x (3.96x).
+            assert rel(got[name], ref[name]) < 3.1e-15, (name, rel(got[name], ref[name]))
 
 
 @pytest.mark.parametrize("contract", vocabulary_names("contract"))
@@ -104,7 +107,7 @@ def test_contract_bounds_verdict():
     for name in ("o", "final_state"):
         assert b[name].passed and b[name].error == b[name].contract_error
         assert b[name].bound == 2.0 * max(b[name].floor, b[name].contract_error)
-        assert b[name].ratio <= 1.0
+        assert b[name].ratio <= 1.0  # measured exactly 1.0 on this problem (2026-12-01): the bound is met, not exceeded
     bad = (con[0] * (1 + 3 * b["o"].bound), con[1])
     assert not contracts.contract_bounds("fla_chunk", x, params, candidate=bad)["o"].passed
     nan = (con[0].clone(), con[1])
@@ -117,7 +120,7 @@ def test_agreement_uses_the_contracts_own_difference():
     a, b = torch.ones(100, dtype=torch.float64), torch.ones(100, dtype=torch.float64)
     a[0] = 1.1  # rel RMS 1e-2
     ok, reason, ratio = contracts.agreement(a, b, a, b, 2.0)
-    assert ok and ratio == pytest.approx(1.0)
+    assert ok and ratio == 1.0  # was approx(1.0) (rel 1e-6): measured exactly 1.0 (2026-12-01), x / x
     ok, reason, _ = contracts.agreement(a, b, b, b, 2.0)
     assert not ok and "the contract's own difference 0.000e+00" in reason
 
@@ -149,10 +152,12 @@ def test_golden_verdicts_use_the_adapters_contract(contract):
         case = next(c for c in goldens.load_suite() if c.name == "kda_flashkda_like")
     res = checks.golden_check(_ContractKernel(contract), case, "cpu")
     assert res.status == "pass", res.reason
-    assert res.ratio <= 1.0 + 1e-9 and "contract " + contract in res.reason
+    # was <= 1 + 1e-9: measured exactly 1.0 for both contracts (2026-12-01): the kernel is the contract
+    assert res.ratio <= 1.0 and "contract " + contract in res.reason
     assert set(res.extra["contract"]) == {"o", "final_state"}
     bad = checks.golden_check(_ContractKernel(contract, scale_error=0.05), case, "cpu")
-    assert bad.status == "fail" and bad.ratio > 2, bad.reason
+    # was > 2: measured least 11.08 (flashkda; fla_chunk 19.23) over the 2 cases (2026-12-01); bound 4x (3.96x)
+    assert bad.status == "fail" and bad.ratio > 2.8, bad.reason
 
 
 def test_split_check_bound_is_the_contracts_own_split():
@@ -160,7 +165,8 @@ def test_split_check_bound_is_the_contracts_own_split():
 
     res = checks.check_split(_ContractKernel("fla_chunk"), "cpu")
     assert res.status == "pass", res.reason
-    assert "the contract's own difference" in res.reason and res.ratio == pytest.approx(1.0)
+    # was approx(1.0) (rel 1e-6): measured exactly 1.0 (2026-12-01): the kernel's split is the contract's own
+    assert "the contract's own difference" in res.reason and res.ratio == 1.0
 
 
 def test_safe_gate_contract_reads_the_anchor_row():
@@ -199,9 +205,12 @@ def test_fla_chunk_contract_reproduces_the_kernel():
     con = k3ref.kda_contract(t, "fla_chunk", scale=scale, threads=1)["o"]
     ref = k3ref.kda(t, scale=scale, threads=1)["o"]
     equal = [float((con[:, :, h] == o_kernel[:, :, h]).double().mean()) for h in range(2)]
-    assert equal[1] >= 0.999 and equal[0] >= 0.85, equal
+    # Measured (2026-12-01, this fixed kernel data): 0.8584 and 0.99984 (1 of 6400 elements differs).
+    # Head 1 was >= 0.999 (6 elements): now at most 4 (4x); head 0's 0.85 is within 4x (1.06x).
+    assert equal[1] >= 1 - 4 / 6400 and equal[0] >= 0.85, equal
     for h in range(2):
         ratio = rel(o_kernel[:, :, h], ref[:, :, h]) / rel(con[:, :, h], ref[:, :, h])
+        # measured 1.0080 (head 0) and 1 + 2.4e-13 (head 1) (2026-12-01); |ratio - 1| <= 0.01 is 1.25x the worst
         assert 0.99 <= ratio <= 1.01, (h, ratio)
 
 
@@ -222,7 +231,9 @@ def test_flashkda_beta_is_its_tanh_approx_sigmoid():
                                threads=1)["o"]
     floor = contracts._bf16_floor(t["o_reference"])
     ratio = rel(t["o_kernel"].double(), t["o_reference"]) / max(rel(exact, t["o_reference"]), floor)
-    assert 2.0 < ratio < 2.1, ratio  # the gap the table closes (2.04x measured)
+    # the gap the table closes: measured 2.038 (2026-12-01, fixed kernel data); a window around a measured
+    # value, not an error bound
+    assert 2.0 < ratio < 2.1, ratio
 
 
 def test_flashkda_sigmoid_table_is_the_sigmoid_up_to_the_measured_tanh_error():
@@ -233,11 +244,13 @@ def test_flashkda_sigmoid_table_is_the_sigmoid_up_to_the_measured_tanh_error():
     got = flashkda_sigmoid.sigmoid(x.to(torch.bfloat16))[finite]
     x = x[finite]
     exact = torch.sigmoid(x)
-    # 0.5 + 0.5 t: tanh.approx's absolute error (7.05e-6 measured) halved, plus fp32 rounding
+    # 0.5 + 0.5 t: tanh.approx's absolute error (7.05e-6 measured) halved, plus fp32 rounding;
+    # measured worst 3.523e-6 over all 65,280 finite bf16 values (2026-12-01) against the bound's 3.555e-6 (1.01x)
     assert float((got - exact).abs().max()) <= 0.5 * 7.05e-6 + 2**-25
     order = torch.argsort(x)
     assert bool((got[order][1:] >= got[order][:-1]).all())  # monotone
     assert bool((got[x <= -16] == 0).all()) and bool((got[x >= 16] == 1).all())
+    # measured worst 7.67e-5 over the 49,153 finite bf16 values >= -4 (2026-12-01); bound 1.3x
     assert float(((got - exact).abs() / exact)[x >= -4].max()) < 1e-4
     with pytest.raises(ValueError, match="bf16 values"):
         flashkda_sigmoid.sigmoid(torch.tensor([0.1], dtype=torch.float64))

@@ -53,7 +53,10 @@ def test_chunk_forms_and_double_agree_with_the_mp256_recurrence(shape, form):
         for n in ("o", "final_state"):
             den = float(exact[n].norm())
             err = float((out[n] - exact[n]).norm()) / den if den > 0 else float(out[n].abs().max())
-            assert err <= 1e-13, (n, err)
+            # Was 1e-13. Measured worst (derandomized draws of this strategy, 2026-12-01): 3.9e-15 over 2,000,
+            # 4.9e-15 over 10,000, 2.34e-14 over 40,000 draws (fla final_state): the worst still grows
+            # with the draws (a heavy tail); bound 4x the 40,000-draw worst (3.85x).
+            assert err <= 9e-14, (n, err)
 
 
 ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True), st.text(max_size=6),
