@@ -319,8 +319,8 @@ TEST(AttnResDouble, BothFormsAgainst256Bits) {
   const Tensor<double> ref_d = ref.h.map<double>([](const HP& v) { return v.convert_to<double>(); });
   const double e_direct = test::rel_rms(direct.h, ref_d), e_two = test::rel_rms(two.h, ref_d);
   std::printf("against 256 bits (L=36, S=12, d=256): direct %.3e, two-phase %.3e relative RMS\n", e_direct, e_two);
-  EXPECT_LE(e_direct, 2.3e-15);
-  EXPECT_LE(e_two, 2.3e-15);
+  EXPECT_LE(e_direct, 2.29e-15);  // measured 5.69e-16 and 5.74e-16 (2026-12-01); bound 4x the worst
+  EXPECT_LE(e_two, 2.29e-15);
   const Outputs<HP> ref_two = block_forward(w, x.values.map<HP>([](double v) { return HP(v); }), 12, BlockForm::two_phase);
   HP worst(0);
   for (std::int64_t i = 0; i < ref.h.numel(); ++i) worst = std::max(worst, HP(abs(ref.h.values()[i] - ref_two.h.values()[i])));

@@ -160,7 +160,8 @@ TEST(AttnResGradient, ZeroQueriesGiveTheQueryGradientOfTheUniformAverage) {
         mean_key += key[j] / n;
         mean_x += p.values(j, 0, c) / n;
       }
-      EXPECT_LE(abs(g(p.L, 0, c) - (mean_kx - mean_key * mean_x)), HP(1e-70));
+      // Measured worst 3.37e-80 (2026-12-01); bound 4x.
+      EXPECT_LE(abs(g(p.L, 0, c) - (mean_kx - mean_key * mean_x)), HP(1.35e-79));
     }
   }
 }

@@ -249,7 +249,7 @@ TEST(Judgement, FloorComesFromTheTableNotTheCandidatesDtype) {
   EXPECT_EQ(f.floor, bf16_floor);
   EXPECT_EQ(f.bound, 1.5 * bf16_floor);
   EXPECT_EQ(f.ratio, f.rel_rms / bf16_floor);
-  EXPECT_NEAR(f.ratio, 0.125, 1e-15);
+  EXPECT_EQ(f.ratio, 0.125);  // measured: exact (2026-12-01)
   EXPECT_EQ(f.candidate_dtype, "F32");
   EXPECT_EQ(f.rule, "policies.recurrent.kda.recurrent.output");
   // o rounded to bf16 is exactly at the floor: ratio 1.
