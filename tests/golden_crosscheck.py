@@ -6,14 +6,13 @@ written from docs/conventions.md, float64). It shares no code with the C++ gener
 agreement to a few ulps means the goldens are what the docs say, not only what k3ref
 computes. Usage: golden_crosscheck.py GOLDEN_DIR
 """
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle import kda_forward, load, rel_rms, worst_element  # noqa: E402  (the one NumPy oracle)
+from oracle import Tally, golden_cases, kda_forward, rel_rms, worst_element  # noqa: E402  (the one NumPy oracle)
 
 # Bound on the relative RMS difference (was 2.5e-15): measured worst 4.42e-16 over 30 goldens
 # (date 2026-12-01); bound 4x (3.85x).
@@ -24,28 +23,20 @@ AXES = {"o": ("batch", "token", "head", "channel"), "final_state": ("sequence", 
 
 
 def main(golden_dir):
-    manifest = json.loads((Path(golden_dir) / "MANIFEST.json").read_text())
-    passed = failed = 0
-    worst = 0.0
-    for case in manifest["cases"]:
-        if case["op"] != "kda.recurrent":
-            continue
-        tensors, meta = load(Path(golden_dir) / case["file"])
+    tally = Tally()
+    for case, tensors, meta in golden_cases(golden_dir, lambda op: op == "kda.recurrent"):
         ours = kda_forward(tensors, case["params"])
         ok = True
         for name in meta["k3ref.outputs"].split(","):
             ref, mine = tensors[name], ours[name]
             rel = rel_rms(mine, ref)
-            worst = max(worst, rel)
+            tally.figure(rel)
             if not (rel <= TOLERANCE and np.isfinite(mine).all()):
                 ok = False
                 print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}; "
                       f"worst at {worst_element(mine, ref, AXES[name])}")
-        passed += ok
-        failed += not ok
-    print(f"worst relative RMS difference over the suite: {worst:.3e}")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed or passed == 0 else 0
+        tally.case(ok)
+    return tally.result("relative RMS difference over the suite")
 
 
 if __name__ == "__main__":

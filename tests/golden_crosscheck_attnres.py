@@ -10,14 +10,13 @@ of layers (n-1)S+1 .. min(nS, L); layer l at position i of block n attends over 
 plus the partial sum of the block's earlier layers when i > 1.
 Usage: golden_crosscheck_attnres.py GOLDEN_DIR
 """
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle import load as load_raw, wide  # noqa: E402  (the one NumPy oracle's reader)
+from oracle import Tally, golden_cases, wide  # noqa: E402  (the one NumPy oracle's reader)
 
 
 # Bound on the relative RMS difference (was 6e-15): measured worst 1.03e-15 over 7 goldens
@@ -25,10 +24,9 @@ from oracle import load as load_raw, wide  # noqa: E402  (the one NumPy oracle's
 TOLERANCE = 4e-15
 
 
-def load(path):
+def widened(tensors):
     """Every tensor as float64 (AttnRes stores no integer data that must stay integer)."""
-    tensors, meta = load_raw(path)
-    return {name: wide(arr) for name, arr in tensors.items()}, meta
+    return {name: wide(arr) for name, arr in tensors.items()}
 
 def scores(query, weight, eps, sources):
     """sources [n, T, d] -> scores [n, T]"""
@@ -77,20 +75,16 @@ def reference(t, p, op):
 
 
 def main(golden_dir):
-    manifest = json.loads((Path(golden_dir) / "MANIFEST.json").read_text())
-    passed = failed = 0
-    worst = 0.0
-    for case in manifest["cases"]:
-        if not case["op"].startswith("attnres."):
-            continue
-        tensors, meta = load(Path(golden_dir) / case["file"])
+    tally = Tally()
+    for case, raw, meta in golden_cases(golden_dir, lambda op: op.startswith("attnres.")):
+        tensors = widened(raw)
         ours = reference(tensors, case["params"], case["op"])
         ok = True
         for name in meta["k3ref.outputs"].split(","):
             ref, mine = tensors[name], ours[name]
             denom = np.sqrt((ref * ref).sum())
             rel = float(np.sqrt(((mine - ref) ** 2).sum()) / denom) if denom > 0 else float(np.abs(mine).max(initial=0))
-            worst = max(worst, rel)
+            tally.figure(rel)
             if not (rel <= TOLERANCE and np.isfinite(mine).all()):
                 ok = False
                 print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
@@ -101,11 +95,8 @@ def main(golden_dir):
                 if not np.all(nz == nz[0]):
                     ok = False
                     print(f"FAIL {case['name']}: zero queries but non-uniform weights {nz}")
-        passed += ok
-        failed += not ok
-    print(f"worst relative RMS difference over the AttnRes goldens: {worst:.3e}")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed or passed == 0 else 0
+        tally.case(ok)
+    return tally.result("relative RMS difference over the AttnRes goldens")
 
 
 if __name__ == "__main__":

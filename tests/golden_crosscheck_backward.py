@@ -13,14 +13,13 @@ chunk and context-parallel state gradients it injects i h E into the state at th
 or rank's first token. It also checks the stored forward states (chunk_states,
 cp_entering_states) against its own forward. Usage: golden_crosscheck_backward.py DIR
 """
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle import kda_forward, load, sequences  # noqa: E402  (the one NumPy oracle)
+from oracle import Tally, golden_cases, kda_forward, sequences  # noqa: E402  (the one NumPy oracle)
 
 H_STEP = 1e-30
 # Relative to sum |gradient * E| (and the stored states' max-relative difference); was 6e-15:
@@ -40,17 +39,16 @@ def loss(t, p, inject=None):
     return (o * t["d_o"]).sum() + (final * t["d_final_state"]).sum()
 
 
-def check(name, derivative, gradient, direction, failures, worst):
+def check(name, derivative, gradient, direction, failures, tally):
     predicted = (gradient * direction).sum()
     scale = np.abs(gradient * direction).sum()
     rel = abs(derivative - predicted) / scale if scale > 0 else abs(derivative)
-    worst[0] = max(worst[0], rel)
+    tally.figure(rel)
     if not rel <= TOLERANCE:
         failures.append(f"{name}: complex-step derivative {derivative:.17g} vs <gradient, E> {predicted:.17g} (rel {rel:.2e})")
 
 
-def check_case(case, golden_dir, rng, worst):
-    t, _ = load(Path(golden_dir) / case["file"])
+def check_case(case, t, rng, tally):
     p = case["params"]  # the KDA keys beside the backward parameters
     t = {n: np.asarray(a, dtype=np.float64) if a.dtype != np.int64 else a for n, a in t.items()}
     B, T, HV, V = t["v"].shape
@@ -67,7 +65,7 @@ def check_case(case, golden_dir, rng, worst):
         E = rng.choice([-1.0, 1.0], size=t[input_name].shape) * rng.uniform(0.5, 1.0, size=t[input_name].shape)
         moved = dict(t)
         moved[input_name] = t[input_name] + 1j * H_STEP * E
-        check(f"{case['name']} {grad_name}", loss(moved, p).imag / H_STEP, t[grad_name], E, failures, worst)
+        check(f"{case['name']} {grad_name}", loss(moved, p).imag / H_STEP, t[grad_name], E, failures, tally)
 
     def state_gradient_checks(label, starts, gradients, states):
         """starts: list of (b, s); gradients/states [len(starts), HV, K, V] K-first."""
@@ -75,12 +73,12 @@ def check_case(case, golden_dir, rng, worst):
         forward(t, p, record=record)
         for i, key in enumerate(starts):
             rel = np.abs(record[key].real - states[i]).max() / max(np.abs(states[i]).max(), 1e-300)
-            worst[0] = max(worst[0], rel)
+            tally.figure(rel)
             if not rel <= TOLERANCE:
                 failures.append(f"{label} {i}: stored forward state differs by {rel:.2e}")
             E = rng.uniform(-1.0, 1.0, size=(HV, K, V))
             derivative = loss(t, p, inject={key: 1j * H_STEP * E}).imag / H_STEP
-            check(f"{label} {i}", derivative, gradients[i], E, failures, worst)
+            check(f"{label} {i}", derivative, gradients[i], E, failures, tally)
 
     starts = [(int(b), int(s)) for b, s, _ in t["chunk_starts"]]
     state_gradient_checks(f"{case['name']} chunk_state_gradients", starts, t["chunk_state_gradients"], t["chunk_states"])
@@ -93,21 +91,14 @@ def check_case(case, golden_dir, rng, worst):
 
 
 def main(golden_dir):
-    manifest = json.loads((Path(golden_dir) / "MANIFEST.json").read_text())
     rng = np.random.default_rng(20261130)
-    passed = failed = 0
-    worst = [0.0]
-    for case in manifest["cases"]:
-        if case["op"] != "kda.backward":
-            continue
-        failures = check_case(case, golden_dir, rng, worst)
+    tally = Tally()
+    for case, tensors, _ in golden_cases(golden_dir, lambda op: op == "kda.backward"):
+        failures = check_case(case, tensors, rng, tally)
         for f in failures:
             print("FAIL", f)
-        passed += not failures
-        failed += bool(failures)
-    print(f"worst relative difference (complex step vs gradient goldens): {worst[0]:.3e}")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed or passed == 0 else 0
+        tally.case(not failures)
+    return tally.result("relative difference (complex step vs gradient goldens)")
 
 
 if __name__ == "__main__":

@@ -6,14 +6,13 @@ Recomputes every stage tensor from the formulas of docs/chunkwise.md in NumPy fl
 C++ code's Neumann doubling, forward substitution or pairwise ratios), and o / final_state
 with the oracle's recurrence (tests/oracle/). Usage: golden_crosscheck_chunkwise.py GOLDEN_DIR
 """
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle import kda_forward, load, rel_rms, stages  # noqa: E402  (the one NumPy oracle)
+from oracle import Tally, golden_cases, kda_forward, rel_rms, stages  # noqa: E402  (the one NumPy oracle)
 
 # Bound on the relative RMS difference (was 2e-14): measured worst 4.13e-15 over 7 goldens
 # (date 2026-12-01); bound 4x (3.88x).
@@ -85,13 +84,8 @@ def chunk_stages(t, p, form, C):
 
 
 def main(golden_dir):
-    manifest = json.loads((Path(golden_dir) / "MANIFEST.json").read_text())
-    passed = failed = 0
-    worst = 0.0
-    for case in manifest["cases"]:
-        if not case["op"].startswith("kda.chunkwise_"):
-            continue
-        tensors, meta = load(Path(golden_dir) / case["file"])
+    tally = Tally()
+    for case, tensors, meta in golden_cases(golden_dir, lambda op: op.startswith("kda.chunkwise_")):
         p = case["params"]  # the KDA keys and the chunk form's, one object (docs/golden-format.md)
         ours = chunk_stages(tensors, p, p["form"], p["chunk_size"])
         ours.update({n: x for n, x in kda_forward(tensors, p).items() if n in ("o", "final_state")})
@@ -105,15 +99,12 @@ def main(golden_dir):
             else:
                 rel = rel_rms(mine, ref)
                 good = rel <= TOLERANCE and np.isfinite(mine).all() and ref.shape == mine.shape
-            worst = max(worst, rel)
+            tally.figure(rel)
             if not good:
                 ok = False
                 print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
-        passed += ok
-        failed += not ok
-    print(f"worst relative RMS difference over the chunkwise goldens: {worst:.3e}")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed or passed == 0 else 0
+        tally.case(ok)
+    return tally.result("relative RMS difference over the chunkwise goldens")
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ it) -- finds on which rank each rank's first document began, merges the entering
 FLA's way (S <- M_j S + S~_j over the ranks of that document), and runs the single-device
 recurrence for the outputs. Usage: golden_crosscheck_kcp.py GOLDEN_DIR
 """
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle import load, rel_rms, run, stages  # noqa: E402  (the one NumPy oracle)
+from oracle import Tally, golden_cases, rel_rms, run, stages  # noqa: E402  (the one NumPy oracle)
 
 
 # Bound on the relative RMS difference (was 1.1e-14): measured worst 2.235e-15 over 3 goldens
@@ -103,13 +102,8 @@ def crosscheck(t, p):
 
 
 def main(golden_dir):
-    manifest = json.loads((Path(golden_dir) / "MANIFEST.json").read_text())
-    passed = failed = 0
-    worst = 0.0
-    for case in manifest["cases"]:
-        if case["op"] != "kcp.context_parallel":
-            continue
-        tensors, meta = load(Path(golden_dir) / case["file"])
+    tally = Tally()
+    for case, tensors, meta in golden_cases(golden_dir, lambda op: op == "kcp.context_parallel"):
         ours, origin = crosscheck(tensors, case["params"])
         ok = bool((origin == tensors["origin_rank"]).all())
         if not ok:
@@ -123,16 +117,13 @@ def main(golden_dir):
         for name in meta["k3ref.outputs"].split(","):
             ref, mine = tensors[name], ours[name]
             rel = rel_rms(mine, ref)
-            worst = max(worst, rel)
+            tally.figure(rel)
             if not (rel <= TOLERANCE and np.isfinite(mine).all()):
                 ok = False
                 print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
         print(f"{'ok  ' if ok else 'FAIL'} {case['name']}: P = {len(tensors['splits']) - 1}, origin ranks {list(origin)}")
-        passed += ok
-        failed += not ok
-    print(f"worst relative RMS difference over the kcp goldens: {worst:.3e}")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed or passed == 0 else 0
+        tally.case(ok)
+    return tally.result("relative RMS difference over the kcp goldens")
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ Only the file reader and the KDA gate/beta stages come from
 golden_crosscheck.py; the serving logic shares nothing with the C++ generator.
 Usage: golden_crosscheck_serving.py GOLDEN_DIR
 """
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle import load, rel_rms, run, stages as prepared  # noqa: E402  (the one NumPy oracle)
+from oracle import Tally, golden_cases, rel_rms, run, stages as prepared  # noqa: E402  (the one NumPy oracle)
 
 # Bound on the relative RMS difference (was 1.7e-15): measured worst 4.06e-16 over 13 goldens
 # (date 2026-12-01); bound 4x (3.94x).
@@ -211,13 +210,8 @@ def rollback_case(t, p):
 
 
 def main(golden_dir):
-    manifest = json.loads((Path(golden_dir) / "MANIFEST.json").read_text())
-    passed = failed = 0
-    worst = 0.0
-    for case in manifest["cases"]:
-        if not case["op"].startswith("serving."):
-            continue
-        tensors, meta = load(Path(golden_dir) / case["file"])
+    tally = Tally()
+    for case, tensors, meta in golden_cases(golden_dir, lambda op: op.startswith("serving.")):
         if case["op"] == "serving.checkpoints":
             ours, problems = checkpoint_case(tensors, case["params"])
         elif case["op"] == "serving.rollback":
@@ -230,16 +224,13 @@ def main(golden_dir):
                 problems.append(f"tensor '{name}': shape {list(ref.shape)}, recomputed {list(mine.shape)}")
                 continue
             rel = rel_rms(mine, ref)
-            worst = max(worst, rel)
+            tally.figure(rel)
             if not (rel <= TOLERANCE and np.isfinite(mine).all()):
                 problems.append(f"tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
         for problem in problems:
             print(f"FAIL {case['name']}: {problem}")
-        passed += not problems
-        failed += bool(problems)
-    print(f"worst relative RMS difference over the serving goldens: {worst:.3e}")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed or passed == 0 else 0
+        tally.case(not problems)
+    return tally.result("relative RMS difference over the serving goldens")
 
 
 if __name__ == "__main__":

@@ -144,3 +144,36 @@ def kda_forward(t, p, inject=None, record=None):
         final = np.swapaxes(final, 2, 3)
         states = np.swapaxes(states, 3, 4)
     return {"o": o, "final_state": final, "all_states": states}
+
+
+def golden_cases(golden_dir, accept):
+    """(manifest entry, tensors, metadata) of each case of the suite's MANIFEST.json whose
+    operator `accept(op)` takes, in manifest order."""
+    import json
+
+    manifest = json.loads((Path(golden_dir) / "MANIFEST.json").read_text())
+    for case in manifest["cases"]:
+        if accept(case["op"]):
+            tensors, meta = load(Path(golden_dir) / case["file"])
+            yield case, tensors, meta
+
+
+class Tally:
+    """A cross-check's passing and failing cases and its worst figure; `result` prints them
+    and is the exit code: 1 on any failure, and when nothing was checked."""
+
+    def __init__(self):
+        self.passed = self.failed = 0
+        self.worst = 0.0
+
+    def figure(self, x):
+        self.worst = max(self.worst, x)
+
+    def case(self, ok):
+        self.passed += bool(ok)
+        self.failed += not ok
+
+    def result(self, what):
+        print(f"worst {what}: {self.worst:.3e}")
+        print(f"{self.passed} passed, {self.failed} failed")
+        return 1 if self.failed or self.passed == 0 else 0
