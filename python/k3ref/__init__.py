@@ -16,7 +16,8 @@ precision, rounded once to double on the way out).
 References: kda (the recurrence), kda_chunkwise (FlashKDA / FLA chunk forms, with their
 stage tensors), kda_backward (gradients: adjoint recurrence or chunkwise with stages),
 kcp_forward / kcp_backward (context parallelism: per-rank fragments and entering states),
-attnres (Attention Residuals), qb_solver (Quantile Balancing). Submodules: k3ref.goldens
+attnres (Attention Residuals), qb_solver (Quantile Balancing); save writes your own tensors as
+a safetensors file for the `k3ref` command. Submodules: k3ref.goldens
 (golden cases as torch tensors), k3ref.testing (assert_kda_close), k3ref.policy (the
 tolerance table), k3ref.gpu_check (the GPU harness). docs/python.md is the guide.
 
@@ -393,6 +394,14 @@ def qb_solver(inputs, *, k, iterations, beta0=None):
     b0 = None if beta0 is None else _as_float64(fn, "beta0", beta0)
     return _call(fn, _compiled().qb_solver, t["scores"], _count(fn, "k", k, 1), _count(fn, "iterations", iterations, 0),
                  b0)
+
+
+def save(path, tensors, metadata=None):
+    """Writes a safetensors file ({name: torch tensor or NumPy array} in order, str metadata)
+    that `k3ref kda --in`, `k3ref compare` and the readers take: k3ref._safetensors.save."""
+    from ._safetensors import save as _save
+
+    _save(path, tensors, metadata)
 
 
 def __getattr__(name):

@@ -18,6 +18,9 @@ load(path) -> (arrays, metadata)   {name: numpy array}: F64 F32 F16 I64 I32 I16 
 to_numpy(raw, widen=True)          one RawTensor; widen=False gives BF16 as float32 (exact) and
                                    F8 as float32 (exact)
 bf16_bits(raw) -> uint16 array     the raw BF16 bit patterns (for a lossless torch.bfloat16 view)
+save(path, tensors, metadata=None)  the one writer (k3ref.save): {name: torch tensor or NumPy
+                                   array}, in order; str metadata; written as k3ref's C++
+                                   writer lays files out, through an exclusive temporary
 """
 import json
 import struct
@@ -171,3 +174,74 @@ def load(path):
     """(arrays, metadata) of a whole file; see the module docstring."""
     f = read(path)
     return {name: to_numpy(t) for name, t in f.tensors.items()}, dict(f.metadata)
+
+
+# NumPy dtype -> safetensors dtype (the writer's direction; BF16 and F8 come from torch).
+_NUMPY_CODES = {np.dtype("float64"): "F64", np.dtype("float32"): "F32", np.dtype("float16"): "F16",
+                np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("int16"): "I16",
+                np.dtype("int8"): "I8", np.dtype("uint8"): "U8", np.dtype("bool"): "BOOL"}
+
+
+def _as_stored(name, t):
+    """(dtype name, shape, little-endian bytes) of one tensor: a torch tensor (any device,
+    bfloat16 and float16 by their bits) or anything NumPy takes."""
+    if type(t).__module__.startswith("torch"):
+        import torch
+
+        t = t.detach().cpu().contiguous()
+        codes = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                 torch.bool: "BOOL"}
+        if t.dtype not in codes:
+            raise TypeError(f"k3ref.save: tensor {name!r}: dtype {t.dtype} has no safetensors name here")
+        raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+        return codes[t.dtype], tuple(t.shape), np.ascontiguousarray(raw.numpy()).astype(
+            DTYPES[codes[t.dtype]][0], copy=False).tobytes()
+    a = np.asarray(t)
+    if a.dtype not in _NUMPY_CODES:
+        raise TypeError(f"k3ref.save: tensor {name!r}: NumPy dtype {a.dtype} has no safetensors name here")
+    code = _NUMPY_CODES[a.dtype]
+    return code, tuple(a.shape), np.ascontiguousarray(a).astype(DTYPES[code][0], copy=False).tobytes()
+
+
+def save(path, tensors, metadata=None):
+    """Writes `tensors` ({name: tensor}, in the given order) and string `metadata` to `path`
+    as a safetensors file laid out as k3ref's own writer lays it out (contiguous data in
+    order, the JSON header with sorted keys, padded with spaces to a multiple of 8 bytes), through a temporary
+    created exclusively beside it and renamed into place. Raises TypeError / ValueError (one
+    line) on a name, dtype or metadata value it cannot write."""
+    import os
+    import secrets
+
+    if not hasattr(tensors, "items"):
+        raise TypeError(f"k3ref.save: tensors must be a mapping of names to tensors, not {type(tensors).__name__}")
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"k3ref.save: metadata must map str to str (key {k!r} has a {type(v).__name__})")
+    header = {"__metadata__": meta} if meta else {}
+    blobs, offset = [], 0
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"k3ref.save: {name!r} is not a tensor name")
+        code, shape, data = _as_stored(name, t)
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    # Keys sorted and UTF-8 unescaped, as the C++ writer's JSON library writes them, so that a
+    # file k3ref wrote and rewritten here is the same bytes.
+    text = json.dumps(header, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for b in blobs:
+                f.write(b)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -24,7 +24,6 @@ import math
 import os
 import random
 import shlex
-import struct
 import sys
 import time
 from pathlib import Path
@@ -294,38 +293,13 @@ def replay_command(path, adapter_name, extra=""):
 
 # --------------------------------------------------------------------------- golden files
 
-# The reader is k3ref.goldens; this is the one Python writer, used for the shrunk failures.
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
-_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
-_CODES = {v: k for k, v in _DTYPES.items()}
-
-
+# The reader is k3ref.goldens, the writer k3ref.save (k3ref._safetensors); shrunk failures
+# are written with it.
 def write_safetensors(path, tensors, metadata):
-    """Writes tensors (name -> torch tensor, in the given order) and string metadata in the
-    layout of k3ref's writer (docs/golden-format.md): contiguous data in order, the JSON
-    header padded with spaces to a multiple of 8 bytes, written to a temporary file renamed
-    into place."""
-    header = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
-    blobs = []
-    offset = 0
-    for name, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        raw = t.view(_BITS[t.dtype]) if t.dtype in _BITS else t
-        data = raw.numpy().astype(raw.numpy().dtype.newbyteorder("<"), copy=False).tobytes() if t.numel() else b""
-        header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for b in blobs:
-            f.write(b)
-    tmp.replace(path)
+    """The package's writer (k3ref.save), with the metadata values as strings."""
+    from .._safetensors import save
+
+    save(path, tensors, {k: str(v) for k, v in metadata.items()})
 
 
 # --------------------------------------------------------------------------- runs
