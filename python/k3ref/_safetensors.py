@@ -37,6 +37,7 @@ DTYPES = {
     "BOOL": ("?", 1),
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
+MAX_FILE_BYTES = 1 << 40                # read whole into memory: no file of that size is a golden
 
 
 class SafetensorsError(ValueError):
@@ -63,19 +64,21 @@ def _fail(path, what):
 
 def read(path):
     """Reads and validates a whole file (see the module docstring)."""
+    from ._bounded import parse_json, read_bytes
+
     path = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise SafetensorsError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:  # a regular file only: a FIFO or a device is refused at once, never read until it ends
+        raw = read_bytes(path, "safetensors file", MAX_FILE_BYTES)
+    except ValueError as e:
+        raise SafetensorsError(str(e)) from None
     if len(raw) < 8:
         _fail(path, f"{len(raw)} bytes: too short for the 8-byte header length")
     (n,) = struct.unpack("<Q", raw[:8])
     if n > MAX_HEADER_BYTES or 8 + n > len(raw):
         _fail(path, f"header length {n} exceeds the file ({len(raw)} bytes) or the {MAX_HEADER_BYTES}-byte limit")
-    try:
-        header = json.loads(raw[8:8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    try:  # no duplicate keys (the C++ reader refuses them too), no NUL, bounded nesting
+        header = parse_json(bytes(raw[8:8 + n]), "header")
+    except ValueError as e:
         _fail(path, f"header is not JSON ({str(e).splitlines()[0]})")
     if not isinstance(header, dict):
         _fail(path, "header is not a JSON object")

@@ -271,6 +271,10 @@ def load_table(path=None):
     return _DEFAULT
 
 
+MAX_OUTPUT_NAMES = 131_072
+MAX_OUTPUT_NAME_BYTES = 16 << 20
+
+
 def expand_outputs(spec):
     """Names of a golden's `k3ref.outputs`: comma-separated, where an item may hold brace
     groups, each expanded in order: "{qb,sign}_{bias,loads}" -> qb_bias, qb_loads, sign_bias,
@@ -293,7 +297,18 @@ def expand_outputs(spec):
     if depth != 0:
         raise ValueError(f"k3ref.outputs '{spec}': unbalanced braces")
     items.append(cur)
-    names = []
+    names, name_bytes = [], 0
+    shown = spec if len(spec) <= 200 else spec[:200] + f"... ({len(spec)} characters)"
+
+    def bounded(count, size):
+        # The C++ limits (check::expand_outputs): "{a,b}" x 40 is 2^40 names, and 2^17 names of
+        # 100 KB each are 13 GB; both are refused before they are built.
+        if len(names) + count > MAX_OUTPUT_NAMES:
+            raise ValueError(f"k3ref.outputs '{shown}': expands to more than {MAX_OUTPUT_NAMES} names (the limit)")
+        if name_bytes + size > MAX_OUTPUT_NAME_BYTES:
+            raise ValueError(f"k3ref.outputs '{shown}': expands to more than {MAX_OUTPUT_NAME_BYTES} bytes of names "
+                             "(the limit)")
+
     for item in items:
         if not item:
             continue
@@ -305,9 +320,14 @@ def expand_outputs(spec):
                 expanded = [e + rest for e in expanded]
                 break
             j = rest.index("}", i)
-            expanded = [e + rest[:i] + alt for e in expanded for alt in rest[i + 1:j].split(",")]
+            alternatives = rest[i + 1:j].split(",")
+            bounded(len(expanded) * len(alternatives),
+                    sum(len(e) + i + len(a) for e in expanded for a in alternatives))
+            expanded = [e + rest[:i] + alt for e in expanded for alt in alternatives]
             rest = rest[j + 1:]
+        bounded(len(expanded), sum(len(e) for e in expanded))
         names += expanded
+        name_bytes += sum(len(e) for e in expanded)
     return names
 
 

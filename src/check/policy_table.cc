@@ -333,6 +333,10 @@ std::vector<std::string> expand_outputs(const std::string& spec) {
   // whole value must not be echoed. Outputs are tensors of the file, so more names than a
   // file may hold tensors (io::max_tensors) is refused before they are built.
   constexpr std::size_t max_names = 131'072;
+  // And in bytes: 131,072 names of 100 KB each would be 13 GB. The names are tensor names of
+  // one file, whose header holds them all; 16 MiB of names is far beyond any golden's.
+  constexpr std::size_t max_name_bytes = std::size_t{16} << 20;
+  std::size_t name_bytes = 0;
   const std::string quoted = io::excerpt(spec);
   std::vector<std::string> items;
   std::string cur;
@@ -375,12 +379,22 @@ std::vector<std::string> expand_outputs(const std::string& spec) {
       if (alternatives.size() * expanded.size() + names.size() > max_names)
         throw InvalidArgument("k3ref.outputs " + quoted + ": expands to more than " + std::to_string(max_names) +
                               " names (the limit)");
+      std::size_t next_bytes = 0;
+      for (const auto& e : expanded)
+        for (const auto& alt : alternatives) next_bytes += e.size() + open + alt.size();
+      if (name_bytes + next_bytes > max_name_bytes)
+        throw InvalidArgument("k3ref.outputs " + quoted + ": expands to more than " + std::to_string(max_name_bytes) +
+                              " bytes of names (the limit)");
       std::vector<std::string> next;
       for (const auto& e : expanded)
         for (const auto& alt : alternatives) next.push_back(e + rest.substr(0, open) + alt);
       expanded = std::move(next);
       rest = rest.substr(close + 1);
     }
+    for (const auto& e : expanded) name_bytes += e.size();
+    if (name_bytes > max_name_bytes)
+      throw InvalidArgument("k3ref.outputs " + quoted + ": expands to more than " + std::to_string(max_name_bytes) +
+                            " bytes of names (the limit)");
     names.insert(names.end(), expanded.begin(), expanded.end());
     if (names.size() > max_names)
       throw InvalidArgument("k3ref.outputs " + quoted + ": names more than " + std::to_string(max_names) +

@@ -157,6 +157,14 @@ TEST(PolicyTable, ExpandOutputs) {
   EXPECT_EQ(expand_outputs("{qb,sign}_{bias,loads}"), (V{"qb_bias", "qb_loads", "sign_bias", "sign_loads"}));
   EXPECT_EQ(expand_outputs("a,{b,c}d,,e"), (V{"a", "bd", "cd", "e"}));
   for (const char* bad : {"{a,{b}}", "{a", "a}"}) EXPECT_FALSE(error_of([&] { expand_outputs(bad); }).empty()) << bad;
+  // Bounded in names and in bytes: 2^40 names, or 1,000 names of 100 KB each, are refused.
+  std::string doubling;
+  for (int i = 0; i < 40; ++i) doubling += "{a,b}";
+  EXPECT_NE(error_of([&] { expand_outputs(doubling); }).find("names (the limit)"), std::string::npos);
+  std::string wide = "{0";
+  for (int i = 1; i < 1000; ++i) wide += "," + std::to_string(i);
+  wide += "}" + std::string(100000, 'x');
+  EXPECT_NE(error_of([&] { expand_outputs(wide); }).find("bytes of names (the limit)"), std::string::npos);
 }
 
 // ---- judgements on hand-made tensors ------------------------------------------------------
