@@ -1,3 +1,4 @@
+#include "k3ref/io/file.h"
 #include "k3ref/io/safetensors.h"
 
 #include "test_support.h"
