@@ -17,7 +17,7 @@ every tensor is listed in exactly one of `k3ref.inputs`, `k3ref.outputs`, `k3ref
 Files are read with the `safetensors` package when it is installed, else with
 k3ref._safetensors (the project's own reader); both give the same tensors. The golden
 directory: the `directory` argument, else $K3REF_GOLDENS, else the checkout's goldens/ when
-k3ref runs from a source tree.
+k3ref runs from a source tree, else the suite installed with the package.
 """
 import json
 import os
@@ -40,15 +40,19 @@ BACKWARD_GOLDEN_CHUNK_SIZE = 64
 
 
 def directory(path=None):
-    """The golden directory: `path`, else $K3REF_GOLDENS, else <checkout>/goldens."""
+    """The golden directory: `path`, else $K3REF_GOLDENS, else the checkout's goldens/ when
+    the package runs from a source tree, else the suite installed with the package
+    (k3ref/data/goldens)."""
     if path is not None:
         return Path(path)
     if os.environ.get("K3REF_GOLDENS"):
         return Path(os.environ["K3REF_GOLDENS"])
-    checkout = Path(__file__).resolve().parents[2] / "goldens"  # python/k3ref/goldens.py
-    if (checkout / "MANIFEST.json").is_file():
-        return checkout
-    raise FileNotFoundError("k3ref.goldens: no golden directory: pass one or set K3REF_GOLDENS to a checkout's goldens/")
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parents[1] / "goldens", here / "data" / "goldens"):  # python/k3ref/goldens.py
+        if (candidate / "MANIFEST.json").is_file():
+            return candidate
+    raise FileNotFoundError("k3ref.goldens: no golden directory: pass one, or set K3REF_GOLDENS to a suite "
+                            "(an installed k3ref ships one in k3ref/data/goldens; this one does not)")
 
 
 def _has_safetensors():

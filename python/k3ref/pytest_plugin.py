@@ -113,7 +113,7 @@ def _build(config):
     try:
         adapters, requested = discover(specs=config.getoption("k3ref_adapter"), conftest_specs=_conftest_specs(config),
                                        entry_points=config.getoption("k3ref_builtin"))
-        goldens = config.getoption("k3ref_goldens") or cli.default_goldens()
+        goldens = config.getoption("k3ref_goldens") or cli.default_goldens("--k3ref-goldens")
         suite = cli.load_suite(goldens, adapters)
         limitations = collection.load_limitations(config.getoption("k3ref_known_limitations"))
         collection.validate(adapters, suite)

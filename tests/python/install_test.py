@@ -4,7 +4,8 @@
    venv (the documented command), then, from another directory and without PYTHONPATH:
    `import k3ref` resolves into the venv, a reference reproduces a golden bit for bit, the
    harness imports, the pytest11 entry point and the k3ref-gpu-check script are installed,
-   and `pytest --k3ref-adapter` (the installed plugin) runs the example adapter on the CPU.
+   the golden suite ships with it (found with no variable or option), and `pytest
+   --k3ref-adapter` (the installed plugin) runs the example adapter on it on the CPU.
 2. `meson install --destdir` of this build (K3REF_BUILD_ROOT): k3ref lands in a directory of
    /usr/bin/python3's own sys.path (under DESTDIR), and imports from there.
 The pip build time is printed (the package build compiles only the extension and the seven
@@ -27,7 +28,10 @@ import sys, torch
 import k3ref
 from k3ref import goldens
 assert k3ref.__file__.startswith(sys.argv[1]), (k3ref.__file__, sys.argv[1])
-case = goldens.load_case("kda_gate_lower_bound", sys.argv[2])
+installed = sys.argv[2] == "installed"  # the suite that ships with the package, found without a variable
+case = goldens.load_case("kda_gate_lower_bound", None if installed else sys.argv[2])
+if installed:
+    assert str(goldens.directory()).startswith(sys.argv[1]), goldens.directory()
 out = k3ref.kda(case.inputs, precision="mp256", **case.options)
 assert all(torch.equal(out[n], case.expected[n]) for n in case.expected)
 from k3ref import policy
@@ -38,7 +42,8 @@ print("ok", k3ref.__file__)
 
 
 def clean_env():
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "K3REF_CORE_PATH", "PYTHONHOME")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "K3REF_CORE_PATH", "PYTHONHOME", "K3REF_GOLDENS")}
     env["PYTHONNOUSERSITE"] = "1"
     return env
 
@@ -54,7 +59,7 @@ def test_pip_install_into_a_venv(tmp_path):
     print(f"\npip install --no-build-isolation . took {seconds:.0f} s")
     site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    r = subprocess.run([str(venv / "bin" / "python"), "-c", CHECK, site, str(ROOT / "goldens")],
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", CHECK, site, "installed"],
                        cwd=tmp_path, env=clean_env(), capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
     entry = next(Path(site).glob("k3ref-*.dist-info")) / "entry_points.txt"
@@ -65,10 +70,10 @@ def test_pip_install_into_a_venv(tmp_path):
                         "assert m.version('k3ref') == k3ref.__version__, (m.version('k3ref'), k3ref.__version__)"],
                        cwd=tmp_path, env=clean_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    # The installed plugin (entry point, no -p): the example adapter against the goldens, on the CPU.
+    # The installed plugin (entry point, no -p): the example adapter against the installed goldens
+    # (no --k3ref-goldens, no K3REF_GOLDENS), on the CPU.
     r = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "--k3ref-adapter", f"{ROOT}/examples/torch_kda_adapter.py:TorchKda",
-                        "--k3ref-goldens", str(ROOT / "goldens"), "--k3ref-device", "cpu"],
+                        "--k3ref-adapter", f"{ROOT}/examples/torch_kda_adapter.py:TorchKda", "--k3ref-device", "cpu"],
                        cwd=tmp_path, env=clean_env(), capture_output=True, text=True)
     summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr
     assert r.returncode == 0 and " passed" in summary and "failed" not in summary, r.stdout[-3000:] + r.stderr[-2000:]

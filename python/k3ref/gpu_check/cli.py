@@ -31,15 +31,16 @@ class UsageError(Exception):
     pass
 
 
-def default_goldens():
-    """The golden directory when none is given: $K3REF_GOLDENS, else the checkout's goldens/
-    (k3ref.goldens.directory); an installed package without either is a usage error."""
+def default_goldens(option="--goldens"):
+    """The golden directory when none is given: $K3REF_GOLDENS, else the checkout's goldens/,
+    else the suite installed with the package (k3ref.goldens.directory). `option`: how the
+    front end in use spells the option that names one (pytest: --k3ref-goldens)."""
     from .. import goldens
 
     try:
         return str(goldens.directory())
     except FileNotFoundError as e:
-        raise UsageError(f"{e} (or pass --goldens DIR)") from None
+        raise UsageError(f"{e} (or pass {option} DIR)") from None
 
 
 def _csv(text):
