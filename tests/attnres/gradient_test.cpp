@@ -129,13 +129,14 @@ RC_GTEST_PROP(AttnResGradient, RandomProblemsAndDirections, ()) {
   const Tensor<HP> fd = finite_difference(p, form, dir);
   // Measured over 500 cases (seeds 20261130, 1-4): at most 1.5e-44 (256-bit duals) and
   // 2.6e-15 (double duals, d >= 2); seed 5 reaches 2.2e-43 at 256 bits (the step-size
-  // truncation of the difference, not the duals, has a heavy tail). Bounds: 1e-41, 3e-14.
-  RC_ASSERT(test::max_relative_difference(dual_derivative<HP>(p, form, dir), fd) <= 1e-41);
+  // truncation of the difference, not the duals, has a heavy tail). Bounds: 4x the worst,
+  // 8.8e-43 and 1.04e-14.
+  RC_ASSERT(test::max_relative_difference(dual_derivative<HP>(p, form, dir), fd) <= 8.8e-43);
   // In double, d = 1 is left out: there the key x / sqrt(x² + eps) is ±1 up to eps and its
   // derivative eps / (x² + eps)^(3/2) comes out of a cancellation of two terms ~1/|x|, with
   // condition number ~x² / eps ~ 1e6 (measured: 3.5e-10 relative). The 256-bit check above
   // covers d = 1.
-  if (d >= 2) RC_ASSERT(test::max_relative_difference(dual_derivative<double>(p, form, dir), fd) <= 3e-14);
+  if (d >= 2) RC_ASSERT(test::max_relative_difference(dual_derivative<double>(p, form, dir), fd) <= 1.04e-14);
 }
 
 TEST(AttnResGradient, ZeroQueriesGiveTheQueryGradientOfTheUniformAverage) {

@@ -167,7 +167,8 @@ RC_GTEST_PROP(AttnResMergeExact, WeightsArePositiveAndSumToOne, ()) {
 }
 
 // The real exponential at 256 bits: the merge differs from the direct statistics only by
-// rounding (a few ulps of 2^-256 relative; 1e-70 leaves ample room).
+// rounding (under one ulp of 2^-256 relative): measured at most 1.16e-79 over the CI seed's
+// 100 cases and seeds 1-10 (2026-12-01); the bound is 4x that.
 RC_GTEST_PROP(AttnResMergeHighPrecision, TwoPhaseEqualsDirectToRounding, ()) {
   const std::size_t n = *rc::gen::inRange<std::size_t>(2, 9);
   const Case c = random_case(n);
@@ -191,7 +192,7 @@ RC_GTEST_PROP(AttnResMergeHighPrecision, TwoPhaseEqualsDirectToRounding, ()) {
   const Tensor<HP> direct = softmax_average<StandardMath>(all).h;
   const Tensor<HP> merged = normalised(merge<StandardMath>(stats_of<StandardMath>(first), stats_of<StandardMath>(rest)));
   for (std::int64_t i = 0; i < direct.numel(); ++i)
-    RC_ASSERT(abs(direct.values()[i] - merged.values()[i]) <= HP(1e-70) * (1 + abs(direct.values()[i])));
+    RC_ASSERT(abs(direct.values()[i] - merged.values()[i]) <= HP(4.6e-79) * (1 + abs(direct.values()[i])));
 }
 
 TEST(AttnResMerge, RejectsEmptyAndMismatchedSources) {
