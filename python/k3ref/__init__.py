@@ -185,7 +185,10 @@ def _number(fn, name, value, optional=True):
         except ImportError:
             pass
         _fail(fn, TypeError, f"option '{name}' must be a number, not {type(value).__name__} ({value!r})")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond double's range
+        _fail(fn, ValueError, f"option '{name}' must be finite, not an integer of {value.bit_length()} bits")
     if value != value or value in (float("inf"), float("-inf")):
         _fail(fn, ValueError, f"option '{name}' must be finite, not {value!r}")  # as the CLI's --scale, --lower-bound
     return value
@@ -197,12 +200,19 @@ def _flag(fn, name, value):
     return value
 
 
-def _count(fn, name, value, minimum):
+# No count option (threads, chunk and block sizes, k, iterations) means anything beyond a C
+# int; larger values are refused here in one line rather than by the binding's conversion.
+MAX_COUNT = 2**31 - 1
+
+
+def _count(fn, name, value, minimum, maximum=MAX_COUNT):
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         _fail(fn, TypeError, f"option '{name}' must be an integer, not {type(value).__name__} ({value!r})")
     value = int(value.__index__())
     if value < minimum:
         _fail(fn, ValueError, f"option '{name}' must be at least {minimum}, not {value}")
+    if value > maximum:
+        _fail(fn, ValueError, f"option '{name}' must be at most {maximum}, not {value}")
     return value
 
 
