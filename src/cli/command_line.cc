@@ -296,17 +296,50 @@ int kda_command(const KdaArgs& a) {
       tier == num::Tier::double_ ? run_kda<double>(in, opt) : run_kda<num::golden_float>(in, opt);
   io::SafetensorsFile result;
   kda::add_outputs(result, out);
-  // The named options as parsed, written back by the vocabulary's names.
+  // The file is a golden of kda.recurrent (docs/golden-format.md, schema 2): its outputs
+  // listed, every option it was computed with (by the command's names in k3ref.options, by
+  // the goldens' parameter names in k3ref.params) and the policy it recommends, so that
+  // `k3ref compare --golden <this> --candidate <kernel's>` and k3ref.goldens.load_case read it.
+  const nlohmann::json number_or_null = nullptr;
+  auto optional_number = [&](const std::optional<double>& x) { return x ? nlohmann::json(*x) : number_or_null; };
   const nlohmann::json named = {{kda::gate_forms.option, kda::to_string(opt.gate)},
                                 {kda::gate_bases.option, kda::to_string(opt.gate_base)},
                                 {kda::beta_forms.option, kda::to_string(opt.beta)},
                                 {kda::state_layouts.option, kda::to_string(opt.state_layout)},
-                                {num::precision_tiers.option, num::to_string(tier)}};
+                                {num::precision_tiers.option, num::to_string(tier)},
+                                {"l2norm", a.l2norm},
+                                {"lower_bound", optional_number(a.lower_bound)},
+                                {"scale", optional_number(a.scale)},
+                                {"all_states", a.all_states},
+                                {"no_final_state", a.no_final_state}};
+  const nlohmann::json params = {{"gate", kda::to_string(opt.gate)},
+                                 {"gate_base", kda::to_string(opt.gate_base)},
+                                 {"beta", kda::to_string(opt.beta)},
+                                 {"state_layout", kda::to_string(opt.state_layout)},
+                                 {"qk_l2norm", a.l2norm},
+                                 {"lower_bound", optional_number(a.lower_bound)},
+                                 {"scale", optional_number(a.scale)},
+                                 {"all_states", a.all_states},
+                                 {"final_state", !a.no_final_state}};
+  std::string outputs;
+  nlohmann::json policies = nlohmann::json::object();
+  for (const auto& [name, t] : result.tensors) {
+    outputs += (outputs.empty() ? "" : ",") + name;
+    policies[name] = "recurrent";  // what the kda.recurrent goldens recommend for every output
+  }
   // Metadata must be UTF-8: a name that is not is recorded with its odd bytes as \xNN.
-  result.metadata = {{"k3ref.op", "kda.recurrent"},
+  result.metadata = {{"k3ref.schema", golden::golden_schema_version},
+                     {"k3ref.op", "kda.recurrent"},
+                     {"k3ref.outputs", outputs},
+                     {"k3ref.inputs", ""},
+                     {"k3ref.layout", ""},
+                     {"k3ref.params", params.dump()},
+                     {"k3ref.policies", policies.dump()},
                      {"k3ref.precision", std::string(num::to_string(tier))},
+                     {"k3ref.reference_precision", tier == num::Tier::double_ ? std::string("double")
+                                                                               : golden::golden_float_precision()},
                      {"k3ref.options", named.dump()},
-                     {"k3ref.inputs", io::is_valid_utf8(a.in) ? a.in : io::printable(a.in)}};
+                     {"k3ref.input_file", io::is_valid_utf8(a.in) ? a.in : io::printable(a.in)}};
   io::write_safetensors_atomic(a.out, result);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("wrote %s (%s reference, %.2f s)\n", io::printable(a.out).c_str(), a.precision.c_str(), seconds);

@@ -20,6 +20,11 @@ int neumann_factor_count(std::int64_t C) {
 
 void validate_chunkwise(const ChunkwiseOptions& copt, bool output_all_states) {
   if (copt.chunk_size < 0) throw InvalidArgument("kda::chunkwise: argument 'chunk_size': must be positive (0: default)");
+  // A chunk is a C x C matrix (several, per thread): 1024 keeps them at 8 MiB each, while the
+  // kernels use 16 and 64; a chunk_size of 8192 would take gigabytes even on four tokens.
+  if (copt.chunk_size > max_chunk_size)
+    throw InvalidArgument("kda::chunkwise: argument 'chunk_size': at most " + std::to_string(max_chunk_size) +
+                          " (a chunk is a C x C matrix), not " + std::to_string(copt.chunk_size));
   const std::int64_t C = effective_chunk_size(copt);
   if (copt.form == ChunkForm::fla && (copt.sub_chunk < 1 || C % copt.sub_chunk != 0))
     throw InvalidArgument("kda::chunkwise: argument 'sub_chunk': must be positive and divide the chunk size " +

@@ -201,6 +201,42 @@ TEST(Cli, KdaCommandAtGoldenPrecisionReproducesTheGoldenExactly) {
   EXPECT_NE(bad.out.find("lower_bound"), std::string::npos) << bad.out;
 }
 
+// `k3ref kda` writes a golden of kda.recurrent: `compare` takes it as the golden of a
+// candidate (the same file passes, a perturbed one fails), and it records every option.
+TEST(Cli, KdaOutputIsAGoldenThatCompareTakes) {
+  const fs::path dir = scratch() / "kda_golden";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path ref = dir / "ref.safetensors", cand = dir / "cand.safetensors";
+  const CommandResult made = k3ref("kda --in " + golden("kda_gate_lower_bound").string() + " --out " + ref.string() +
+                                   " --gate lower_bound --lower-bound -5 --beta sigmoid --l2norm --scale 0.25");
+  ASSERT_EQ(made.code, 0) << made.out;
+  const io::SafetensorsFile file = io::read_safetensors(ref);
+  EXPECT_EQ(file.metadata.at("k3ref.schema"), golden::golden_schema_version);
+  EXPECT_EQ(file.metadata.at("k3ref.outputs"), "o,final_state");
+  const auto params = nlohmann::json::parse(file.metadata.at("k3ref.params"));
+  EXPECT_EQ(params.at("gate"), "lower_bound");
+  EXPECT_EQ(params.at("lower_bound"), -5.0);
+  EXPECT_EQ(params.at("beta"), "sigmoid");
+  EXPECT_EQ(params.at("qk_l2norm"), true);
+  EXPECT_EQ(params.at("scale"), 0.25);
+  const auto options = nlohmann::json::parse(file.metadata.at("k3ref.options"));
+  EXPECT_EQ(options.at("l2norm"), true);
+  EXPECT_EQ(options.at("lower_bound"), -5.0);
+  const CommandResult same = k3ref("compare --golden " + ref.string() + " --candidate " + ref.string() +
+                                   " --policy recommended");
+  EXPECT_EQ(same.code, 0) << same.out;
+  io::SafetensorsFile perturbed = file;
+  for (auto& [name, t] : perturbed.tensors) {
+    Tensor<double> v = io::to_f64(t, name);
+    for (double& x : v.values()) x = -x;
+    t = io::from_f64(v, t.dtype);
+  }
+  io::write_safetensors_atomic(cand, perturbed);
+  const CommandResult wrong = k3ref("compare --golden " + ref.string() + " --candidate " + cand.string());
+  EXPECT_EQ(wrong.code, 1) << wrong.out;
+}
+
 TEST(Cli, GoldenListNamesEveryCase) {
   const CommandResult r = k3ref("golden list");
   EXPECT_EQ(r.code, 0);

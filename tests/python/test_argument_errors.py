@@ -33,3 +33,10 @@ def test_an_out_of_range_option_is_one_line_naming_function_and_option(x, fn, op
         call(x)
     text = str(info.value)
     assert "\n" not in text and text.startswith(f"k3ref.{fn}: option '{option}'"), text
+
+
+def test_a_chunk_beyond_the_limit_is_refused_before_any_memory_is_taken(x):
+    # 8192 on 4 tokens took 5 GB of C x C scratch; the chunk forms take at most 1024.
+    with pytest.raises(ValueError, match=r"k3ref.kda_chunkwise: .*'chunk_size': at most 1024 .* not 8192$"):
+        k3ref.kda_chunkwise(x, chunk_size=8192)
+    assert k3ref.kda_chunkwise(x, chunk_size=1024)["o"].shape == x["v"].shape

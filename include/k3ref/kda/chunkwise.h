@@ -64,6 +64,9 @@ struct ChunkwiseOptions {
 // The chunk size actually used.
 std::int64_t effective_chunk_size(const ChunkwiseOptions&);
 
+// The largest chunk_size the chunk forms take (validate_chunkwise refuses more).
+inline constexpr std::int64_t max_chunk_size = 1024;
+
 // Factors of the Neumann doubling product (I - L)(I + L^2)...(I + L^(2^(m-1))) that give
 // (I + L)^-1 for a strictly lower triangular C x C matrix L: the least m >= 1 with
 // 2^m >= C. The doubling steps (squarings) are m - 1; FlashKDA's C = 16 needs m = 4,
