@@ -56,3 +56,26 @@ def test_what_cannot_be_written_is_a_one_line_error(tmp_path, tensors, message):
     with pytest.raises((TypeError, ValueError), match=message):
         k3ref.save(tmp_path / "z.safetensors", tensors)
     assert os.listdir(tmp_path) == []
+
+
+def test_own_inputs_to_a_verdict(tmp_path):
+    # A newcomer's path: own tensors -> k3ref.save -> `k3ref kda` -> its golden -> the verdict.
+    exe = os.environ.get("K3REF_EXE")
+    if not exe:
+        pytest.skip("K3REF_EXE not set (meson test sets it)")
+    from k3ref.testing import assert_kda_close
+
+    g = torch.Generator().manual_seed(11)
+    bf = lambda *s, lo=-1.0, hi=1.0: (torch.rand(*s, generator=g, dtype=torch.float64) * (hi - lo) + lo).to(torch.bfloat16)
+    mine = dict(q=bf(1, 20, 1, 16), k=bf(1, 20, 1, 16), v=bf(1, 20, 1, 16), g=bf(1, 20, 1, 16, lo=-0.5, hi=0.0),
+                beta=bf(1, 20, 1, lo=0.0, hi=1.0))
+    k3ref.save(tmp_path / "mine.safetensors", mine)
+    r = subprocess.run([exe, "kda", "--in", str(tmp_path / "mine.safetensors"), "--out", str(tmp_path / "ref.safetensors"),
+                        "--no-final-state"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    case = goldens.load_case(tmp_path / "ref.safetensors")
+    assert case.op == "kda.recurrent" and case.recommended_policies == {"o": "recurrent"}
+    kernel_o = k3ref.kda(mine)["o"].to(torch.bfloat16)  # a correct bf16 kernel
+    assert_kda_close((kernel_o,), case)
+    with pytest.raises(AssertionError, match="o: "):
+        assert_kda_close((-kernel_o,), case)
