@@ -128,6 +128,8 @@ struct GoldenArgs {
   bool quiet = false;
   bool force = false;
   bool subset = false;  // verify: a subset suite (generate --only) is asked for
+  std::string op;        // list: only cases of this operator (or operator prefix)
+  bool json = false;     // list: JSON instead of the table
 };
 
 int golden_generate(const GoldenArgs& a) {
@@ -202,8 +204,47 @@ int golden_verify(const GoldenArgs& a) {
   return exit_ok;
 }
 
+// One cell of the list's table: a case's parameter, "-" where the case has none.
+std::string list_cell(const nlohmann::json& params, const char* key) {
+  const auto it = params.find(key);
+  if (it == params.end() || it->is_null()) return "-";
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_boolean()) return it->get<bool>() ? "yes" : "no";
+  return it->dump();
+}
+
 int golden_list(const GoldenArgs& a) {
-  for (const auto& c : golden::suite(a.suite)) std::printf("%-40s %-16s %s\n", c.name.c_str(), c.op.c_str(), c.params.dump().c_str());
+  std::vector<golden::Case> cases;
+  std::set<std::string> ops;
+  for (auto& c : golden::suite(a.suite)) {
+    ops.insert(c.op);
+    // --op names one operator, or a prefix of several ("kda.chunkwise" lists both forms).
+    if (a.op.empty() || c.op == a.op || c.op.rfind(a.op, 0) == 0) cases.push_back(std::move(c));
+  }
+  if (cases.empty()) {
+    std::vector<std::string_view> names(ops.begin(), ops.end());
+    std::fprintf(stderr, "k3ref golden list: --op %s\n", not_one_of(names, a.op).c_str());
+    return exit_unusable;
+  }
+  if (a.json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& c : cases) out.push_back({{"name", c.name}, {"op", c.op}, {"params", c.params}});
+    std::printf("%s\n", out.dump(1).c_str());
+    return exit_ok;
+  }
+  const std::pair<const char*, int> columns[] = {{"B", 3}, {"T", 5}, {"H", 3}, {"HV", 3}, {"K", 4}, {"V", 4},
+                                                {"gate", 11}, {"beta", 12}, {"state_layout", 12}};
+  std::printf("%-44s %-24s", "case", "op");
+  for (const auto& [col, width] : columns) std::printf(" %-*s", width, col);
+  std::printf(" varlen\n");
+  for (const auto& c : cases) {
+    std::printf("%-44s %-24s", c.name.c_str(), c.op.c_str());
+    for (const auto& [col, width] : columns) std::printf(" %-*s", width, list_cell(c.params, col).c_str());
+    const auto cu = c.params.find("cu_seqlens");
+    std::printf(" %s\n", cu != c.params.end() && cu->is_array() ? cu->dump().c_str() : "-");
+  }
+  std::printf("%zu of the %zu cases of suite '%s'%s (--json for every parameter)\n", cases.size(),
+              golden::suite(a.suite).size(), a.suite.c_str(), a.op.empty() ? "" : (" with operator " + a.op + "*").c_str());
   return exit_ok;
 }
 
@@ -523,8 +564,10 @@ int run(int argc, const char* const* argv, bool execute) {
   ver->add_flag("--quiet,-q", golden_args.quiet, "No progress lines");
   ver->add_flag("--subset", golden_args.subset,
                 "Accept a subset suite (written by generate --only): verify only the cases its manifest lists");
-  CLI::App* lst = golden_cmd->add_subcommand("list", "List the cases of a suite with their parameters");
+  CLI::App* lst = golden_cmd->add_subcommand("list", "List the cases of a suite: a table of their main parameters");
   lst->add_option("--suite", golden_args.suite, "Suite name")->capture_default_str();
+  lst->add_option("--op", golden_args.op, "Only cases of this operator, or of operators starting with it (kda.chunkwise)");
+  lst->add_flag("--json", golden_args.json, "Every case's name, operator and parameters as JSON");
 
   KdaArgs kda_args;
   CLI::App* kda_cmd = app.add_subcommand(

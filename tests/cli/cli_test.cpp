@@ -241,6 +241,22 @@ TEST(Cli, GoldenListNamesEveryCase) {
   const CommandResult r = k3ref("golden list");
   EXPECT_EQ(r.code, 0);
   EXPECT_NE(r.out.find("kda_varlen"), std::string::npos);
+  const std::size_t all = golden::suite("default").size();
+  EXPECT_NE(r.out.find(std::to_string(all) + " of the " + std::to_string(all) + " cases"), std::string::npos) << r.out;
+  // --op: one operator or a prefix; --json: every case with all its parameters.
+  const CommandResult chunk = k3ref("golden list --op kda.chunkwise");
+  EXPECT_EQ(chunk.code, 0);
+  EXPECT_NE(chunk.out.find("kda_chunkwise_fla_c64_t100"), std::string::npos);
+  EXPECT_NE(chunk.out.find("kda_chunkwise_flashkda_c16_b2_t37"), std::string::npos);
+  EXPECT_EQ(chunk.out.find("kda_varlen "), std::string::npos);
+  const CommandResult json = k3ref("golden list --json --op qb.");
+  ASSERT_EQ(json.code, 0);
+  const auto listed = nlohmann::json::parse(json.out);
+  ASSERT_FALSE(listed.empty());
+  for (const auto& c : listed) EXPECT_EQ(c.at("op").get<std::string>().rfind("qb.", 0), 0u) << c.dump();
+  const CommandResult unknown = k3ref("golden list --op nope");
+  EXPECT_EQ(unknown.code, 2);
+  EXPECT_NE(unknown.out.find("kda.recurrent"), std::string::npos) << unknown.out;  // the operators there are
 }
 
 // ---- hostile arguments, paths and files (the corpus in tests/hostile/ runs many more)
