@@ -182,11 +182,17 @@ class Checks(unittest.TestCase):
         summary = report.summary(rows, res, runner, [a], {a.name}, "cpu", 1.0, passed, failures, 1)
         self.assertEqual(summary["kernels"][a.name]["timing"]["checks_run"], 2)
         self.assertIn("absent", summary["kernels"][a.name]["timing"]["compile_timing"])  # no Triton here
-        for key in ("python", "torch", "triton", "cuda_driver"):
+        for key in ("python", "torch", "triton", "cuda_driver", "k3ref", "golden_suite", "policy_table"):
             self.assertIn(key, summary["versions"])
+        # What the verdict was judged against: the suite's generator and manifest digest, the table's digest.
+        self.assertRegex(summary["versions"]["golden_suite"], r"generator version \d+, MANIFEST.json sha256 [0-9a-f]{64}")
+        self.assertRegex(summary["versions"]["policy_table"], r"policies.json: sha256 [0-9a-f]{64}")
+        self.assertRegex(summary["versions"]["k3ref"], r", (git [0-9a-f]{40}|files sha256:[0-9a-f]{12})")
         with tempfile.TemporaryDirectory() as d:
             report.write_all(Path(d), rows, res, summary)
             root = ET.parse(Path(d) / "report.xml").getroot()
+            props = {p.get("name"): p.get("value") for p in root.iter("property")}
+            self.assertEqual(props["policy_table"], summary["versions"]["policy_table"])  # JUnit carries them too
             # One JUnit case per test, judged as the run judges it (both tests fail here).
             self.assertEqual(sum(int(s.get("tests")) for s in root), len(rows))
             self.assertEqual(sum(int(s.get("failures")) for s in root), 2)

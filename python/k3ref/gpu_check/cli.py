@@ -212,7 +212,7 @@ def run_command(args):
             rows, results = execute(tests, runner, requested)
     passed, failures = verdict_of(rows, results)
     summary = report.summary(rows, results, runner, adapters, requested, args.device, time.time() - t0, passed,
-                             failures, len(suite))
+                             failures, len(suite), golden_dir=args.goldens or default_goldens())
     summary.update(speed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

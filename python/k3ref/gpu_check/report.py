@@ -2,9 +2,7 @@
 table, then each failure with its numbers, its worst element and its plot), report.json (the
 raw results and the summary), report.xml (JUnit), plots/*.png (matplotlib; when matplotlib
 cannot be imported the report says that plots were left out)."""
-import base64
 import html
-import io
 import json
 import math
 import os
@@ -33,7 +31,7 @@ def write_json(path, results, summary):
         json.dump(clean({"summary": summary, "results": [asdict(r) for r in results]}), f, indent=1)
 
 
-def write_junit(path, rows):
+def write_junit(path, rows, properties=None):
     """JUnit XML with one test case per collected test (rows of cli.execute: test, verdict,
     reason, results), judged as the run judges it: a verdict 'fail' is a failure (or an
     error when a check crashed or raised), 'skip' and 'xfail' (a known limitation) are
@@ -48,6 +46,10 @@ def write_junit(path, rows):
         errors = sum(v == "fail" and any(r.status == "error" for r in res) for _, v, _, res in rs)
         suite = ET.SubElement(suites, "testsuite", name=adapter, tests=str(len(rs)), failures=str(failures),
                               errors=str(errors), skipped=str(sum(v in ("skip", "xfail") for _, v, _, _ in rs)))
+        if properties:  # what the verdict depends on (versions), for a CI that keeps only the XML
+            props = ET.SubElement(suite, "properties")
+            for key, value in properties.items():
+                ET.SubElement(props, "property", name=str(key), value=str(value))
         for t, v, reason, res in rs:
             seconds = sum(r.seconds for r in res)
             tc = ET.SubElement(suite, "testcase", classname=adapter, name=t.id, time=f"{seconds:.3f}")
@@ -115,10 +117,40 @@ def _checks_present(results):
     return seen + sorted({r.check for r in results} - set(seen) - {"all"})
 
 
-def versions():
-    """Versions the verdict depends on: Python, PyTorch, Triton, the CUDA driver, the GPU."""
-    v = {"python": platform.python_version(), "torch": torch_version(), "triton": None, "cuda_driver": None,
-         "cuda_runtime": None, "gpu": None, "host": platform.node(),
+def _sha256_of(path):
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def reference_versions(golden_dir=None):
+    """What the verdict was judged against: k3ref (version and source: the git commit of its
+    checkout, else a hash of its files), the golden suite (generator version and the sha256
+    of its MANIFEST.json) and the policy table (its sha256)."""
+    import k3ref
+    from .. import goldens, policy
+    from .adapters import source_identity
+
+    v = {"k3ref": f"{getattr(k3ref, '__version__', '?')}, {source_identity(k3ref)}"}
+    try:
+        directory = goldens.directory(golden_dir)
+        manifest = directory / "MANIFEST.json"
+        generator = json.loads(manifest.read_text()).get("generator_version", "?")
+        v["golden_suite"] = f"{directory}: generator version {generator}, MANIFEST.json sha256 {_sha256_of(manifest)}"
+    except (OSError, ValueError) as e:
+        v["golden_suite"] = f"unknown ({e})"
+    try:
+        v["policy_table"] = f"{policy.table_path()}: sha256 {_sha256_of(policy.table_path())}"
+    except (OSError, ValueError) as e:
+        v["policy_table"] = f"unknown ({e})"
+    return v
+
+
+def versions(golden_dir=None):
+    """Versions the verdict depends on: k3ref, the golden suite and the policy table it judged
+    by, Python, PyTorch, Triton, the CUDA driver and runtime, the GPU."""
+    v = {**reference_versions(golden_dir), "python": platform.python_version(), "torch": torch_version(),
+         "triton": None, "cuda_driver": None, "cuda_runtime": None, "gpu": None, "host": platform.node(),
          "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR", "(Triton's default, ~/.triton/cache)")}
     try:
         from importlib.metadata import version
@@ -153,7 +185,8 @@ def torch_version():
         return None
 
 
-def summary(rows, results, runner, adapters, requested, device, seconds, passed, failures, n_goldens):
+def summary(rows, results, runner, adapters, requested, device, seconds, passed, failures, n_goldens,
+            golden_dir=None):
     from .collection import MutantTest
 
     verdicts = [v for _, v, _, _ in rows]
@@ -170,7 +203,7 @@ def summary(rows, results, runner, adapters, requested, device, seconds, passed,
         "verdict": "PASS" if passed else "FAIL",
         "failures": failures,
         "device": device,
-        "versions": versions(),
+        "versions": versions(golden_dir),
         "goldens": n_goldens,
         "seconds": round(seconds, 2),
         "tests": len(rows),
@@ -225,7 +258,7 @@ def plot_failure(plt, res, path):
 
 def write_all(out, rows, results, summary):
     out = Path(out)
-    write_junit(out / "report.xml", rows)
+    write_junit(out / "report.xml", rows, summary.get("versions"))
     write_json(out / "report.json", results, summary)
     write_html(out / "report.html", rows, results, summary)
 
