@@ -204,7 +204,7 @@ class KnownLimitationNames(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             limits = Path(d) / "limits.json"
             run = ("run", "--no-builtin", "--adapter", "test_adapters:NanEverywhere", "--checks", "golden",
-                   "--cases", "kda_t1,kda_t100", "--known-limitations", str(limits))
+                   "--cases", "kda_t1,kda_t100", "--known-limitations", str(limits), "--out", str(Path(d) / "out"))
             limits.write_text(json.dumps({"entries": [{"adapter": "*", "check": "golden", "case_pattern": "*",
                                                        "reason": "everything"}]}))
             r = gpu_check(*run)
