@@ -64,16 +64,18 @@ def test_pip_install_into_a_venv(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
     entry = next(Path(site).glob("k3ref-*.dist-info")) / "entry_points.txt"
     text = entry.read_text()
-    assert "[pytest11]\nk3ref = k3ref.pytest_plugin" in text and "k3ref-gpu-check = k3ref.gpu_check.cli:main" in text
+    assert "[pytest11]\nk3ref.pytest_plugin = k3ref.pytest_plugin" in text
+    assert "k3ref-gpu-check = k3ref.gpu_check.cli:main" in text
     assert (venv / "bin" / "k3ref-gpu-check").is_file()
     r = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.metadata as m, k3ref; "
                         "assert m.version('k3ref') == k3ref.__version__, (m.version('k3ref'), k3ref.__version__)"],
                        cwd=tmp_path, env=clean_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    # The installed plugin (entry point, no -p): the example adapter against the installed goldens
-    # (no --k3ref-goldens, no K3REF_GOLDENS), on the CPU.
-    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "--k3ref-adapter", f"{ROOT}/examples/torch_kda_adapter.py:TorchKda", "--k3ref-device", "cpu"],
+    # The installed plugin: the example adapter against the installed goldens (no --k3ref-goldens, no
+    # K3REF_GOLDENS), on the CPU; `-p k3ref.pytest_plugin` as a source tree needs it changes nothing.
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                        "k3ref.pytest_plugin", "--k3ref-adapter", f"{ROOT}/examples/torch_kda_adapter.py:TorchKda",
+                        "--k3ref-device", "cpu"],
                        cwd=tmp_path, env=clean_env(), capture_output=True, text=True)
     summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr
     assert r.returncode == 0 and " passed" in summary and "failed" not in summary, r.stdout[-3000:] + r.stderr[-2000:]
