@@ -8,7 +8,10 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -257,7 +260,38 @@ struct KdaArgs {
   bool l2norm = false, all_states = false, no_final_state = false;
   int threads = default_jobs();
   bool force = false;
+  std::string memory_budget;  // bytes, with an optional K/M/G/T suffix (binary); empty: half the machine's memory
 };
+
+// Bytes a value of the tier occupies while `k3ref kda` computes with it: a double, or the
+// 256-bit float (its limbs and header; measured about 150 bytes per state element).
+constexpr std::int64_t bytes_per_element(num::Tier tier) { return tier == num::Tier::double_ ? 8 : 150; }
+
+// The memory budget of a `k3ref kda` run in bytes: --memory-budget, else half of the
+// machine's physical memory.
+std::int64_t memory_budget(const KdaArgs& a) {
+  if (a.memory_budget.empty()) {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? static_cast<std::int64_t>(pages) * page / 2 : std::int64_t{8} << 30;
+  }
+  const std::string& text = a.memory_budget;
+  std::size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  std::int64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + digits, value);
+  const std::string suffix = text.substr(digits);
+  const int shift = suffix.empty() ? 0
+                    : suffix == "K" ? 10
+                    : suffix == "M" ? 20
+                    : suffix == "G" ? 30
+                    : suffix == "T" ? 40
+                                    : -1;
+  if (digits == 0 || ec != std::errc() || shift < 0 || value <= 0 ||
+      value > (std::numeric_limits<std::int64_t>::max() >> shift))
+    throw InvalidArgument("option --memory-budget: expected a positive number of bytes with an optional K, M, G or T "
+                          "suffix (binary), not " + io::excerpt(text));
+  return value << shift;
+}
 
 // Bounds on what `k3ref kda` computes, checked from the shapes before anything is
 // allocated: a file with T = 0 has no elements, so its size bounds nothing, yet its shapes
@@ -266,6 +300,15 @@ struct KdaArgs {
 // each output (final_state N x HV x K x V; o; all_states B x T x HV x K x V).
 constexpr std::int64_t max_kda_sequence_heads = std::int64_t{1} << 20;
 constexpr std::int64_t max_kda_output_elements = std::int64_t{1} << 28;
+
+std::string fmt_gib(double bytes) {
+  char text[32];
+  if (bytes >= static_cast<double>(std::int64_t{1} << 30))
+    std::snprintf(text, sizeof text, "%.2f GiB", bytes / static_cast<double>(std::int64_t{1} << 30));
+  else
+    std::snprintf(text, sizeof text, "%.1f MiB", bytes / static_cast<double>(std::int64_t{1} << 20));
+  return text;
+}
 
 void check_kda_work(const io::SafetensorsFile& file, const KdaArgs& a) {
   const io::RawTensor* q = file.find("q");
@@ -293,9 +336,32 @@ void check_kda_work(const io::SafetensorsFile& file, const KdaArgs& a) {
       throw FileError(where + ": output '" + output + "' would hold " + std::to_string(elements) +
                       " elements, over the limit of " + std::to_string(max_kda_output_elements));
   };
-  if (!a.no_final_state) bounded(product({pairs, K, V}, "final_state size N x HV x K x V"), "final_state");
-  bounded(product({B, T, HV, V}, "o size B x T x HV x V"), "o");
-  if (a.all_states) bounded(product({B, T, HV, K, V}, "all_states size B x T x HV x K x V"), "all_states");
+  const std::int64_t final_elements =
+      a.no_final_state ? 0 : product({pairs, K, V}, "final_state size N x HV x K x V");
+  const std::int64_t o_elements = product({B, T, HV, V}, "o size B x T x HV x V");
+  const std::int64_t all_elements = a.all_states ? product({B, T, HV, K, V}, "all_states size B x T x HV x K x V") : 0;
+  if (!a.no_final_state) bounded(final_elements, "final_state");
+  bounded(o_elements, "o");
+  if (a.all_states) bounded(all_elements, "all_states");
+  // The working memory, estimated before anything is allocated: the outputs in the tier and
+  // as doubles, the inputs lifted to the tier, and each thread's states (the one it carries
+  // and those of the sequence-heads it has finished: at most all of them). All are within
+  // 2^28 elements by now, so the sums stay far from overflow.
+  const num::Tier tier = num::precision_tiers.parse(a.precision.empty() ? "double" : a.precision);
+  const std::int64_t per = bytes_per_element(tier);
+  std::int64_t inputs = 0;
+  for (const auto& [name, t] : file.tensors) inputs += static_cast<std::int64_t>(io::checked_element_count(t, name));
+  const std::int64_t threads = std::max<std::int64_t>(1, std::min<std::int64_t>(a.threads, pairs));
+  const double need = static_cast<double>(final_elements + o_elements + all_elements) * static_cast<double>(per + 8) +
+                      static_cast<double>(inputs) * static_cast<double>(per + 8) +
+                      static_cast<double>(threads) * static_cast<double>(K) * static_cast<double>(V) * per * 2;
+  const std::int64_t budget = memory_budget(a);
+  if (need > static_cast<double>(budget))
+    throw FileError(where + ": the run needs about " + fmt_gib(need) + " of memory (" +
+                    std::string(num::to_string(tier)) + ", " + std::to_string(threads) + " thread(s), K = " +
+                    std::to_string(K) + ", V = " +
+                    std::to_string(V) + "), over the budget of " + fmt_gib(static_cast<double>(budget)) +
+                    " (--memory-budget; default half the machine's memory)");
 }
 
 kda::Options<double> kda_options(const KdaArgs& a) {
@@ -586,6 +652,9 @@ int run(int argc, const char* const* argv, bool execute) {
   kda_cmd->add_flag("--no-final-state", kda_args.no_final_state, "Do not write final_state");
   add_choice_option(kda_cmd, "precision", kda_args.precision);
   add_integer_option(kda_cmd, "--threads", kda_args.threads, 1, max_threads, "Threads over (sequence, head)");
+  kda_cmd->add_option("--memory-budget", kda_args.memory_budget,
+                      "Refuse a run estimated to need more memory than this (bytes, or with a K/M/G/T suffix; "
+                      "default: half the machine's memory)");
   kda_cmd->add_flag("--force", kda_args.force,
                     "Write --out even when it is the input, a symlink, a device, a FIFO or not UTF-8");
 

@@ -388,6 +388,22 @@ TEST(CliHostile, KdaBoundsTheWorkOfInputsWithoutTokens) {
                                {"no_tokens.safetensors", "sequence-heads, over the limit of 1048576"});
   }
   EXPECT_FALSE(fs::exists(dir / "o.safetensors"));
+  // T = 0 with K = V = 12000: a few hundred bytes that ask for 1.1 GB of state (a 2.1 GiB
+  // estimate in double, 19 GiB at 256 bits), refused before any allocation past the budget.
+  io::SafetensorsFile wide;
+  for (const char* name : {"q", "k"}) wide.tensors.emplace_back(name, io::RawTensor{DType::F64, {1, 0, 1, 12000}, {}});
+  wide.tensors.emplace_back("v", io::RawTensor{DType::F64, {1, 0, 1, 12000}, {}});
+  wide.tensors.emplace_back("g", io::RawTensor{DType::F64, {1, 0, 1, 12000}, {}});
+  wide.tensors.emplace_back("beta", io::RawTensor{DType::F64, {1, 0, 1}, {}});
+  const fs::path in = dir / "wide.safetensors";
+  io::write_safetensors_atomic(in, wide);
+  for (const char* flags : {" --memory-budget 512M", " --memory-budget 4G --precision mp256"})
+    expect_one_line_exit_two("kda --in " + in.string() + " --out " + (dir / "o.safetensors").string() + flags,
+                             {"wide.safetensors", "of memory", "over the budget of", "--memory-budget"});
+  expect_one_line_exit_two("kda --in " + in.string() + " --out " + (dir / "o.safetensors").string() +
+                               " --memory-budget 12Q",
+                           {"--memory-budget", "'12Q'"});
+  EXPECT_FALSE(fs::exists(dir / "o.safetensors"));
 }
 
 TEST(CliHostile, GoldenGenerateNeverDestroysFilesItDidNotWrite) {
