@@ -200,16 +200,19 @@ def judge_golden(adapter, case, o, final, window_tokens=8):
         ok, reason, bounds = contracts.judge(adapter, case.inputs, case.params, o, final,
                                              (case.expected["o"], case.expected.get("final_state")))
         status = "pass" if ok else "fail"
-    ro = next((r for r in v.results if r.tensor == "o"), None)
     ref = case.expected["o"].to(o.device)
     m = M.compare(o, ref, adapter.output_dtype, window_shape=(s["HV"] * s["V"], s["T"], window_tokens))
-    ratio = None
-    if ro is not None and ro.status in ("pass", "fail"):
-        ratio = ro.ratio if ro.metric == "floor" else ro.figure
-    if bounds and "o" in bounds:
-        ratio = bounds["o"].ratio
+    # The figure of the cell is the worst over every judged output, named: a failing final
+    # state must not hide behind o's ratio.
+    ratios = {r.tensor: (r.ratio if r.metric == "floor" else r.figure) for r in v.results
+              if r.tensor in names and r.status in ("pass", "fail")}
+    if bounds:
+        ratios = {n: b.ratio for n, b in bounds.items() if b.ratio is not None}
+    worst_tensor = max(ratios, key=lambda n: ratios[n] if ratios[n] == ratios[n] else math.inf, default=None)
+    ratio = ratios[worst_tensor] if worst_tensor is not None else None
     res = CheckResult(adapter.name, "golden", case.name, status, reason, ratio=ratio, metrics=m.to_dict(),
                       windows=m.window_rel_rms, window_tokens=window_tokens)
+    res.extra["worst_tensor"] = worst_tensor
     res.extra["policy"] = adapter.policy
     if bounds:
         res.extra["contract"] = {n: vars(b) for n, b in bounds.items()}

@@ -303,7 +303,8 @@ def write_html(path, rows, results, summary):
         if r.adapter.startswith("mutant.") or (v == "pass" and r.status in ("fail", "error")):
             v = r.status  # a mutant's cells show what the check did; its verdict is its row's
         cells.setdefault((r.adapter, r.check), []).append((v, r, tid))
-    out.append("<h2>kernels x checks</h2><p>golden: tests passed / run and the worst ratio to the policy's floor; "
+    out.append("<h2>kernels x checks</h2><p>golden: tests passed / run and the worst ratio to the policy's floor "
+               "over every output (o, the final state), with the tensor it is of; "
                "other checks: ratio of the difference to the nominal floor. Cells link to the failures. Mutants are "
                "meant to be caught (their cells fail).</p><table><tr><th>kernel</th>"
                + "".join(f"<th>{c}</th>" for c in checks) + "</tr>")
@@ -320,7 +321,11 @@ def write_html(path, rows, results, summary):
             ratios = [e[1].ratio for e in ran if e[1].ratio is not None and math.isfinite(e[1].ratio)]
             txt = worst[0] + (f" {sum(e[0] == 'pass' for e in ran)}/{len(ran)}" if len(entries) > 1 else "")
             if ratios:
-                txt += f" ({max(ratios):.3g})"
+                # the worst ratio over every output of every case, and the tensor it is of
+                at = max((e for e in ran if e[1].ratio is not None and math.isfinite(e[1].ratio)),
+                         key=lambda e: e[1].ratio)
+                tensor = at[1].extra.get("worst_tensor") if isinstance(at[1].extra, dict) else None
+                txt += f" ({max(ratios):.3g}x{' ' + tensor if tensor else ''})"
             if worst[0] == "skip":
                 txt = "skip: " + worst[1].reason[:60]
             cell = html.escape(txt)
