@@ -56,8 +56,9 @@ def test_option_and_tier_names_are_the_cli_s():
         m = re.match(r"\s+(--[a-z][a-z0-9-]*)(?:,\s*-\w)?\s+(\S+)?", line)
         if m:
             flags[m.group(1)] = line
-    # --in, --out and --force name and guard the files; every other option is the computation's.
-    names = {f[2:].replace("-", "_") for f in flags} - {"help", "in", "out", "force"}
+    # --in, --out and --force name and guard the files, --memory-budget the run's resources; every
+    # other option is the computation's.
+    names = {f[2:].replace("-", "_") for f in flags} - {"help", "in", "out", "force", "memory_budget"}
     assert names == set(k3ref.KDA_OPTIONS), (sorted(names), sorted(k3ref.KDA_OPTIONS))
     for name, choices in k3ref.KDA_OPTIONS.items():
         if isinstance(choices, tuple):
