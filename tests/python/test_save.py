@@ -11,6 +11,8 @@ import torch
 import k3ref
 from k3ref import _safetensors, goldens
 
+from conftest import needs_core
+
 
 def test_torch_and_numpy_tensors_round_trip_bit_for_bit(tmp_path):
     g = torch.Generator().manual_seed(5)
@@ -58,6 +60,7 @@ def test_what_cannot_be_written_is_a_one_line_error(tmp_path, tensors, message):
     assert os.listdir(tmp_path) == []
 
 
+@needs_core  # the correct kernel is k3ref's own recurrence
 def test_own_inputs_to_a_verdict(tmp_path):
     # A newcomer's path: own tensors -> k3ref.save -> `k3ref kda` -> its golden -> the verdict.
     exe = os.environ.get("K3REF_EXE")
