@@ -106,6 +106,13 @@ class FailClosed(unittest.TestCase):
                             "'not_installed_kernel'")
         failures = ET.parse(self.out / "r" / "report.xml").getroot().findall("testsuite/testcase/failure")
         self.assertEqual(len(failures), 8)  # the golden and the 7 other checks: failures in JUnit too, not skips
+        # Kernels that cannot load here and were not asked for (the built-ins on a CPU host): their
+        # cells read "n/a", the reason on hover, not "skip".
+        self.run_ok("run", "--no-mutants", "--device", "cpu", "--adapter", "test_adapters:Correct", "--cases", "kda_t1",
+                    "--checks", "golden", code=0, message='"verdict": "PASS"')
+        page = (self.out / "r" / "report.html").read_text()
+        self.assertRegex(page, r"<td style='background:#eee' title='not available: [^']+'>n/a</td>")
+        self.assertNotIn(">skip: not available", page)
         self.run_ok("run", "--only", "fla.chunk_kda", "--device", "cpu", code=1,
                     message="fla.chunk_kda was asked for but is not available")
 

@@ -326,12 +326,17 @@ def write_html(path, rows, results, summary):
                          key=lambda e: e[1].ratio)
                 tensor = at[1].extra.get("worst_tensor") if isinstance(at[1].extra, dict) else None
                 txt += f" ({max(ratios):.3g}x{' ' + tensor if tensor else ''})"
+            title = ""
             if worst[0] == "skip":
-                txt = "skip: " + worst[1].reason[:60]
+                unavailable = isinstance(worst[1].extra, dict) and worst[1].extra.get("unavailable")
+                # A kernel that could not load ran nothing: its cells are not applicable (the
+                # reason on hover), not skips that read like a pass.
+                txt = "n/a" if unavailable else "skip: " + worst[1].reason[:60]
+                title = f" title='{html.escape(worst[1].reason, quote=True)}'"
             cell = html.escape(txt)
             if worst[0] in ("fail", "error", "xfail") and worst[2]:
                 cell = f"<a href='#{_slug(worst[2])}'>{cell}</a>"
-            out.append(f"<td style='background:{colour.get(worst[0], '#fff')}'>{cell}</td>")
+            out.append(f"<td style='background:{colour.get(worst[0], '#fff')}'{title}>{cell}</td>")
         out.append("</tr>")
     out.append("</table>")
     # failures, each with its numbers, worst element and plot
