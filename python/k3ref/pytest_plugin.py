@@ -104,7 +104,7 @@ class K3refItem(pytest.Item):
 
 
 def _build(config):
-    from k3ref.gpu_check import cli, collection
+    from k3ref.gpu_check import collection, selection
     from k3ref.gpu_check.registry import AdapterSpecError, discover
 
     specs = list(config.getoption("k3ref_adapter")) + _conftest_specs(config)
@@ -113,15 +113,15 @@ def _build(config):
     try:
         adapters, requested = discover(specs=config.getoption("k3ref_adapter"), conftest_specs=_conftest_specs(config),
                                        entry_points=config.getoption("k3ref_builtin"))
-        goldens = config.getoption("k3ref_goldens") or cli.default_goldens("--k3ref-goldens")
-        suite = cli.load_suite(goldens, adapters)
+        goldens = config.getoption("k3ref_goldens") or selection.default_goldens("--k3ref-goldens")
+        suite = selection.load_suite(goldens, adapters)
         limitations = collection.load_limitations(config.getoption("k3ref_known_limitations"))
         collection.validate(adapters, suite)
         from k3ref.gpu_check import shapes
 
         shapes.choose_all(adapters, suite)  # the metamorphic configs `run` uses (same test ids)
         tests = collection.collect(adapters, suite, limitations=limitations)
-    except (AdapterSpecError, cli.UsageError, ValueError) as e:
+    except (AdapterSpecError, selection.UsageError, ValueError) as e:
         raise pytest.UsageError(f"k3ref: {e}") from e
     return adapters, requested, tests
 

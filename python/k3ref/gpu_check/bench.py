@@ -49,7 +49,7 @@ def comparator(n):
     out["compare_bf16_vs_f32_GBps"] = n * 6 / ms / 1e6
     out["compare_bf16_vs_f32_fraction_of_copy"] = out["compare_bf16_vs_f32_GBps"] / out["copy_GBps"]
     # The GPU comparator against the PyTorch fp64 path on a slice: same figures.
-    m1 = lib.compare(cand[: 1 << 22], ref32[: 1 << 22].double(), torch.bfloat16)
+    m1 = metrics.compare(cand[: 1 << 22], ref32[: 1 << 22].double(), torch.bfloat16, backend="cuda")
     m2 = metrics.compare_torch(cand[: 1 << 22], ref32[: 1 << 22].double(), torch.bfloat16)
     out["compare_cuda_vs_torch_rel_rms"] = [m1.rel_rms, m2.rel_rms]
     out["compare_cuda_vs_torch_max_ulp"] = [m1.max_ulp, m2.max_ulp, m1.max_ulp_index, m2.max_ulp_index]

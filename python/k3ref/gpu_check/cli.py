@@ -19,32 +19,13 @@ from pathlib import Path
 import torch
 
 from . import collection, report
-from .registry import AdapterSpecError, discover
+from .registry import AdapterSpecError
+from .selection import UsageError, csv_list, default_goldens, load_suite, select
 
 PATH_OPTIONS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla package"),
                 ("flashkda_path", "K3REF_FLASHKDA_PATH", "directory holding the flash_kda package and its extension"),
                 ("liger_path", "K3REF_LIGER_PATH", "Liger-Kernel checkout (holding src/liger_kernel) for its AttnRes kernel"),
                 ("torchtitan_path", "K3REF_TORCHTITAN_PATH", "torchtitan checkout (holding torchtitan/) for its Quantile Balancing"))
-
-
-class UsageError(Exception):
-    pass
-
-
-def default_goldens(option="--goldens"):
-    """The golden directory when none is given: $K3REF_GOLDENS, else the checkout's goldens/,
-    else the suite installed with the package (k3ref.goldens.directory). `option`: how the
-    front end in use spells the option that names one (pytest: --k3ref-goldens)."""
-    from .. import goldens
-
-    try:
-        return str(goldens.directory())
-    except FileNotFoundError as e:
-        raise UsageError(f"{e} (or pass {option} DIR)") from None
-
-
-def _csv(text):
-    return [s for s in text.split(",") if s] if text else None
 
 
 def _kernel_options(p):
@@ -113,29 +94,6 @@ def apply_kernel_options(args):
     warmup.configure_cache(getattr(args, "cache_dir", None))  # before any kernel is imported
 
 
-def select(args):
-    """(adapters, requested names) after --only / --no-mutants / --no-builtin; raises UsageError."""
-    try:
-        adapters, requested = discover(specs=args.adapter, entry_points=not args.no_builtin)
-    except AdapterSpecError as e:
-        raise UsageError(str(e)) from e
-    only = _csv(args.only)
-    if only:
-        collection.validate(adapters, [], only=only)
-        adapters = [a for a in adapters if a.name in only]
-        requested |= set(only)
-    if args.no_mutants:
-        adapters = [a for a in adapters if a.kind != "mutant" or a.name in requested]
-    return adapters, requested
-
-
-def load_suite(goldens, adapters):
-    ops = sorted({op for a in adapters for op in a.golden_ops})
-    if not Path(goldens).is_dir():
-        raise UsageError(f"--goldens {goldens}: not a directory")
-    return collection.load_suite(goldens, ops) if ops else []
-
-
 def execute(tests, runner, requested):
     """Runs the tests; returns (rows, results): rows are (test, verdict, reason, results)."""
     rows, results = [], []
@@ -167,7 +125,7 @@ def run_command(args):
     apply_kernel_options(args)
     adapters, requested = select(args)
     suite = load_suite(args.goldens or default_goldens(), adapters)
-    checks, cases = _csv(args.checks), _csv(args.cases)
+    checks, cases = csv_list(args.checks), csv_list(args.cases)
     collection.validate(adapters, suite, checks=checks, cases=cases)
     try:
         limitations = collection.load_limitations(args.known_limitations)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from .metrics import Metrics
 
 F64, F32, BF16, F16 = 0, 1, 2, 3
 DTYPE_CODES = {torch.float64: F64, torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
@@ -126,14 +125,14 @@ def compare(candidate, reference, fmt, atol=0.0, rtol=0.0, window_shape=None):
     _check(_lib.k3gc_compare(_ptr(cand), DTYPE_CODES[cand.dtype], _ptr(ref), DTYPE_CODES[ref.dtype], cand.numel(),
                              DTYPE_CODES[fmt], atol, rtol, inner, extent, window, _ptr(we), _ptr(wr),
                              ctypes.byref(stats), _stream()), "k3gc_compare")
-    m = Metrics(backend="cuda")
-    for name in ("count", "rel_rms", "floor_rel_rms", "max_abs", "max_abs_index", "max_ulp", "max_ulp_index",
-                 "candidate_nan", "candidate_inf", "reference_nan", "reference_inf", "first_nonfinite_mismatch",
-                 "first_offending"):
-        setattr(m, name, getattr(stats, name))
+    # The comparator's figures as a plain dict (metrics.compare makes them a Metrics): this
+    # module binds the library and knows nothing of the harness's types.
+    out = {name: getattr(stats, name) for name in (
+        "count", "rel_rms", "floor_rel_rms", "max_abs", "max_abs_index", "max_ulp", "max_ulp_index", "candidate_nan",
+        "candidate_inf", "reference_nan", "reference_inf", "first_nonfinite_mismatch", "first_offending")}
     if we is not None:
-        m.window_rel_rms = [math.sqrt(a / b) if b > 0 else math.sqrt(a) for a, b in zip(we.tolist(), wr.tolist())]
-    return m
+        out["window_rel_rms"] = [math.sqrt(a / b) if b > 0 else math.sqrt(a) for a, b in zip(we.tolist(), wr.tolist())]
+    return out
 
 
 def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.float64, state_dtype=None, out=None):

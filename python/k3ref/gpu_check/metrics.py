@@ -115,7 +115,7 @@ def compare(candidate, reference, fmt=None, atol=0.0, rtol=0.0, window_shape=Non
         from . import lib
 
         if lib.available():
-            return lib.compare(candidate, reference, fmt, atol, rtol, window_shape)
+            return Metrics(backend="cuda", **lib.compare(candidate, reference, fmt, atol, rtol, window_shape))
         if backend == "cuda":
             raise RuntimeError("libk3gc is not loaded: " + lib.load_error())
     return compare_torch(candidate, reference, fmt, atol, rtol, window_shape)

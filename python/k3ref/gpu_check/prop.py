@@ -20,7 +20,6 @@ values that happen to lie near bf16 numbers), and a correct kernel must not fail
 """
 import hashlib
 import json
-import math
 import os
 import random
 import shlex
@@ -33,6 +32,7 @@ import torch
 from . import adapters as A
 from .. import goldens
 from . import lib, metrics as M, reference
+from .drawn_case import make_inputs, params_of  # noqa: F401  (params_of: prop.params_of for callers)
 
 GENERATOR_VERSION = "k3gc.prop/1"
 LONG_CASE_ELEMENTS = 1 << 22  # T * HV * K * V above which the GPU fp64 reference is used, when present
@@ -105,48 +105,6 @@ def judge_outputs(adapter, o, final, ref_o, ref_final):
 
 
 # --------------------------------------------------------------------------- cases
-
-
-def make_inputs(case):
-    """Inputs of a drawn case, exactly representable in bf16 (fp32 for A_log, dt_bias),
-    deterministic in case['seed']; the scheme of the golden generator (kda_cases.cc)."""
-    gen = torch.Generator().manual_seed(case["seed"])
-
-    def uniform(shape, lo, hi, dtype=torch.bfloat16):
-        return (torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(dtype)
-
-    B, T, H, HV, K, V = (case[n] for n in ("B", "T", "H", "HV", "K", "V"))
-    # Without the in-kernel L2 norm, keys in [-1/sqrt(K), 1/sqrt(K)] keep beta ||k||^2 <= 2.
-    kw = 1.0 if case["qk_l2norm"] else 1.0 / math.sqrt(K)
-    inputs = {
-        "q": uniform((B, T, H, K), -1, 1),
-        "k": uniform((B, T, H, K), -kw, kw),
-        "v": uniform((B, T, HV, V), -1, 1),
-        "g": uniform((B, T, HV, K), *case["g_range"]),
-        "beta": uniform((B, T, HV), *case["beta_range"]),
-    }
-    N = len(case["cu_seqlens"]) - 1 if case["cu_seqlens"] else B
-    if case["initial_state"]:
-        shape = (N, HV, V, K) if case["state_layout"] == "v_first" else (N, HV, K, V)
-        inputs["initial_state"] = uniform(shape, -1, 1).to(torch.float32)
-    if case["A_log"]:
-        inputs["A_log"] = uniform((HV,), 0, math.log(16.0), torch.float32)
-    if case["dt_bias"]:
-        inputs["dt_bias"] = uniform((HV, K), -1, 1, torch.float32)
-    if case["cu_seqlens"]:
-        inputs["cu_seqlens"] = torch.tensor(case["cu_seqlens"], dtype=torch.int64)
-    return inputs
-
-
-def params_of(case):
-    """The golden params (kda_cases.cc's KdaParams as JSON)."""
-    keys = ("B", "T", "H", "HV", "K", "V", "cu_seqlens", "initial_state", "gate", "gate_base", "g_range",
-            "lower_bound", "A_log", "dt_bias", "beta", "beta_range", "qk_l2norm", "scale", "state_layout",
-            "all_states")
-    p = {k: case[k] for k in keys}
-    p["g_range"] = list(p["g_range"])
-    p["beta_range"] = list(p["beta_range"])
-    return p
 
 
 def case_strategy(st, fixed, max_T):
@@ -396,7 +354,7 @@ def replay(adapter, path, device):
 def main(args):
     """`prop`: fails closed. An unknown kernel is a usage error (exit 2); a kernel that is not
     available, or a replayed file it does not support, exits 1 with the reason."""
-    from .cli import UsageError
+    from .selection import UsageError
     from .registry import AdapterSpecError, discover
 
     try:

@@ -517,7 +517,7 @@ def prop_buckets(adapter, fixed, suite=()):
 
 
 def bucket_cases(b, max_T, fixed=None):
-    """prop cases (prop.make_inputs's dicts) of one bucket that reach the integer classes its
+    """prop cases (drawn_case.make_inputs's dicts) of one bucket that reach the integer classes its
     draws reach: T = 1, 16 and an odd T; B = 1 and 2; varlen with one sequence, with an empty
     sequence among three. For the warm-up."""
     fixed = fixed or {}

@@ -76,10 +76,10 @@ def inputs_of(adapter, recipe, device):
     if "check" in recipe:  # no shape model: warm-up runs the check itself (child() does)
         return None, None
     if "prop_case" in recipe:
-        from . import prop
+        from .drawn_case import make_inputs, params_of
 
         case = recipe["prop_case"]
-        return {k: v.to(device) for k, v in prop.make_inputs(case).items()}, prop.params_of(case)
+        return {k: v.to(device) for k, v in make_inputs(case).items()}, params_of(case)
     raise ValueError(f"unknown warm-up recipe {sorted(recipe)}")
 
 
@@ -636,12 +636,12 @@ def command(args):
     a worker erred (the cache may be incomplete; the run would report the checks' errors)."""
     import torch
 
-    from . import cli, collection, shapes
+    from . import collection, selection, shapes
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    adapters, _ = cli.select(args)
-    suite = cli.load_suite(args.goldens or cli.default_goldens(), adapters)
-    checks, cases = cli._csv(args.checks), cli._csv(args.cases)
+    adapters, _ = selection.select(args)
+    suite = selection.load_suite(args.goldens or selection.default_goldens(), adapters)
+    checks, cases = selection.csv_list(args.checks), selection.csv_list(args.cases)
     collection.validate(adapters, suite, checks=checks, cases=cases)
     shapes.choose_all(adapters, suite)
     tests = collection.collect(adapters, suite, checks=checks, cases=cases)
@@ -684,7 +684,7 @@ def prop_prepare(args, adapter, fixed):
 
     share = float(getattr(args, "outside_share", 1.0))
     if not 0 <= share <= 1:
-        from .cli import UsageError
+        from .selection import UsageError
 
         raise UsageError(f"--outside-share {share}: must be in [0, 1]")
     flags = f" --outside-share {share:g}"
