@@ -224,7 +224,8 @@ def manifest(directory_=None):
     return data
 
 
-def _sha256_of(path):
+def sha256_of_file(path):
+    """Lower-case hexadecimal sha256 of a file, read in 1 MiB pieces."""
     import hashlib
 
     h = hashlib.sha256()
@@ -254,7 +255,7 @@ def load_case(name_or_path, directory_=None, *, reader="auto", verify=True):
                 raise FileNotFoundError(f"k3ref.goldens: no case {name_or_path!r} in {d / 'MANIFEST.json'}")
     if not p.is_file():
         raise FileNotFoundError(f"k3ref.goldens: no golden file {p}")
-    if listed is not None and _sha256_of(p) != listed["sha256"]:
+    if listed is not None and sha256_of_file(p) != listed["sha256"]:
         raise ValueError(f"{p}: sha256 differs from MANIFEST.json's: the file was changed or replaced "
                          "(regenerate the suite, or pass verify=False)")
     tensors, meta = read_tensors(p, reader)

@@ -175,10 +175,12 @@ class PolicyTable:
     @classmethod
     def load(cls, path=None):
         path = Path(path) if path is not None else table_path()
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise PolicyTableError(f"{path}: {e}") from None
+        from ._bounded import load_json
+
+        try:  # the package's bounded reader: a regular file, size first, no duplicate keys, bounded nesting
+            data = load_json(path, "policy table", limit=4 << 20)
+        except ValueError as e:
+            raise PolicyTableError(str(e)) from None
         return cls(data, path)
 
     def policy_names(self):

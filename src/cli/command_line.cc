@@ -429,24 +429,21 @@ int kda_command(const KdaArgs& a) {
                                  {"all_states", a.all_states},
                                  {"final_state", !a.no_final_state}};
   std::string outputs;
-  nlohmann::json policies = nlohmann::json::object();
-  for (const auto& [name, t] : result.tensors) {
-    outputs += (outputs.empty() ? "" : ",") + name;
-    policies[name] = "recurrent";  // what the kda.recurrent goldens recommend for every output
-  }
+  for (const auto& [name, t] : result.tensors) outputs += (outputs.empty() ? "" : ",") + name;
+  // The golden metadata of the catalogue's own files (schema, outputs, the policy the
+  // kda.recurrent goldens recommend), for a case named after the output file; no seed: the
+  // inputs are the user's.
+  const golden::Case as_case{fs::path(a.out).stem().string(), "kda.recurrent", 0, params};
+  auto metadata = golden::metadata_of(as_case, tier == num::Tier::double_ ? std::string("double")
+                                                                         : golden::golden_float_precision(),
+                                      result, outputs, "");
+  metadata.erase("k3ref.seed");
   // Metadata must be UTF-8: a name that is not is recorded with its odd bytes as \xNN.
-  result.metadata = {{"k3ref.schema", golden::golden_schema_version},
-                     {"k3ref.op", "kda.recurrent"},
-                     {"k3ref.outputs", outputs},
-                     {"k3ref.inputs", ""},
-                     {"k3ref.layout", ""},
-                     {"k3ref.params", params.dump()},
-                     {"k3ref.policies", policies.dump()},
-                     {"k3ref.precision", std::string(num::to_string(tier))},
-                     {"k3ref.reference_precision", tier == num::Tier::double_ ? std::string("double")
-                                                                               : golden::golden_float_precision()},
-                     {"k3ref.options", named.dump()},
-                     {"k3ref.input_file", io::is_valid_utf8(a.in) ? a.in : io::printable(a.in)}};
+  metadata["k3ref.case"] = io::is_valid_utf8(as_case.name) ? as_case.name : io::printable(as_case.name);
+  metadata["k3ref.precision"] = std::string(num::to_string(tier));
+  metadata["k3ref.options"] = named.dump();
+  metadata["k3ref.input_file"] = io::is_valid_utf8(a.in) ? a.in : io::printable(a.in);
+  result.metadata = std::move(metadata);
   io::write_safetensors_atomic(a.out, result);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("wrote %s (%s reference, %.2f s)\n", io::printable(a.out).c_str(), a.precision.c_str(), seconds);

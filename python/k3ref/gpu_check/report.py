@@ -117,12 +117,6 @@ def _checks_present(results):
     return seen + sorted({r.check for r in results} - set(seen) - {"all"})
 
 
-def _sha256_of(path):
-    import hashlib
-
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def reference_versions(golden_dir=None):
     """What the verdict was judged against: k3ref (version and source: the git commit of its
     checkout, else a hash of its files), the golden suite (generator version and the sha256
@@ -134,13 +128,13 @@ def reference_versions(golden_dir=None):
     v = {"k3ref": f"{getattr(k3ref, '__version__', '?')}, {source_identity(k3ref)}"}
     try:
         directory = goldens.directory(golden_dir)
-        manifest = directory / "MANIFEST.json"
-        generator = json.loads(manifest.read_text()).get("generator_version", "?")
-        v["golden_suite"] = f"{directory}: generator version {generator}, MANIFEST.json sha256 {_sha256_of(manifest)}"
+        generator = (goldens.manifest(directory) or {}).get("generator_version", "?")  # the bounded reader
+        digest = goldens.sha256_of_file(directory / "MANIFEST.json")
+        v["golden_suite"] = f"{directory}: generator version {generator}, MANIFEST.json sha256 {digest}"
     except (OSError, ValueError) as e:
         v["golden_suite"] = f"unknown ({e})"
     try:
-        v["policy_table"] = f"{policy.table_path()}: sha256 {_sha256_of(policy.table_path())}"
+        v["policy_table"] = f"{policy.table_path()}: sha256 {goldens.sha256_of_file(policy.table_path())}"
     except (OSError, ValueError) as e:
         v["policy_table"] = f"unknown ({e})"
     return v
