@@ -1,43 +1,98 @@
-"""pytest plugin: your kernel against the k3ref goldens, one pytest test per adapter x case x check.
+"""The k3ref harness's runner: real kernels against the k3ref references, one pytest test per
+adapter x case x check.
 
-    pytest --k3ref-adapter mypkg.kernels:MyKda            # or list them in conftest.py:
-    # conftest.py
+    pytest -p k3ref.pytest_plugin --k3ref-adapter mypkg.kernels:MyKda      # or in conftest.py:
     k3ref_adapters = ["mypkg.kernels:MyKda"]
 
-Tests are named `ADAPTER-CASE-CHECK` (e.g. `my.kda-kda_t100-golden`) under `k3ref::`, so
-`-k`, `-x`, `--junitxml` and pytest-xdist (`-n`) work as for any test. The collection is the
-one `python3 -m k3ref.gpu_check run` uses (k3ref.gpu_check.collection): each adapter's checks
-run in a child process (a crash or hang fails that test only), known limitations
-(known_limitations.json, or --k3ref-known-limitations FILE) run as strict xfail, and a
-mutant is one test that passes when some check catches it. Fail closed: an adapter spec
-that does not load is a usage error; an adapter you named that is not available fails its
-tests; a session in which k3ref tests were collected but none executed a check fails.
+Tests are named `ADAPTER-CASE-CHECK` (e.g. `my.kda-kda_t100-golden`), node ids
+`k3ref/GROUP::NAME`, so `-k`, `-x`, `--junitxml` work as for any test.
+`python3 -m k3ref.gpu_check run` calls pytest with this plugin.
+
+Isolation, on pytest-xdist and pytest-timeout: this process never imports adapter code. A
+planning child (`pytest --collect-only` with the same arguments) selects the adapters and
+collects the tests; the workers (`-n`, at least one) build their items from its plan, each
+isolation group on one worker (`--dist loadscope`). A crash, abort or exit of a worker fails
+the test it was running (with the last lines of its stderr) and the worker is replaced; a
+test that runs past `--k3ref-check-timeout` (plus `--k3ref-load-timeout` when it loads its
+kernel) is stopped by pytest-timeout, which ends the worker. After a check whose error names
+CUDA the worker ends too, so the next check gets a fresh CUDA context.
+
+Fail closed: an adapter spec that does not load, or a planning child that dies, is a usage
+error; an adapter you named that is not available fails its tests; a known limitation
+(known_limitations.json, or --k3ref-known-limitations FILE) runs as a strict xfail; a mutant
+is one test that passes when a check catches it; a session in which no k3ref check executed,
+or in which a collected test has no result, fails; `--k3ref-report DIR` writes report.html and
+report.json after the session, and a report that cannot be written fails the session.
 
 The plugin is registered by the package's `pytest11` entry point; from a source tree, pass
 `-p k3ref.pytest_plugin`.
 """
+import json
 import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
-_STATE = {}
+PLAN = pytest.StashKey()
+STATE = pytest.StashKey()
+PROGRESS = "k3ref-plan: "
+CUDA_WORDS = ("CUDA", "cuda", "illegal memory access", "device-side assert", "cudaError")
 
 
 def pytest_addoption(parser):
+    from k3ref.gpu_check.plan import KERNEL_PATHS
+
     g = parser.getgroup("k3ref", "kernels against the k3ref goldens")
-    g.addoption("--k3ref-adapter", action="append", default=[], metavar="MODULE:NAME",
-                help="an adapter to check (class, instance or function returning adapters; MODULE may be a file.py); "
-                     "repeatable")
-    g.addoption("--k3ref-builtin", action="store_true",
-                help="also collect the built-in adapters and installed entry points (not asked for: unavailable ones skip)")
-    g.addoption("--k3ref-goldens", metavar="DIR", help="golden directory (default: $K3REF_GOLDENS, else the checkout's goldens/)")
-    g.addoption("--k3ref-device", metavar="DEVICE", help="torch device (default: cuda when available, else cpu)")
-    g.addoption("--k3ref-known-limitations", metavar="FILE", help="known-limitations file (default: the package's)")
-    g.addoption("--k3ref-check-timeout", type=float, default=900.0, metavar="S",
-                help="seconds one check may take before its child process is killed (default 900)")
-    g.addoption("--k3ref-load-timeout", type=float, default=900.0, metavar="S",
-                help="seconds starting a child process and loading its kernel may take (default 900)")
-    g.addoption("--k3ref-no-isolation", action="store_true", help="run the checks in the pytest process")
+    add = g.addoption
+    add("--k3ref-adapter", action="append", default=[], metavar="MODULE:NAME",
+        help="an adapter to check (class, instance or function returning adapters; MODULE may be a file.py); "
+             "repeatable")
+    add("--k3ref-builtin", action="store_true",
+        help="also collect the built-in adapters and installed entry points (not asked for: unavailable ones skip)")
+    add("--k3ref-only", metavar="NAMES", help="comma-separated adapter names to run (each must exist; each counts as "
+                                               "asked for)")
+    add("--k3ref-no-mutants", action="store_true", help="leave out mutants not named in --k3ref-only or --k3ref-adapter")
+    add("--k3ref-checks", metavar="NAMES", help="comma-separated check names (default all)")
+    add("--k3ref-cases", metavar="NAMES", help="comma-separated golden case names (default all; checks that build "
+                                               "their own inputs are not filtered)")
+    add("--k3ref-goldens", metavar="DIR", help="golden directory (default: $K3REF_GOLDENS, else the checkout's "
+                                               "goldens/, else the suite installed with the package)")
+    add("--k3ref-device", metavar="DEVICE", help="torch device (default: cuda when available, else cpu)")
+    add("--k3ref-known-limitations", metavar="FILE", help="known-limitations file (default: the package's)")
+    add("--k3ref-check-timeout", type=float, default=900.0, metavar="S",
+        help="seconds one check may take before its worker is ended (default 900)")
+    add("--k3ref-load-timeout", type=float, default=900.0, metavar="S",
+        help="seconds planning, or loading a kernel in a worker, may take (default 900)")
+    add("--k3ref-budget", type=float, default=0.0, metavar="S",
+        help="seconds per kernel; its later checks are skipped (0: none)")
+    add("--k3ref-no-isolation", action="store_true",
+        help="run the checks in the pytest process (no workers: a crash ends the run; for debugging)")
+    add("--k3ref-report", metavar="DIR", help="write report.html, report.json and plots/ into DIR after the session")
+    add("--k3ref-no-warmup", action="store_true", help="skip the warm-up (compiling the planned shapes) before the "
+                                                       "checks")
+    add("--k3ref-warmup-jobs", type=int, default=None, metavar="N",
+        help="warm-up worker processes at a time (default: the CPU count)")
+    add("--k3ref-warmup-timeout", type=float, default=1800.0, metavar="S", help="seconds one warm-up worker may take")
+    add("--k3ref-autotune-configs", choices=("winner", "all"), default="winner",
+        help="all: every golden check once per autotune configuration of each autotuned kernel (deep mode); "
+             "winner: the configuration the autotuner picks (default)")
+    add("--k3ref-cache-dir", metavar="DIR",
+        help="cache directory (default: $K3REF_CACHE_DIR, else ~/.cache/k3ref): Triton's compiled kernels and "
+             "autotune results in DIR/triton; save and restore DIR between CI runs")
+    for dest, env, text in KERNEL_PATHS:
+        add("--k3ref-" + dest.replace("_", "-"), dest="k3ref_" + dest, metavar="PATH", help=f"{text} (sets ${env})")
+    add("--k3ref-plan-out", metavar="FILE", help=argparse_suppress())
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
 
 
 def _conftest_specs(config):
@@ -49,50 +104,187 @@ def _conftest_specs(config):
     return specs
 
 
+def _role(config):
+    """worker (a pytest-xdist worker), planner (the planning child), isolated (the controller
+    of an isolated run), in_process (--k3ref-no-isolation), or None (k3ref not asked for)."""
+    if hasattr(config, "workerinput"):
+        return "worker" if config.workerinput.get("k3ref_plan") else None
+    if config.getoption("k3ref_plan_out"):
+        return "planner"
+    if not (config.getoption("k3ref_adapter") or config.getoption("k3ref_builtin") or _conftest_specs(config)):
+        return None
+    return "in_process" if config.getoption("k3ref_no_isolation") else "isolated"
+
+
+class UsageError(pytest.UsageError):
+    pass
+
+
+# --------------------------------------------------------------------------- the controller
+
+
+def _stderr_line(text):
+    """The line of a child's stderr that says why it stopped: pytest's 'ERROR: k3ref: ...'
+    usage line, else faulthandler's fatal-error line, else the last line."""
+    from k3ref.gpu_check.report import stderr_summary
+
+    for line in text.splitlines():
+        if line.startswith("ERROR: k3ref: "):
+            return line[len("ERROR: "):]
+    return stderr_summary(text)
+
+
+def _plan_in_child(config, opts, path):
+    """Runs the planning child; returns the plan or raises UsageError (one line)."""
+    from k3ref.gpu_check import plan as run_plan
+
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("PYTHONFAULTHANDLER", "1")
+    args = [a for a in config.invocation_params.args]
+    cmd = [sys.executable, "-m", "pytest", *args, "--collect-only", "-qq", "-p", "no:cacheprovider",
+           "--k3ref-plan-out", str(path)]
+    if "k3ref.pytest_plugin" not in " ".join(args):
+        cmd += ["-p", "k3ref.pytest_plugin"]
+    timeout = opts.load_timeout + (opts.warmup_timeout if opts.warmup else 0.0)
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, cwd=str(config.invocation_params.dir), env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=err)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            for raw in proc.stdout:  # its progress (shape plan, warm-up), not its collection listing
+                line = raw.decode(errors="replace")
+                if line.startswith(PROGRESS):
+                    print(line[len(PROGRESS):], end="", flush=True)
+            proc.wait()
+        finally:
+            timed_out = not timer.is_alive() and proc.returncode is not None and proc.returncode < 0
+            timer.cancel()
+        rc = None if timed_out else proc.returncode
+        err.seek(0)
+        text = err.read()[-64 * 1024:].decode(errors="replace")
+    if rc is None:
+        raise UsageError(f"k3ref: planning the run (importing the adapters) took more than {timeout:g} s: stopped "
+                         f"(--k3ref-load-timeout)")
+    if not Path(path).is_file():
+        raise UsageError(f"{_stderr_line(text)}" if "ERROR: k3ref: " in text else
+                         f"k3ref: the planning child (importing the adapters) exited with status {rc} without a plan: "
+                         f"{_stderr_line(text)}")
+    try:
+        return run_plan.read(path)
+    except ValueError as e:
+        raise UsageError(f"k3ref: {e}") from None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_cmdline_main(config):
+    """Before pytest-xdist reads -n: the plan, made in a child, and the workers it needs."""
+    role = _role(config)
+    if role in ("isolated", "in_process", "planner"):
+        from k3ref.gpu_check import plan as run_plan
+
+        opts = run_plan.options_of(config)
+        if opts.report and Path(opts.report).exists() and not Path(opts.report).is_dir():
+            raise UsageError(f"k3ref: --k3ref-report {opts.report}: exists and is not a directory")
+        run_plan.apply_environment(opts)
+        config.stash[STATE] = {"opts": opts, "reports": {}, "collected": None, "t0": time.time()}
+        if role == "planner":  # the child plans; the reports are the session's
+            config.option.xmlpath = None
+        if role == "isolated":
+            missing = [name for name, plugin in (("pytest-xdist", "xdist"), ("pytest-timeout", "timeout"))
+                       if not config.pluginmanager.hasplugin(plugin)]
+            if missing:
+                raise UsageError(f"k3ref: the isolated run needs {' and '.join(missing)} (Debian: python3-pytest-xdist, "
+                                 f"python3-pytest-timeout); or pass --k3ref-no-isolation to run in this process")
+            workdir = Path(tempfile.mkdtemp(prefix="k3ref_run_"))
+            config.stash[STATE]["workdir"] = workdir
+            plan = _plan_in_child(config, opts, workdir / "plan.json")
+            config.stash[PLAN] = plan
+            if not config.option.numprocesses:
+                config.option.numprocesses = 1
+            if config.option.dist in ("no", "load"):
+                config.option.dist = "loadscope"
+            if config.option.maxworkerrestart is None:  # every crash is one test's: at most one per test
+                config.option.maxworkerrestart = len(plan["tests"]) + 4
+    yield
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """The plan's path to each pytest-xdist worker (workers parse the command line again)."""
+    state = node.config.stash.get(STATE, None)
+    if state is not None and state.get("workdir"):
+        node.workerinput["k3ref_plan"] = str(state["workdir"] / "plan.json")
+
+
+def pytest_configure(config):
+    role = _role(config)
+    if role == "worker":
+        _worker_stderr(config)
+    if role is not None:
+        config.addinivalue_line("markers", "k3ref: a k3ref harness test")
+
+
+def _worker_stderr(config):
+    """The worker's stderr (faulthandler's report of a crash, pytest-timeout's stacks) into a
+    log the controller reads when the worker dies."""
+    import faulthandler
+
+    log_path = Path(config.workerinput["k3ref_plan"]).with_name(f"{config.workerinput['workerid']}.stderr")
+    log = open(log_path, "ab", buffering=0)
+    log.write(f"\n=== k3ref worker {config.workerinput['workerid']} pid {os.getpid()} ===\n".encode())
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(file=log)
+    config.stash[STATE] = {"log": log}
+
+
+# --------------------------------------------------------------------------- collection
+
+
 class K3refFailure(Exception):
     pass
 
 
 class K3refItem(pytest.Item):
-    def __init__(self, *, test, **kw):
+    def __init__(self, *, entry, **kw):
         super().__init__(**kw)
-        self.test = test
-        if test.xfail:
-            self.add_marker(pytest.mark.xfail(reason=test.xfail, strict=True))
-
-    def _runner(self):
-        return _STATE["runner"]
+        self.entry = entry
+        self.add_marker(pytest.mark.k3ref)
+        if entry.get("xfail"):
+            self.add_marker(pytest.mark.xfail(reason=entry["xfail"], strict=True))
 
     def runtest(self):
-        from k3ref.gpu_check.collection import MutantTest, mutant_outcome
+        from k3ref.gpu_check.report import result_record
 
-        requested = _STATE["requested"]
-        if isinstance(self.test, MutantTest):
-            results = [self._runner().run(t) for t in self.test.tests]
-            # Judged without its known-limitation entry: pytest's strict xfail marker handles that.
-            verdict, reason = mutant_outcome(MutantTest(self.test.adapter, self.test.tests), results, requested)
-            if verdict == "pass":
-                return
-            raise K3refFailure(reason)
-        res = self._runner().run(self.test)
-        self.user_properties.append(("k3ref_status", res.status))
-        if res.ratio is not None:
-            self.user_properties.append(("k3ref_ratio", res.ratio))
-        if res.status == "skip":
-            if res.extra.get("unavailable") and self.test.adapter.name in requested:
-                why = res.reason[len("not available: "):] if res.reason.startswith("not available: ") else res.reason
-                raise K3refFailure(f"{self.test.adapter.name} was asked for but is not available: {why}")
-            pytest.skip(res.reason)
-        if res.status == "pass":
-            return
-        lines = [f"{res.check}[{res.case}] {res.status}: {res.reason}"]
-        for key in ("worst_element", "final_state_worst_element"):
-            w = res.extra.get(key)
-            if w:
-                lines.append(f"{key}: index {w['index']}: candidate {w['candidate']!r}, reference {w['reference']!r}")
-        if res.extra.get("stderr_tail"):
-            lines.append("last lines of the child's stderr:\n" + res.extra["stderr_tail"])
-        raise K3refFailure("\n".join(lines))
+        executor = self.config.stash[STATE]["executor"]
+        verdict, reason, results = executor.run(self.entry)
+        loaded = executor.loaded.get(self.entry["adapter"])
+        recycle = any(r.status == "error" and any(w in r.reason for w in CUDA_WORDS) for r in results)
+        # Carried to the controller on the report (pytest_runtest_makereport), not as a user
+        # property: those would be written into the JUnit file.
+        self._k3ref_record = {"verdict": verdict, "reason": reason, "loaded": loaded, "recycle": recycle,
+                              "results": [result_record(r) for r in results]}
+        self.user_properties.append(("k3ref_status", ",".join(r.status for r in results)))
+        ratios = [r.ratio for r in results if isinstance(r.ratio, float)]
+        if ratios:
+            self.user_properties.append(("k3ref_ratio", max(ratios)))
+        self.config.stash[STATE]["recycle"] = recycle
+        if verdict == "skip":
+            pytest.skip(reason)
+        if verdict == "fail":
+            lines = [reason]
+            for r in results:
+                if r.status in ("fail", "error") and len(results) == 1:
+                    for key in ("worst_element", "final_state_worst_element"):
+                        w = r.extra.get(key)
+                        if w:
+                            lines.append(f"{key}: index {w['index']}: candidate {w['candidate']!r}, "
+                                         f"reference {w['reference']!r}")
+                    if r.extra.get("traceback"):
+                        lines.append(r.extra["traceback"].rstrip())
+            raise K3refFailure("\n".join(lines))
 
     def repr_failure(self, excinfo):
         if isinstance(excinfo.value, K3refFailure):
@@ -100,70 +292,216 @@ class K3refItem(pytest.Item):
         return super().repr_failure(excinfo)
 
     def reportinfo(self):
-        return self.path, None, f"k3ref {self.test.id}"
-
-
-def _build(config):
-    from k3ref.gpu_check import collection, selection
-    from k3ref.gpu_check.registry import AdapterSpecError, discover
-
-    specs = list(config.getoption("k3ref_adapter")) + _conftest_specs(config)
-    if not specs and not config.getoption("k3ref_builtin"):
-        return None
-    try:
-        adapters, requested = discover(specs=config.getoption("k3ref_adapter"), conftest_specs=_conftest_specs(config),
-                                       entry_points=config.getoption("k3ref_builtin"))
-        goldens = config.getoption("k3ref_goldens") or selection.default_goldens("--k3ref-goldens")
-        suite = selection.load_suite(goldens, adapters)
-        limitations = collection.load_limitations(config.getoption("k3ref_known_limitations"))
-        collection.validate(adapters, suite)
-        from k3ref.gpu_check import shapes
-
-        shapes.choose_all(adapters, suite)  # the metamorphic configs `run` uses (same test ids)
-        tests = collection.collect(adapters, suite, limitations=limitations)
-    except (AdapterSpecError, selection.UsageError, ValueError) as e:
-        raise pytest.UsageError(f"k3ref: {e}") from e
-    return adapters, requested, tests
+        return self.path, None, f"k3ref {self.entry['id']}"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
-    built = _build(config)
-    if built is None:
+    role = _role(config)
+    if role is None:
         return
-    adapters, requested, tests = built
-    import torch
+    from k3ref.gpu_check import plan as run_plan
+    from k3ref.gpu_check import selection
 
-    from k3ref.gpu_check.isolation import Runner
+    state = config.stash[STATE]
+    if role == "worker":
+        plan = run_plan.read(config.workerinput["k3ref_plan"])
+        from k3ref.gpu_check.execute import Executor
 
-    device = config.getoption("k3ref_device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    _STATE["requested"] = requested
-    _STATE["runner"] = Runner(device, check_timeout=config.getoption("k3ref_check_timeout"),
-                              load_timeout=config.getoption("k3ref_load_timeout"),
-                              isolate=not config.getoption("k3ref_no_isolation"))
-    for t in tests:
-        items.append(K3refItem.from_parent(session, name=t.id, nodeid=f"k3ref::{t.id}", test=t))
+        state["executor"] = Executor(run_plan.options_of(config), _conftest_specs(config))
+    elif role == "isolated":
+        plan = config.stash[PLAN]  # --collect-only in the controller: the items of the plan, no adapter imported
+    else:
+        try:
+            # The planning child's progress lines are marked for the controller to echo.
+            mark = PROGRESS if role == "planner" else ""
+            plan = run_plan.make(state["opts"], _conftest_specs(config),
+                                 progress=lambda text: print("\n".join(mark + line for line in str(text).splitlines()),
+                                                             flush=True))
+        except selection.UsageError as e:
+            raise UsageError(f"k3ref: {e}") from None
+        if role == "planner":
+            run_plan.write(plan, config.getoption("k3ref_plan_out"))
+        config.stash[PLAN] = plan
+        if role == "in_process":
+            from k3ref.gpu_check.execute import Executor
+
+            state["executor"] = Executor(state["opts"], _conftest_specs(config))
+    for e in plan["tests"]:
+        items.append(K3refItem.from_parent(session, name=e["id"], nodeid=e["nodeid"], entry=e))
+
+
+def pytest_collection_finish(session):
+    state = session.config.stash.get(STATE, None)
+    if state is not None and _role(session.config) in ("in_process", "isolated"):
+        state["collected"] = [i.nodeid for i in session.items if isinstance(i, K3refItem)]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    state = node.config.stash.get(STATE, None)
+    if state is not None and state.get("collected") is None:
+        state["collected"] = [i for i in ids if i.startswith("k3ref/")]
+
+
+# --------------------------------------------------------------------------- running
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each k3ref test's time limit, before pytest-timeout reads it: the check's, plus the
+    load's when this worker has not loaded the test's kernel yet."""
+    if isinstance(item, K3refItem) and _role(item.config) == "worker":
+        state = item.config.stash[STATE]
+        opts = state["executor"].opts
+        limit = opts.check_timeout + (0.0 if state["executor"].is_loaded(item.entry["adapter"]) else opts.load_timeout)
+        if item.entry.get("mutant") is not None:
+            limit *= max(1, len(item.entry["mutant"]))
+        item.add_marker(pytest.mark.timeout(limit, method="thread"))
+    yield
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a check whose error names CUDA this worker ends (its CUDA context may be
+    corrupt); pytest-xdist starts a fresh one for the tests left (the controller does not
+    count this end as a crash: the test's own result was already sent)."""
+    if isinstance(item, K3refItem) and _role(item.config) == "worker" and item.config.stash[STATE].pop("recycle", False):
+        sys.stderr.flush()
+        os._exit(0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    record = getattr(item, "_k3ref_record", None)
+    if record is not None and call.when == "call":
+        outcome.get_result().k3ref = json.dumps(record)
+
+
+# --------------------------------------------------------------------------- the controller's record
 
 
 def pytest_runtest_logreport(report):
-    if not report.nodeid.startswith("k3ref::"):
+    if not report.nodeid.startswith("k3ref/"):
         return
-    counts = _STATE.setdefault("counts", {"seen": 0, "executed": 0})
-    if report.when == "call" or (report.when == "setup" and report.skipped):
-        counts["seen"] += 1
-        if report.when == "call" and (report.passed or report.failed or hasattr(report, "wasxfail")):
-            counts["executed"] += 1
+    config = _CONFIG.get("config")
+    state = config.stash.get(STATE, None) if config is not None else None
+    if state is None or "reports" not in state:
+        return
+    state["reports"].setdefault(report.nodeid, []).append(report)
+
+
+_CONFIG = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    _CONFIG["config"] = session.config
+    if _role(session.config) in ("isolated", "in_process"):
+        xml = _junit(session.config)
+        if xml is not None:  # what the verdict depends on, for a CI that keeps only the XML
+            from k3ref.gpu_check.report import versions
+
+            state = session.config.stash[STATE]
+            state["versions"] = versions(state["opts"].goldens)
+            for key, value in state["versions"].items():
+                xml.add_global_property(f"k3ref.{key}", str(value))
+
+
+def _junit(config):
+    # pytest keeps its JUnit writer under a private key; its public fixture
+    # (record_testsuite_property) is only reachable from inside a test.
+    try:
+        from _pytest.junitxml import xml_key
+    except ImportError:
+        return None
+    return config.stash.get(xml_key, None)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """A worker died while running `crashitem`: the test fails with the end of the worker's
+    stderr (a timeout says so); when the worker ended itself after a CUDA error the test's
+    result is already recorded and this is no failure. The test is not run again."""
+    config = _CONFIG.get("config")
+    state = config.stash.get(STATE, {}) if config is not None else {}
+    for unit in getattr(sched, "workqueue", {}).values():  # --dist loadscope would schedule it again
+        if crashitem in unit:
+            unit[crashitem] = True
+    earlier = state.get("reports", {}).get(crashitem, [])
+    if any(_record_of(r) and _record_of(r).get("recycle") for r in earlier):
+        report.outcome, report.when, report.longrepr = "passed", "teardown", None
+        return
+    from k3ref.gpu_check.report import crash_reason
+
+    workdir = state.get("workdir")
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    log = Path(workdir) / f"{worker.id}.stderr" if workdir and worker is not None else None
+    text = log.read_bytes()[-64 * 1024:].decode(errors="replace") if log and log.is_file() else ""
+    text = text.rpartition("=== k3ref worker ")[2].partition("\n")[2] if "=== k3ref worker " in text else text
+    report.longrepr = crash_reason(text, state["opts"].check_timeout if state.get("opts") else None) + (
+        "\nlast lines of the worker's stderr:\n" + text[-3000:] if text.strip() else "")
+
+
+def _record_of(report):
+    try:
+        return json.loads(report.k3ref) if getattr(report, "k3ref", None) else None
+    except (TypeError, ValueError):
+        return None
 
 
 def pytest_sessionfinish(session, exitstatus):
-    runner = _STATE.pop("runner", None)
-    if runner is not None:
-        runner.close()
-    counts = _STATE.get("counts")
-    if counts and counts["seen"] and not counts["executed"] and exitstatus == 0 and \
-            not os.environ.get("PYTEST_XDIST_WORKER"):
+    config = session.config
+    role = _role(config)
+    if role not in ("isolated", "in_process") or config.getoption("collectonly"):
+        return
+    state = config.stash[STATE]
+    plan = config.stash.get(PLAN, None)
+    if plan is None:
+        return
+    from k3ref.gpu_check import report as R
+
+    run = R.from_pytest(plan, state["reports"], state.get("collected"), time.time() - state["t0"])
+    state["run"] = run
+    failed = not run["passed"]
+    if state["opts"].report:
+        try:
+            R.write_all(Path(state["opts"].report), run["rows"], run["results"], run["summary"])
+        except Exception as e:  # no report, no verdict
+            run["failures"].append(f"FAIL: the report could not be written into {state['opts'].report}: "
+                                   f"{type(e).__name__}: {e}".splitlines()[0])
+            failed = True
+    if failed and session.exitstatus == 0:
         session.exitstatus = 1
-        tr = session.config.pluginmanager.get_plugin("terminalreporter")
-        if tr is not None:
-            tr.write_line(f"k3ref: FAIL: {counts['seen']} k3ref tests collected, none executed a check "
-                          "(all skipped): nothing was verified", red=True)
+    workdir = state.get("workdir")
+    if workdir:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    state = config.stash.get(STATE, None) if _role(config) in ("isolated", "in_process") else None
+    run = state.get("run") if state else None
+    if not run:
+        return
+    from k3ref.gpu_check import report as R
+
+    tr = terminalreporter
+    tr.section("k3ref")
+    tr.write_line(R.markdown_table(run["results"]))
+    for t, v, reason, _ in run["rows"]:
+        if t.mutant:
+            tr.write_line(f"{t.adapter.name}: {v}: {reason}")
+    for line in R.timing_lines(run["summary"]):
+        tr.write_line(line)
+    for line in run["failures"]:
+        tr.write_line(line, red=True)
+    s = run["summary"]
+    tr.write_line(json.dumps({k: s[k] for k in ("verdict", "tests", "executed", "passed", "failed", "skipped",
+                                                "xfailed", "seconds")}))
+    if state["opts"].report:
+        out = Path(state["opts"].report)
+        tr.write_line(f"reports: {out / 'report.html'}, {out / 'report.json'}"
+                      + (f", {config.option.xmlpath}" if getattr(config.option, "xmlpath", None) else ""))

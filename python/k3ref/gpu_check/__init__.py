@@ -6,14 +6,15 @@ section 9; docs/verify-your-kernel.md for your own kernel's CI).
 
 Modules: `adapters` (the adapter protocol and the built-in adapters), `registry` (entry
 points, --adapter specs, conftest lists), `collection` (the tests: adapter x case x check,
-known limitations, verdicts), `isolation` (each adapter's checks in a child process),
+known limitations, verdicts), `plan` (the run's options, adapters, tests and warm-up, decided
+once), `execute` (one test in the worker that holds its kernel),
 `checks` (golden and metamorphic KDA checks), `attnres_check`, `qb_check`, `serving_check`
 (the other families), `metrics` (error metrics, on the GPU through libk3gc when available),
 `lib` (ctypes binding of libk3gc.so), `reference` (fp64 KDA recurrence in PyTorch), `timing`
-(import, Triton compile, autotune and check time), `report` (HTML, JSON, JUnit), `prop`
+(import, Triton compile, autotune and check time), `report` (HTML and JSON from pytest's results), `prop`
 (property tests), `backward` (gradients), `cp_check` (context parallelism over P ranks), `bench`
-(comparator and reference speed), `cli`.
-The pytest plugin is k3ref.pytest_plugin.
+(comparator and reference speed), `cli` (the `run` front end of the pytest plugin, `prop`,
+`warmup`). The runner is the pytest plugin, k3ref.pytest_plugin.
 """
-__all__ = ["adapters", "registry", "collection", "isolation", "checks", "attnres_check", "qb_check", "serving_check",
+__all__ = ["adapters", "registry", "collection", "plan", "execute", "checks", "attnres_check", "qb_check", "serving_check",
            "metrics", "lib", "reference", "timing", "report", "prop", "backward", "cp_check", "bench", "cli"]

@@ -1,36 +1,27 @@
-"""The CI command: python3 -m k3ref.gpu_check run [--adapter MOD:NAME ...] --out report/
+"""The command line: python3 -m k3ref.gpu_check run [--adapter MOD:NAME ...] --out report/
 
-Collects every adapter (built-in, entry points, --adapter) x golden case x check (the same
-collection as the pytest plugin, collection.py), runs each adapter's checks in its own child
-process (isolation.py), runs the mutant zoo (each mutant must be caught by a check), writes
-report.html (verdict first), report.json, report.xml (JUnit) and plots, prints the kernels x
-checks table, and exits 1 when it cannot vouch for the kernels: a failed check, a known
-limitation that now passes, a mutant not caught or not run, a kernel asked for that is not
-available, or no check executed at all. Usage errors (an unknown name in any selector, an
-adapter spec that does not load) exit 2 with one line.
+`run` is a front end of the pytest plugin (k3ref.pytest_plugin), the harness's only runner: it
+calls pytest with the plugin and its options spelled `--k3ref-*`, `-n` for --check-jobs and
+`--junitxml OUT/report.xml`, so the collection, isolation (pytest-xdist workers,
+pytest-timeout), reports and verdict are the plugin's. It exits 0 when the kernels are
+vouched for, 1 when not (a failed check, a known limitation that now passes, a mutant not
+caught or not run, a kernel asked for that is not available, no check executed, a test
+without a result, a report that could not be written), 2 on a usage error (one line).
+`prop` and `warmup` are commands of their own.
 """
 import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from . import collection, report
+from .plan import KERNEL_PATHS
 from .registry import AdapterSpecError
-from .selection import UsageError, csv_list, default_goldens, load_suite, select
-
-PATH_OPTIONS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla package"),
-                ("flashkda_path", "K3REF_FLASHKDA_PATH", "directory holding the flash_kda package and its extension"),
-                ("liger_path", "K3REF_LIGER_PATH", "Liger-Kernel checkout (holding src/liger_kernel) for its AttnRes kernel"),
-                ("torchtitan_path", "K3REF_TORCHTITAN_PATH", "torchtitan checkout (holding torchtitan/) for its Quantile Balancing"))
-
+from .selection import UsageError
 
 def _kernel_options(p):
-    p.add_argument("--lib", help="path of libk3gc.so (default: $K3GC_LIB or build*/gpu_check/)")
-    for dest, env, text in PATH_OPTIONS:
+    for dest, env, text in KERNEL_PATHS:
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, help=f"{text} (sets ${env})")
     p.add_argument("--cache-dir", metavar="DIR",
                    help="cache directory (default: $K3REF_CACHE_DIR, else ~/.cache/k3ref): Triton's compiled kernels "
@@ -66,7 +57,9 @@ def parser():
     r.add_argument("--load-timeout", type=float, default=900.0,
                    help="seconds starting a child and loading its kernel may take (default 900)")
     r.add_argument("--no-isolation", action="store_true", help="run every check in this process (a crash ends the run)")
-    r.add_argument("--list", action="store_true", help="print the collected test ids and exit")
+    r.add_argument("--list", action="store_true", help="print the collected test node ids and exit")
+    r.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARG",
+                   help="after --: arguments passed to pytest as they are (-k EXPR, -x, -v, ...)")
     p = sub.add_parser("prop", help="property-based testing of one KDA kernel against the reference (Hypothesis)")
     p.add_argument("--kernel", required=True, help="adapter name, e.g. fla.chunk_kda, flashkda.fwd, k3gc.fp32")
     p.add_argument("--examples", type=int, default=100)
@@ -83,9 +76,7 @@ def parser():
 
 def apply_kernel_options(args):
     """--lib and the checkout paths, as environment variables the adapters (and children) read."""
-    if getattr(args, "lib", None):
-        os.environ["K3GC_LIB"] = str(Path(args.lib).resolve())
-    for dest, env, _ in PATH_OPTIONS:
+    for dest, env, _ in KERNEL_PATHS:
         value = getattr(args, dest, None)
         if value:
             os.environ[env] = str(Path(value).resolve())
@@ -94,103 +85,46 @@ def apply_kernel_options(args):
     warmup.configure_cache(getattr(args, "cache_dir", None))  # before any kernel is imported
 
 
-def execute(tests, runner, requested):
-    """Runs the tests; returns (rows, results): rows are (test, verdict, reason, results)."""
-    rows, results = [], []
-    for t in tests:
-        if isinstance(t, collection.MutantTest):
-            rs = [runner.run(x) for x in t.tests]
-            verdict, reason = collection.mutant_outcome(t, rs, requested)
-            results += rs
-        else:
-            rs = [runner.run(t)]
-            verdict, reason = collection.outcome(t, rs[0], requested)
-            results += rs
-        for r in rs:
-            r.extra["test_id"] = t.id
-        rows.append((t, verdict, reason, rs))
-    return rows, results
+def pytest_args(args):
+    """The pytest command line of a `run`: the plugin, its options, the workers, the JUnit file."""
+    out = Path(args.out)
+    a = ["-p", "k3ref.pytest_plugin", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
+         "--rootdir", str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent)]
+    for spec in args.adapter:
+        a += ["--k3ref-adapter", spec]
+    if not args.no_builtin:
+        a.append("--k3ref-builtin")
+    flags = {"no_mutants": "--k3ref-no-mutants", "no_isolation": "--k3ref-no-isolation", "no_warmup": "--k3ref-no-warmup"}
+    a += [flag for dest, flag in flags.items() if getattr(args, dest)]
+    values = {"only": "--k3ref-only", "checks": "--k3ref-checks", "cases": "--k3ref-cases", "goldens": "--k3ref-goldens",
+              "device": "--k3ref-device", "known_limitations": "--k3ref-known-limitations",
+              "check_timeout": "--k3ref-check-timeout", "load_timeout": "--k3ref-load-timeout", "budget": "--k3ref-budget",
+              "jobs": "--k3ref-warmup-jobs", "warmup_timeout": "--k3ref-warmup-timeout",
+              "autotune_configs": "--k3ref-autotune-configs", "cache_dir": "--k3ref-cache-dir",
+              **{dest: "--k3ref-" + dest.replace("_", "-") for dest, _, _ in KERNEL_PATHS}}
+    for dest, flag in values.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            a += [flag, str(value)]
+    if args.list:
+        return a + ["--collect-only"] + list(args.pytest_args)
+    if not args.no_isolation:
+        a += ["-n", str(max(1, args.check_jobs))]
+    return a + ["--k3ref-report", str(out), "--junitxml", str(out / "report.xml")] + list(args.pytest_args)
 
 
-def verdict_of(rows, results):
-    """(passed, failure lines) of a whole run."""
-    failures = [f"FAIL {t.id}: {reason}" for t, v, reason, _ in rows if v == "fail"]
-    executed = sum(r.status != "skip" for r in results)
-    if executed == 0:
-        failures.append("FAIL: no check was executed (every test was skipped or nothing was collected)")
-    return not failures, failures
+# pytest's exit codes -> run's: 0 vouched for, 1 not, 2 usage error
+EXIT_CODES = {0: 0, 1: 1, 2: 1, 3: 1, 4: 2, 5: 1}
 
 
 def run_command(args):
-    apply_kernel_options(args)
-    adapters, requested = select(args)
-    suite = load_suite(args.goldens or default_goldens(), adapters)
-    checks, cases = csv_list(args.checks), csv_list(args.cases)
-    collection.validate(adapters, suite, checks=checks, cases=cases)
-    try:
-        limitations = collection.load_limitations(args.known_limitations)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    from . import shapes
+    import pytest
 
-    shapes.choose_all(adapters, suite)  # metamorphic configs on shapes the goldens compile (shapes.py)
-    try:
-        tests = collection.collect(adapters, suite, checks=checks, cases=cases, limitations=limitations)
-    except ValueError as e:  # a known-limitation entry that would waive a whole check
-        raise UsageError(str(e)) from e
-    if args.list:
-        for t in tests:
-            print(t.id)
-        return 0
-    from .isolation import Runner
-    from . import warmup
-
-    t0 = time.time()
-    side_by_side = args.check_jobs > 1 and not args.no_isolation
-    # Side by side, the warm-up runs beside the checks: an adapter's checks start once its own
-    # units are compiled (at once for kernels built ahead of time).
-    tests, speed, background = warmup.prepare(args, tests, suite, adapters, background=side_by_side)
-
-    def make_runner():
-        return Runner(args.device, check_timeout=args.check_timeout, load_timeout=args.load_timeout,
-                      isolate=not args.no_isolation, budget_s=args.budget,
-                      progress=lambda line: print(line, flush=True))
-
-    if side_by_side:  # isolation groups side by side (parallel.py)
-        from . import parallel
-
-        try:
-            rows, results, runner = parallel.execute(tests, make_runner, requested, args.check_jobs, execute,
-                                                     ready=background)
-        finally:
-            if background is not None:
-                warmup.finish_warmup(speed, background.finish())
-    else:
-        with make_runner() as runner:
-            rows, results = execute(tests, runner, requested)
-    passed, failures = verdict_of(rows, results)
-    summary = report.summary(rows, results, runner, adapters, requested, args.device, time.time() - t0, passed,
-                             failures, len(suite), golden_dir=args.goldens or default_goldens())
-    summary.update(speed)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_all(out, rows, results, summary)
-    print(report.markdown_table(results))
-    for t, v, reason, _ in rows:
-        if isinstance(t, collection.MutantTest):
-            print(f"{t.adapter.name}: {v}: {reason}")
-    for name, k in summary["kernels"].items():
-        t = k.get("timing")
-        if t and t["checks_run"]:
-            print(f"time {name}: {t['children_started']} child(ren), start-up+import {t['startup_and_import_s']:.1f} s, "
-                  f"Triton compile {t['compile_s']:.1f} s ({t['compiles']}), autotune {t['autotune_s']:.1f} s "
-                  f"({t['configs_benchmarked']} configs), checks {t['check_s']:.1f} s, wall {t['wall_s']:.1f} s")
-    for line in failures:
-        print(line)
-    print(json.dumps({k: summary[k] for k in ("verdict", "tests", "executed", "passed", "failed", "skipped", "xfailed",
-                                              "seconds")}))
-    print(f"reports: {out / 'report.html'}, {out / 'report.json'}, {out / 'report.xml'}")
-    return 0 if passed else 1
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    rc = int(pytest.main(pytest_args(args)))
+    return EXIT_CODES.get(rc, 1)
 
 
 def main(argv=None):
@@ -208,7 +142,7 @@ def main(argv=None):
             apply_kernel_options(args)
             return prop.main(args)
         return run_command(args)
-    except (UsageError, collection.SelectorError, AdapterSpecError) as e:
+    except (UsageError, AdapterSpecError) as e:
         print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

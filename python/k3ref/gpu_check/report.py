@@ -8,7 +8,6 @@ import math
 import os
 import platform
 import subprocess
-import xml.etree.ElementTree as ET
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,44 +28,6 @@ def write_json(path, results, summary):
 
     with open(path, "w") as f:
         json.dump(clean({"summary": summary, "results": [asdict(r) for r in results]}), f, indent=1)
-
-
-def write_junit(path, rows, properties=None):
-    """JUnit XML with one test case per collected test (rows of cli.execute: test, verdict,
-    reason, results), judged as the run judges it: a verdict 'fail' is a failure (or an
-    error when a check crashed or raised), 'skip' and 'xfail' (a known limitation) are
-    skipped with their reason, so a JUnit consumer agrees with the exit code. A mutant is
-    one test case; what each of its checks did is in system-out."""
-    suites = ET.Element("testsuites")
-    by_adapter = {}
-    for row in rows:
-        by_adapter.setdefault(row[0].adapter.name, []).append(row)
-    for adapter, rs in by_adapter.items():
-        failures = sum(v == "fail" and not any(r.status == "error" for r in res) for _, v, _, res in rs)
-        errors = sum(v == "fail" and any(r.status == "error" for r in res) for _, v, _, res in rs)
-        suite = ET.SubElement(suites, "testsuite", name=adapter, tests=str(len(rs)), failures=str(failures),
-                              errors=str(errors), skipped=str(sum(v in ("skip", "xfail") for _, v, _, _ in rs)))
-        if properties:  # what the verdict depends on (versions), for a CI that keeps only the XML
-            props = ET.SubElement(suite, "properties")
-            for key, value in properties.items():
-                ET.SubElement(props, "property", name=str(key), value=str(value))
-        for t, v, reason, res in rs:
-            seconds = sum(r.seconds for r in res)
-            tc = ET.SubElement(suite, "testcase", classname=adapter, name=t.id, time=f"{seconds:.3f}")
-            if len(res) > 1:
-                ET.SubElement(tc, "system-out").text = "\n".join(f"{r.check}[{r.case}] {r.status}: {r.reason}"
-                                                                 for r in res)
-            if v == "fail":
-                crashed = next((r for r in res if r.status == "error"), None)
-                kind = "error" if crashed is not None else "failure"
-                detail = (crashed.extra.get("traceback") or crashed.extra.get("stderr_tail") or reason) if crashed \
-                    else reason
-                ET.SubElement(tc, kind, message=reason[:500]).text = detail
-            elif v == "skip":
-                ET.SubElement(tc, "skipped", message=reason[:500])
-            elif v == "xfail":
-                ET.SubElement(tc, "skipped", type="xfail", message=reason[:500])
-    ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
 
 
 def table(results, adapters=None):
@@ -179,25 +140,16 @@ def torch_version():
         return None
 
 
-def summary(rows, results, runner, adapters, requested, device, seconds, passed, failures, n_goldens,
-            golden_dir=None):
-    from .collection import MutantTest
-
+def summary(rows, results, kernels, device, seconds, passed, failures, n_goldens, golden_dir=None, versions_=None):
+    """The run's summary: verdict, counts, kernels (static facts, availability and time split),
+    mutants, versions."""
     verdicts = [v for _, v, _, _ in rows]
-    kernels = {}
-    for a in adapters:
-        loaded = runner.availability(a) or {}
-        kernels[a.name] = {"family": a.family, "kind": a.kind, "policy": a.policy, "policy_reason": a.policy_reason,
-                           "contract": a.contract, "asked_for": a.name in requested,
-                           "available": loaded.get("available"), "unavailable_reason": loaded.get("reason") or
-                           loaded.get("error") or "", "version": loaded.get("version", ""),
-                           "timing": runner.timing.get(a.name)}
-    mutants = {t.adapter.name: {"verdict": v, "reason": reason} for t, v, reason, _ in rows if isinstance(t, MutantTest)}
+    mutants = {t.adapter.name: {"verdict": v, "reason": reason} for t, v, reason, _ in rows if t.mutant}
     return {
         "verdict": "PASS" if passed else "FAIL",
         "failures": failures,
         "device": device,
-        "versions": versions(golden_dir),
+        "versions": versions_ or versions(golden_dir),
         "goldens": n_goldens,
         "seconds": round(seconds, 2),
         "tests": len(rows),
@@ -212,6 +164,198 @@ def summary(rows, results, runner, adapters, requested, device, seconds, passed,
         "mutants_caught": sum(m["verdict"] == "pass" for m in mutants.values()),
         "matplotlib": _matplotlib()[1],
     }
+
+
+# --------------------------------------------------------------------------- from pytest's reports
+
+STDERR_TAIL_LINES = 40
+
+
+def stderr_summary(tail):
+    """One line from a process's stderr: Python's fatal-error line and the innermost frame when
+    faulthandler printed them (abort, segfault), else the last line that is not empty."""
+    lines = [l.strip() for l in tail.splitlines() if l.strip()]
+    if not lines:
+        return "(nothing on stderr)"
+    at = next((i for i, l in enumerate(lines) if l.startswith("Fatal Python error")), None)
+    if at is not None:
+        frames = [l for l in lines[at:] if l.startswith("File ")]
+        # What the process printed just before it died (a C++ assertion, a CUDA error).
+        said = [l for l in lines[:at] if not l.startswith(("File ", "Thread ", "Current thread", "Extension modules"))]
+        return ((said[-1] + "; ") if said else "") + lines[at] + (f"; innermost frame: {frames[0]}" if frames else "")
+    return lines[-1]
+
+
+def crash_reason(stderr_text, check_timeout=None):
+    """Why a worker died while running a test, in one line, from the end of its stderr."""
+    if "+ Timeout +" in stderr_text:
+        return (f"timed out: the check ran past its limit (--k3ref-check-timeout {check_timeout:g} s, plus the "
+                f"load timeout when it loaded its kernel); its worker was stopped" if check_timeout else
+                "timed out; its worker was stopped")
+    if not stderr_text.strip():
+        return "the worker process ended while running this check, with nothing on stderr (os._exit or a kill)"
+    return f"the worker process died while running this check: {stderr_summary(stderr_text)}"
+
+
+def result_record(r):
+    """A CheckResult as JSON-able data (what a worker sends the controller)."""
+    def clean(o):
+        if isinstance(o, float):
+            return o if math.isfinite(o) else str(o)
+        if isinstance(o, dict):
+            return {str(k): clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        if o is None or isinstance(o, (str, int, bool)):
+            return o
+        return str(o)
+
+    return clean(asdict(r))
+
+
+def _result_of(d):
+    from .checks import CheckResult
+
+    def restore(o):
+        if isinstance(o, str) and o in ("nan", "inf", "-inf"):
+            return float(o)
+        return o
+
+    d = dict(d)
+    for key in ("ratio",):
+        d[key] = restore(d.get(key))
+    return CheckResult(**d)
+
+
+class _Row:
+    """What the report reads of a test: its id, adapter name, check, case and whether it is a
+    mutant's test."""
+
+    def __init__(self, entry):
+        self.id = entry["id"]
+        self.check, self.case = entry["check"], entry["case"]
+        self.mutant = entry.get("mutant") is not None
+
+        class _A:
+            name = entry["adapter"]
+
+        self.adapter = _A
+
+
+def _timing_of(results, loaded):
+    t = {"children_started": 0, "startup_and_import_s": 0.0, "compile_s": 0.0, "compiles": 0, "autotune_s": 0.0,
+         "configs_benchmarked": 0, "check_s": 0.0, "checks_run": 0, "wall_s": 0.0, "triton": None,
+         "compile_timing": "", "autotune_timing": ""}
+    for info in loaded:
+        t["children_started"] += 1
+        t["startup_and_import_s"] += info.get("import_s", 0.0)
+        status = info.get("timing") or {}
+        t["triton"], t["compile_timing"], t["autotune_timing"] = (status.get("triton"), status.get("compile", ""),
+                                                                  status.get("autotune", ""))
+    for r in results:
+        cost = (r.extra or {}).get("timing")
+        if not cost:
+            continue
+        t["compile_s"] += cost.get("compile_s", 0.0)
+        t["compiles"] += cost.get("compiles", 0)
+        t["autotune_s"] += cost.get("autotune_s", 0.0)
+        t["configs_benchmarked"] += cost.get("configs_benchmarked", 0)
+        t["check_s"] += max(0.0, cost.get("wall_s", 0.0) - cost.get("compile_s", 0.0) - cost.get("autotune_s", 0.0))
+        t["checks_run"] += 1
+        t["wall_s"] += cost.get("wall_s", 0.0)
+    t["wall_s"] += t["startup_and_import_s"]
+    return t
+
+
+def from_pytest(plan, reports, collected, seconds, versions_=None):
+    """The run as the report shows it, from the plan and pytest's reports of its tests
+    (reports: node id -> [TestReport], each call report carrying the worker's record in
+    `report.k3ref`). A collected test with no result, or a run in which no check executed,
+    fails the run. Returns {rows, results, failures, passed, summary}."""
+    from .checks import CheckResult
+
+    rows, results, failures = [], [], []
+    loaded_by = {}   # adapter -> [what loading gave, one per process that loaded it]
+    wanted = set(collected) if collected is not None else {e["nodeid"] for e in plan["tests"]}
+    for e in plan["tests"]:
+        if e["nodeid"] not in wanted:
+            continue  # deselected (-k, --deselect)
+        row = _Row(e)
+        reps = reports.get(e["nodeid"], [])
+        record = None
+        for rep in reps:
+            raw = getattr(rep, "k3ref", None)
+            if raw:
+                record = json.loads(raw)
+        failed = [rep for rep in reps if rep.failed]
+        skipped = [rep for rep in reps if rep.skipped and not hasattr(rep, "wasxfail")]
+        xfailed = [rep for rep in reps if hasattr(rep, "wasxfail") and rep.skipped]
+        if record is not None:
+            rs = [_result_of(d) for d in record["results"]]
+            if record.get("loaded") is not None:
+                loaded_by.setdefault(e["adapter"], {})[json.dumps(record["loaded"], sort_keys=True)] = record["loaded"]
+        elif failed:  # the worker died (or setup failed): pytest's report says why
+            text = str(failed[0].longrepr)
+            rs = [CheckResult(e["adapter"], e["check"], e["case"], "error", text.splitlines()[0][:600] if text else
+                              "failed without a result", extra={"crash": True, "stderr_tail": text[-3000:]})]
+        elif skipped:
+            rs = [CheckResult(e["adapter"], e["check"], e["case"], "skip", _skip_reason(skipped[0]))]
+        else:
+            rs = [CheckResult(e["adapter"], e["check"], e["case"], "error", "no result: the test did not run to the "
+                              "end (the run was stopped, or its worker could not be replaced)", extra={"crash": True})]
+        if failed:
+            verdict = "fail"
+            reason = record["reason"] if record and record["verdict"] == "fail" else (
+                f"{e['xfail']} -- but it passed: the limitation is gone, remove its entry" if e.get("xfail") and record
+                and record["verdict"] == "pass" else rs[0].reason)
+        elif xfailed:
+            verdict, reason = "xfail", f"{e['xfail']} ({rs[0].status}: {(record or {}).get('reason') or rs[0].reason})"
+        elif skipped or (record and record["verdict"] == "skip"):
+            verdict, reason = "skip", (record or {}).get("reason") or rs[0].reason
+        elif record is not None and record["verdict"] == "pass":
+            verdict, reason = "pass", record["reason"]
+        else:
+            verdict, reason = "fail", rs[0].reason
+        for r in rs:
+            r.extra["test_id"] = e["id"]
+        rows.append((row, verdict, reason, rs))
+        results += rs
+    failures = [f"FAIL {t.id}: {reason}" for t, v, reason, _ in rows if v == "fail"]
+    if sum(r.status != "skip" for r in results) == 0:
+        failures.append("FAIL: no check was executed (every test was skipped or nothing was collected)")
+    kernels = {}
+    for name, facts in plan["adapters"].items():
+        loaded = list(loaded_by.get(name, {}).values())
+        first = loaded[0] if loaded else {}
+        kernels[name] = {**{k: facts[k] for k in ("family", "kind", "policy", "policy_reason", "contract",
+                                                  "asked_for")},
+                         "available": first.get("available"), "unavailable_reason": first.get("reason") or "",
+                         "version": first.get("version", ""),
+                         "timing": _timing_of([r for r in results if r.adapter == name], loaded) if loaded else None}
+    passed = not failures
+    s = summary(rows, results, kernels, plan["device"], seconds, passed, failures, plan["n_goldens"],
+                golden_dir=plan.get("golden_dir"), versions_=versions_)
+    s.update(plan.get("speed") or {})
+    return {"rows": rows, "results": results, "failures": failures, "passed": passed, "summary": s}
+
+
+def _skip_reason(rep):
+    lr = rep.longrepr
+    if isinstance(lr, tuple) and len(lr) == 3:
+        return str(lr[2]).removeprefix("Skipped: ")
+    return str(lr)
+
+
+def timing_lines(summary):
+    out = []
+    for name, k in summary["kernels"].items():
+        t = k.get("timing")
+        if t and t["checks_run"]:
+            out.append(f"time {name}: {t['children_started']} process(es) loaded it, start-up+import "
+                       f"{t['startup_and_import_s']:.1f} s, Triton compile {t['compile_s']:.1f} s ({t['compiles']}), "
+                       f"autotune {t['autotune_s']:.1f} s ({t['configs_benchmarked']} configs), checks "
+                       f"{t['check_s']:.1f} s, wall {t['wall_s']:.1f} s")
+    return out
 
 
 def _matplotlib():
@@ -251,8 +395,10 @@ def plot_failure(plt, res, path):
 
 
 def write_all(out, rows, results, summary):
+    """report.json and report.html (and plots/) into `out`; the JUnit file is pytest's
+    (--junitxml)."""
     out = Path(out)
-    write_junit(out / "report.xml", rows, summary.get("versions"))
+    out.mkdir(parents=True, exist_ok=True)
     write_json(out / "report.json", results, summary)
     write_html(out / "report.html", rows, results, summary)
 
@@ -284,7 +430,7 @@ def write_html(path, rows, results, summary):
            f"{summary.get('skipped', 0)} skipped, {summary.get('xfailed', 0)} known limitations; "
            f"{summary.get('executed', 0)} checks executed in {summary.get('seconds', 0)} s on "
            f"{html.escape(str(summary.get('device')))}. Raw results: <a href='report.json'>report.json</a>, "
-           f"JUnit: <a href='report.xml'>report.xml</a>.</p>"]
+           f"JUnit: <a href='report.xml'>report.xml</a> (when --junitxml wrote it there).</p>"]
     if summary.get("failures"):
         out.append("<ul>" + "".join(f"<li><a href='#{_slug(line.split(':')[0][5:])}'>{html.escape(line)}</a></li>"
                                     for line in summary["failures"]) + "</ul>")
@@ -361,7 +507,7 @@ def write_html(path, rows, results, summary):
                     out.append(f"<p>{label}: index {html.escape(json.dumps(w['index']))}: candidate {w['candidate']!r}, "
                                f"reference {w['reference']!r}, |error| {w['abs_error']:.4g}</p>")
             if r.extra.get("stderr_tail"):
-                out.append("<p>last lines of the child's stderr:</p><pre>" + html.escape(r.extra["stderr_tail"]) + "</pre>")
+                out.append("<p>last lines of the worker's stderr:</p><pre>" + html.escape(r.extra["stderr_tail"]) + "</pre>")
             if r.extra.get("traceback"):
                 out.append("<details><summary>traceback</summary><pre>" + html.escape(r.extra["traceback"])
                            + "</pre></details>")

@@ -1,0 +1,133 @@
+"""Running one planned test in the process that holds its kernel (a pytest-xdist worker).
+
+The adapters are selected here as the plan selected them (plan.select_adapters, the first time
+a test needs them), each kernel is loaded once per process, and every call into adapter code
+is guarded: an exception, a SystemExit or any other BaseException but KeyboardInterrupt
+becomes that check's error with its traceback. A crash, a hang or an exit of the process is
+the plugin's (pytest-xdist replaces the worker, pytest-timeout bounds the time).
+"""
+import time
+import traceback
+
+from . import plan as run_plan
+from .checks import CheckResult
+from .collection import Test, mutant_outcome, outcome
+
+
+def _error(adapter, check, case, what, e):
+    return CheckResult(adapter, check, case, "error", f"{what}{type(e).__name__}: {e}".splitlines()[0][:300],
+                       extra={"traceback": traceback.format_exc()[-2000:]})
+
+
+class Executor:
+    """One per process: the adapters of the run, what loading each gave, and the time split."""
+
+    def __init__(self, opts, conftest_objects=()):
+        self.opts = opts
+        self.conftest_objects = conftest_objects
+        self.device = run_plan.device_of(opts)
+        self._adapters = None
+        self.requested = set()
+        self.loaded = {}     # adapter name -> {available, reason, version, import_s, timing}
+        self.started = {}    # adapter name -> monotonic time of its first check (the budget)
+
+    def adapter(self, name):
+        if self._adapters is None:
+            adapters, self.requested, _ = run_plan.select_adapters(self.opts, self.conftest_objects)
+            self._adapters = {a.name: a for a in adapters}
+        if name not in self._adapters:
+            raise LookupError(f"adapter {name} is in the plan but not selected in this process")
+        return self._adapters[name]
+
+    def is_loaded(self, name):
+        return name in self.loaded
+
+    def load(self, a):
+        """What loading adapter `a` gave (cached): available, reason, version, import seconds."""
+        if a.name in self.loaded:
+            return self.loaded[a.name]
+        from . import timing
+
+        t0 = time.perf_counter()
+        status = timing.install()
+        why = a.probe(self.device) if hasattr(a, "probe") else None
+        if why:
+            info = {"available": False, "reason": why + " (probed without loading)"}
+        else:
+            try:
+                ok = bool(a.available())
+                info = {"available": ok, "reason": a.unavailable_reason}
+            except (KeyboardInterrupt, GeneratorExit):
+                raise
+            except BaseException as e:  # an exit in the kernel's import is its failure to load
+                info = {"available": False, "reason": f"loading raised {type(e).__name__}: {e}".splitlines()[0][:500]}
+            if info["available"]:
+                try:
+                    info["version"] = a.version()
+                except Exception as e:
+                    info["version"] = f"version() raised {type(e).__name__}"
+        info["import_s"] = time.perf_counter() - t0
+        info["timing"] = dict(status)
+        self.loaded[a.name] = info
+        return info
+
+    def run_one(self, a, entry):
+        """The CheckResult of one (check, case) of adapter `a`, with its time split."""
+        from .. import goldens
+        from . import timing
+
+        check, case_id = entry["check"], entry["case"]
+        if entry.get("skip"):
+            return CheckResult(a.name, check, case_id, "skip", entry["skip"])
+        first = self.started.setdefault(a.name, time.monotonic())
+        if self.opts.budget and time.monotonic() - first > self.opts.budget:
+            return CheckResult(a.name, check, case_id, "skip",
+                               f"time budget of {self.opts.budget:g} s for this kernel exhausted")
+        info = self.load(a)
+        if not info["available"]:
+            return CheckResult(a.name, check, case_id, "skip", "not available: " + (info.get("reason") or "unknown"),
+                               extra={"unavailable": True})
+        before = timing.COUNTERS.snapshot()
+        t0 = time.perf_counter()
+        try:
+            case = goldens.load_case(entry["case_path"]) if entry.get("case_path") else None
+            res = a.run_check(check, case, self.device)
+            if not isinstance(res, CheckResult):
+                raise TypeError(f"run_check returned {type(res).__name__}, not a CheckResult")
+        except (KeyboardInterrupt, GeneratorExit):
+            raise
+        except BaseException as e:  # SystemExit included: any way out but returning is this check's error
+            res = _error(a.name, check, case_id, "", e)
+        after = timing.COUNTERS.snapshot()
+        cost = {k: after[k] - before[k] for k in after}
+        cost["wall_s"] = time.perf_counter() - t0
+        res.seconds = res.seconds or cost["wall_s"]
+        res.extra["timing"] = cost
+        return res
+
+    def run(self, entry):
+        """(verdict, reason, results) of one planned test: verdict pass | fail | skip (a known
+        limitation's xfail is pytest's strict marker, applied by the plugin)."""
+        try:
+            a = self.adapter(entry["adapter"])
+        except (KeyboardInterrupt, GeneratorExit):
+            raise
+        except BaseException as e:
+            res = _error(entry["adapter"], entry["check"], entry["case"], "selecting the adapters: ", e)
+            return "fail", res.reason, [res]
+        test = Test(a, entry["check"], entry["case"])
+        if entry.get("mutant") is not None:
+            results = [self.run_one(a, x) for x in entry["mutant"]]
+            verdict, reason = mutant_outcome(_Mutant(a, test), results, self.requested)
+            return verdict, reason, results
+        res = self.run_one(a, entry)
+        verdict, reason = outcome(test, res, self.requested)
+        return verdict, reason, [res]
+
+
+class _Mutant:
+    """What collection.mutant_outcome reads of a mutant test (its known limitation is pytest's)."""
+
+    def __init__(self, adapter, test):
+        self.adapter = adapter
+        self.xfail = None

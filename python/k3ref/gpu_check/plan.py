@@ -1,0 +1,196 @@
+"""What a run will do, decided once: the run's options (frozen), the adapters they select, the
+tests collected from them, the shape plan and the warm-up.
+
+The pytest plugin is the only runner. Its controller process never imports adapter code: it
+asks a *planning child* (`pytest --collect-only` with `--k3ref-plan-out FILE`, the same
+arguments and conftest files) for the plan, a JSON file this module writes and reads; the
+pytest-xdist workers build their test items from that file and import the adapters they
+run. Without isolation (`--k3ref-no-isolation`) the plan is made in the test process itself.
+"""
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+PLAN_VERSION = 1
+
+# The checkout paths of the kernels, as the environment variables the adapters read.
+KERNEL_PATHS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla package"),
+                ("flashkda_path", "K3REF_FLASHKDA_PATH", "directory holding the flash_kda package and its extension"),
+                ("liger_path", "K3REF_LIGER_PATH", "Liger-Kernel checkout (holding src/liger_kernel) for its AttnRes "
+                                                   "kernel"),
+                ("torchtitan_path", "K3REF_TORCHTITAN_PATH", "torchtitan checkout (holding torchtitan/) for its "
+                                                             "Quantile Balancing"),
+                ("lib", "K3GC_LIB", "path of libk3gc.so (default: build*/gpu_check/)"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Every option of a run, as the plugin's command line gave it (`--k3ref-*`)."""
+
+    adapters: tuple = ()          # MODULE:NAME specs
+    builtin: bool = False         # also the built-in adapters and installed entry points
+    only: tuple = None            # adapter names (each must exist)
+    no_mutants: bool = False
+    checks: tuple = None
+    cases: tuple = None
+    goldens: str = None
+    device: str = None
+    known_limitations: str = None
+    check_timeout: float = 900.0
+    load_timeout: float = 900.0
+    budget: float = 0.0
+    isolate: bool = True
+    report: str = None            # directory of report.html / report.json
+    warmup: bool = True
+    warmup_jobs: int = None
+    warmup_timeout: float = 1800.0
+    autotune_configs: str = "winner"
+    cache_dir: str = None
+    kernel_paths: tuple = ()      # ((environment variable, path), ...)
+
+
+def _csv(text):
+    return tuple(s for s in text.split(",") if s) if text else None
+
+
+def options_of(config):
+    """The RunOptions of a pytest config (the plugin's options)."""
+    g = config.getoption
+    paths = tuple((env, str(Path(g("k3ref_" + dest)).resolve())) for dest, env, _ in KERNEL_PATHS
+                  if g("k3ref_" + dest))
+    return RunOptions(
+        adapters=tuple(g("k3ref_adapter")), builtin=bool(g("k3ref_builtin")),
+        only=_csv(g("k3ref_only")), no_mutants=bool(g("k3ref_no_mutants")), checks=_csv(g("k3ref_checks")),
+        cases=_csv(g("k3ref_cases")), goldens=g("k3ref_goldens"), device=g("k3ref_device"),
+        known_limitations=g("k3ref_known_limitations"), check_timeout=float(g("k3ref_check_timeout")),
+        load_timeout=float(g("k3ref_load_timeout")), budget=float(g("k3ref_budget")),
+        isolate=not g("k3ref_no_isolation"), report=g("k3ref_report"), warmup=not g("k3ref_no_warmup"),
+        warmup_jobs=g("k3ref_warmup_jobs"), warmup_timeout=float(g("k3ref_warmup_timeout")),
+        autotune_configs=g("k3ref_autotune_configs"), cache_dir=g("k3ref_cache_dir"), kernel_paths=paths)
+
+
+def apply_environment(opts):
+    """The kernels' checkout paths and the cache directory as the environment variables the
+    adapters and the warm-up's workers read (before any kernel is imported; pytest-xdist's
+    workers inherit them)."""
+    for env, path in opts.kernel_paths:
+        os.environ[env] = path
+    from . import autotune, warmup
+
+    warmup.configure_cache(opts.cache_dir)
+    os.environ[autotune.MODE_VARIABLE] = opts.autotune_configs or "winner"
+
+
+def device_of(opts):
+    if opts.device:
+        return opts.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def group_of(adapter):
+    """The adapter's isolation group: the tests of one group run on one worker, in order."""
+    fn = getattr(adapter, "isolation_group", None)
+    return fn() if callable(fn) else (fn or adapter.name)
+
+
+def scope_name(group):
+    """pytest-xdist's --dist loadscope keeps one scope on one worker: the part of a node id
+    before its last '::'. Brackets would start pytest's parameter part, so they are spelled
+    as '(' and ')' here."""
+    return "".join(ch if ch.isalnum() or ch in "-_.()" else {"[": "(", "]": ")"}.get(ch, "_") for ch in group)
+
+
+def select_adapters(opts, conftest_objects=()):
+    """(adapters, requested names, golden suite) of a run; raises selection.UsageError (one
+    line) for a selector that names nothing or an adapter spec that does not load. The
+    metamorphic configurations are chosen on the suite's shapes (shapes.choose_all), the
+    same in every process that calls this."""
+    from . import collection, selection, shapes
+    from .registry import AdapterSpecError, discover
+
+    try:
+        adapters, requested = discover(specs=opts.adapters, conftest_specs=conftest_objects,
+                                       entry_points=opts.builtin)
+    except AdapterSpecError as e:
+        raise selection.UsageError(str(e)) from e
+    try:
+        if opts.only:
+            collection.validate(adapters, [], only=opts.only)
+            adapters = [a for a in adapters if a.name in opts.only]
+            requested |= set(opts.only)
+        if opts.no_mutants:
+            adapters = [a for a in adapters if a.kind != "mutant" or a.name in requested]
+        suite = selection.load_suite(opts.goldens or selection.default_goldens("--k3ref-goldens"), adapters)
+        collection.validate(adapters, suite, checks=opts.checks, cases=opts.cases)
+    except collection.SelectorError as e:
+        raise selection.UsageError(str(e)) from e
+    shapes.choose_all(adapters, suite)
+    return adapters, requested, suite
+
+
+def _entry(t):
+    return {"adapter": t.adapter.name, "check": t.check, "case": t.case, "case_path": getattr(t, "case_path", None),
+            "skip": getattr(t, "skip", None)}
+
+
+def make(opts, conftest_objects=(), progress=print):
+    """The plan of a run (a JSON-able dict): every test in the order it should run, each with
+    its node id, isolation group and known-limitation reason; the adapters' static facts; the
+    shape plan and the warm-up's record (the warm-up runs here unless opts.warmup is False)."""
+    from . import collection, selection, shapes, warmup
+
+    adapters, requested, suite = select_adapters(opts, conftest_objects)
+    try:
+        limitations = collection.load_limitations(opts.known_limitations)
+        tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, limitations=limitations)
+    except ValueError as e:
+        raise selection.UsageError(str(e)) from e
+    device = device_of(opts)
+    shape_plan = shapes.build(tests, suite)
+    tests = shapes.order(tests, shape_plan)
+    speed = {"cache_dir": os.environ.get(warmup.CACHE_VARIABLE), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+             "shape_plan": shape_plan.summary(), "autotune_configs": opts.autotune_configs}
+    s = speed["shape_plan"]
+    progress(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
+             f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS)")
+    if opts.warmup and shape_plan.shapes:
+        selected = warmup.select(warmup.units(shape_plan, adapters), device,
+                                 warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
+        record = warmup.run_selected(selected, device, jobs=opts.warmup_jobs, timeout=opts.warmup_timeout,
+                                     progress=progress)
+        speed["warmup"] = record
+        if any(g.get("status") not in ("skipped", "warm") for g in record["groups"]):
+            warmup.write_record(record, os.environ.get(warmup.CACHE_VARIABLE) or ".")
+        progress(warmup.table(record))
+    groups = {a.name: group_of(a) for a in adapters}
+    entries = []
+    for t in tests:
+        e = {"id": t.id, "group": groups[t.adapter.name], "xfail": t.xfail, **_entry(t)}
+        if isinstance(t, collection.MutantTest):
+            e["mutant"] = [_entry(x) for x in t.tests]
+        e["nodeid"] = f"k3ref/{scope_name(e['group'])}::{t.id}"
+        entries.append(e)
+    return {
+        "version": PLAN_VERSION, "device": device, "requested": sorted(requested), "n_goldens": len(suite),
+        "golden_dir": str(opts.goldens or selection.default_goldens("--k3ref-goldens")),
+        "adapters": {a.name: {"family": a.family, "kind": a.kind, "policy": a.policy, "policy_reason": a.policy_reason,
+                              "contract": a.contract, "asked_for": a.name in requested, "group": groups[a.name]}
+                     for a in adapters},
+        "tests": entries, "speed": speed,
+    }
+
+
+def write(plan, path):
+    Path(path).write_text(json.dumps(plan))
+
+
+def read(path):
+    from .._bounded import load_json
+
+    plan = load_json(Path(path), "run plan", limit=256 * 1024 * 1024)
+    if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION:
+        raise ValueError(f"run plan {path}: not a plan of this k3ref version")
+    return plan
