@@ -52,7 +52,7 @@ def golden_dir(request):
     return golden_directory(request.config)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def family_cases(request):
     """Every manifest entry of the requesting module's family."""
     return manifest_cases(request.config, request.module.accept_op)
@@ -88,7 +88,8 @@ class Checks:
 
     def verify(self):
         self.verified = True
-        assert not self.failures, f"{len(self.failures)} of {self.count} checks failed:\n" + "\n".join(self.failures[:50])
+        assert not self.failures, (f"{self.name}: {len(self.failures)} of {self.count} checks failed:\n"
+                                   + "\n".join(self.failures[:50]))
 
 
 _TOTALS = {}
