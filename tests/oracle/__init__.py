@@ -1,4 +1,4 @@
-"""The one independent NumPy oracle of the golden cross-checks (tests/golden_crosscheck*.py).
+"""The one independent NumPy oracle of the golden cross-checks (tests/crosscheck/test_*.py).
 
 Deliberately plain, float64 (or complex128 for complex-step derivatives), sharing no code
 with the C++ library: one reader (the project's pure-Python safetensors reader,

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Independent cross-check of the committed serving goldens (serving.decode, serving.verify,
 serving.checkpoints, serving.rollback).
 
@@ -9,17 +8,14 @@ and the results are put where the rules say (decode: back into the same slot; ve
 after token t into column t of its row, or row bos + t of token_states; checkpoints: the state
 after b tokens; rollback: the layer's short convolutions with SiLU, K3's gate and beta, then
 snapshots one draft token at a time and a replay of the accepted tokens plus the bonus token).
-Only the file reader and the KDA gate/beta stages come from
-golden_crosscheck.py; the serving logic shares nothing with the C++ generator.
-Usage: golden_crosscheck_serving.py GOLDEN_DIR
+Only the file reader and the KDA gate/beta stages come from the NumPy oracle (tests/oracle/);
+the serving logic shares nothing with the C++ generator.
 """
-import sys
-from pathlib import Path
+import pytest
 
-import numpy as np
+np = pytest.importorskip("numpy")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle import Tally, golden_cases, rel_rms, run, stages as prepared  # noqa: E402  (the one NumPy oracle)
+from oracle import rel_rms, run, stages as prepared  # noqa: E402  (the one NumPy oracle)
 
 # Bound on the relative RMS difference (was 1.7e-15): measured worst 4.06e-16 over 13 goldens
 # (date 2026-12-01); bound 4x (3.94x).
@@ -62,7 +58,7 @@ def run_tokens(q, k, v, decay, beta, scale, begin, end, S0):
     return list(o[begin:end]), list(states[begin:end])
 
 
-def pool_case(t, p, op):
+def pool_case(t, p, op, checks):
     kp = p  # the KDA keys beside the serving parameters
     q, k, v, decay, beta, scale = prepared(t, kp)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
@@ -92,8 +88,8 @@ def pool_case(t, p, op):
         for n in range(N):
             if cu[n] == cu[n + 1]:
                 continue
-            assert 1 <= accepted[n] <= idx.shape[1], "accepted count outside [1, W] in a golden"
-            entering[n] = int(idx[n, accepted[n] - 1])
+            if checks.expect(1 <= accepted[n] <= idx.shape[1], f"sequence {n}: accepted count outside [1, W] in a golden"):
+                entering[n] = int(idx[n, accepted[n] - 1])
         source = Pool(before, t["pool_geometry"], HV, K, V)  # every sequence reads the pool as it was
         for n, e in entering.items():
             if e == PAD:
@@ -115,23 +111,20 @@ def pool_case(t, p, op):
     for s in named:
         a, b = pool.span(s)
         outside[a:b] = False
-    problems = []
-    if not np.array_equal(t["pool_out"][outside], before[outside]):
-        problems.append("pool_out differs from pool outside the named slots")
+    checks.expect(np.array_equal(t["pool_out"][outside], before[outside]), "pool_out differs from pool outside the named slots")
     inside_any = np.zeros(before.size, dtype=bool)
     for s in range(pool.slots):
         a, b = pool.span(s)
         inside_any[a:b] = True
-    if not np.all(before[~inside_any] == PADDING_VALUE):
-        problems.append("the pool's padding does not hold 2^100")
+    checks.expect(np.all(before[~inside_any] == PADDING_VALUE), "the pool's padding does not hold 2^100")
     # The padding (2^100) would swamp a relative figure: pool_out is compared inside the slots
     # (the padding is compared exactly above).
     ours["pool_out"] = ours["pool_out"][inside_any]
     t["pool_out"] = t["pool_out"][inside_any]
-    return ours, problems
+    return ours
 
 
-def checkpoint_case(t, p):
+def checkpoint_case(t, p, checks):
     kp = p  # the KDA keys beside the serving parameters
     q, k, v, decay, beta, scale = prepared(t, kp)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
@@ -147,9 +140,9 @@ def checkpoint_case(t, p):
     for block in p["blocks"].values():
         for b in range(block, T + 1, block):
             expected_positions |= {x for x in (b - 1, b, b + 1) if 0 <= x <= T}
-    problems = [] if positions == sorted(expected_positions) else ["checkpoint_positions are not the boundaries +-1"]
+    checks.expect(positions == sorted(expected_positions), "checkpoint_positions are not the boundaries +-1")
     checkpoints = np.array([store(S0 if b == 0 else states[b - 1]) for b in positions])
-    return {"o": np.array(outs)[None], "final_state": store(states[-1])[None], "checkpoints": checkpoints}, problems
+    return {"o": np.array(outs)[None], "final_state": store(states[-1])[None], "checkpoints": checkpoints}
 
 
 def silu(x):
@@ -183,7 +176,7 @@ def layer_run(t, p, state, tokens):
     return o, (S, cq, ck, cv)
 
 
-def rollback_case(t, p):
+def rollback_case(t, p, checks):
     pre = tuple(t[n].astype(np.float64) for n in ("pre_draft_state", "pre_draft_conv_q", "pre_draft_conv_k", "pre_draft_conv_v"))
     draft = [t["draft_" + n] for n in ("q", "k", "v", "g", "beta")]
     bonus = [t["bonus_" + n] for n in ("q", "k", "v", "g", "beta")]
@@ -199,39 +192,38 @@ def rollback_case(t, p):
         ours["snapshot_" + n] = np.array([s[j] for s in snaps])
     for j, n in enumerate(("state", "conv_q", "conv_k", "conv_v")):
         ours["rollback_" + n] = replayed[j]
-    problems = []
     # The rollback state is not the verification pass's final state unless every draft was accepted.
     full = snaps[-1][0]
     # Exact equality (was allclose, atol 1e-12): measured 0 at a = L (snapshot L is the final state
     # itself) and a max |difference| of 0.90 and 1.05 for a < L, over 3 goldens (date 2026-12-01).
-    if (a < p["L"]) == bool(np.array_equal(snaps[a][0], full)):
-        problems.append("snapshot a equals the verification pass's final state for a < L (or differs at a = L)")
-    return ours, problems
+    checks.expect((a < p["L"]) != bool(np.array_equal(snaps[a][0], full)),
+                  "snapshot a equals the verification pass's final state for a < L (or differs at a = L)")
+    return ours
 
 
-def main(golden_dir):
-    tally = Tally()
-    for case, tensors, meta in golden_cases(golden_dir, lambda op: op.startswith("serving.")):
-        if case["op"] == "serving.checkpoints":
-            ours, problems = checkpoint_case(tensors, case["params"])
-        elif case["op"] == "serving.rollback":
-            ours, problems = rollback_case(tensors, case["params"])
-        else:
-            ours, problems = pool_case(tensors, case["params"], case["op"])
-        for name in meta["k3ref.outputs"].split(","):
-            ref, mine = tensors[name], ours[name]
-            if ref.shape != mine.shape:
-                problems.append(f"tensor '{name}': shape {list(ref.shape)}, recomputed {list(mine.shape)}")
-                continue
-            rel = rel_rms(mine, ref)
-            tally.figure(rel)
-            if not (rel <= TOLERANCE and np.isfinite(mine).all()):
-                problems.append(f"tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
-        for problem in problems:
-            print(f"FAIL {case['name']}: {problem}")
-        tally.case(not problems)
-    return tally.result("relative RMS difference over the serving goldens")
+def accept_op(op):
+    return op.startswith("serving.")
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "goldens"))
+def test_family_present(family_cases):
+    assert family_cases, "no serving.* case in the golden suite"
+
+
+def test_serving(case, golden, checks):
+    tensors, meta = golden
+    if case["op"] == "serving.checkpoints":
+        ours = checkpoint_case(tensors, case["params"], checks)
+    elif case["op"] == "serving.rollback":
+        ours = rollback_case(tensors, case["params"], checks)
+    else:
+        ours = pool_case(tensors, case["params"], case["op"], checks)
+    for name in meta["k3ref.outputs"].split(","):
+        ref, mine = tensors[name], ours[name]
+        if not checks.expect(ref.shape == mine.shape,
+                             f"tensor '{name}': shape {list(ref.shape)}, recomputed {list(mine.shape)}"):
+            continue
+        rel = rel_rms(mine, ref)
+        checks.figure(rel)
+        checks.expect(rel <= TOLERANCE and np.isfinite(mine).all(),
+                      f"tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
+    checks.verify()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Independent cross-check of the committed AttnRes goldens.
 
 A second implementation of full and block Attention Residuals (docs/attnres.md) and of
@@ -8,20 +7,21 @@ the final aggregation; slot l has query w_l = queries[l-1] and norm weight g_l; 
 scores w_l . (g_l * x / sqrt(mean(x^2) + eps)); block b_0 is the embedding, block n the sum
 of layers (n-1)S+1 .. min(nS, L); layer l at position i of block n attends over b_0..b_{n-1}
 plus the partial sum of the block's earlier layers when i > 1.
-Usage: golden_crosscheck_attnres.py GOLDEN_DIR
 """
-import sys
-from pathlib import Path
+import pytest
 
-import numpy as np
+np = pytest.importorskip("numpy")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle import Tally, golden_cases, wide  # noqa: E402  (the one NumPy oracle's reader)
+from oracle import wide  # noqa: E402  (the one NumPy oracle's reader)
 
 
 # Bound on the relative RMS difference (was 6e-15): measured worst 1.03e-15 over 7 goldens
 # (date 2026-12-01); bound 4x (3.88x).
 TOLERANCE = 4e-15
+
+
+def accept_op(op):
+    return op.startswith("attnres.")
 
 
 def widened(tensors):
@@ -74,30 +74,24 @@ def reference(t, p, op):
     return out
 
 
-def main(golden_dir):
-    tally = Tally()
-    for case, raw, meta in golden_cases(golden_dir, lambda op: op.startswith("attnres.")):
-        tensors = widened(raw)
-        ours = reference(tensors, case["params"], case["op"])
-        ok = True
-        for name in meta["k3ref.outputs"].split(","):
-            ref, mine = tensors[name], ours[name]
-            denom = np.sqrt((ref * ref).sum())
-            rel = float(np.sqrt(((mine - ref) ** 2).sum()) / denom) if denom > 0 else float(np.abs(mine).max(initial=0))
-            tally.figure(rel)
-            if not (rel <= TOLERANCE and np.isfinite(mine).all()):
-                ok = False
-                print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
-        if case["params"]["query_scale"] == 0:  # zero queries: uniform weights, checked exactly
-            a = tensors["alpha"]
-            for row in a.reshape(-1, a.shape[-1]):
-                nz = row[row > 0]
-                if not np.all(nz == nz[0]):
-                    ok = False
-                    print(f"FAIL {case['name']}: zero queries but non-uniform weights {nz}")
-        tally.case(ok)
-    return tally.result("relative RMS difference over the AttnRes goldens")
+def test_family_present(family_cases):
+    assert family_cases, "no attnres.* case in the golden suite"
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "goldens"))
+def test_attnres(case, golden, checks):
+    raw, meta = golden
+    tensors = widened(raw)
+    ours = reference(tensors, case["params"], case["op"])
+    for name in meta["k3ref.outputs"].split(","):
+        ref, mine = tensors[name], ours[name]
+        denom = np.sqrt((ref * ref).sum())
+        rel = float(np.sqrt(((mine - ref) ** 2).sum()) / denom) if denom > 0 else float(np.abs(mine).max(initial=0))
+        checks.figure(rel)
+        checks.expect(rel <= TOLERANCE and np.isfinite(mine).all(),
+                      f"{case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
+    if case["params"]["query_scale"] == 0:  # zero queries: uniform weights, checked exactly
+        a = tensors["alpha"]
+        for row in a.reshape(-1, a.shape[-1]):
+            nz = row[row > 0]
+            checks.expect(np.all(nz == nz[0]), f"{case['name']}: zero queries but non-uniform weights {nz}")
+    checks.verify()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Independent cross-check of the committed Quantile Balancing goldens (qb_*.safetensors).
 
 A second implementation, written from docs/qb.md and proofs/qb_dual.md in NumPy and
@@ -12,18 +11,25 @@ are equalities, not tolerances:
              complementary slackness; and the duality gap of every iterate.
   qb.online  recompute QB online (bias of batch t routes t+1, warm start, centred) and the
              sign update on the same batches, the gating weights exactly.
-Usage: golden_crosscheck_qb.py GOLDEN_DIR
+The files checked are the directory's qb_*.safetensors (test_manifest_lists_the_files: the
+manifest's qb.* cases exactly).
 """
 import json
 import math
-import sys
 from fractions import Fraction
-from pathlib import Path
 
-import numpy as np
+import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+np = pytest.importorskip("numpy")
+
 from oracle import load  # noqa: E402  (the one NumPy oracle's reader)
+
+golden_glob = "qb_*.safetensors"
+
+
+def accept_op(op):
+    return op.startswith("qb.")
+
 
 # ---- the method, from the design ------------------------------------------------------------
 
@@ -62,50 +68,41 @@ def solver_step(s, beta, k, q):
     return alpha, beta, selection
 
 
-# ---- checks ---------------------------------------------------------------------------------
-
-failures = []
-
-
-def expect(cond, what):
-    if not cond:
-        failures.append(what)
-
-
-def check_solver(name, t, p):
+def check_solver(name, t, p, checks):
     m, n, k, q, T = p["m"], p["n"], p["k"], p["q"], p["iterations"]
     s = t["scores"] if "scores" in t else t["x"] @ t["w"].T + t["u"][None, :]
-    assert s.shape == (m, n) and q * n == m * k
+    if not checks.expect(s.shape == (m, n) and q * n == m * k, f"{name}: scores not m x n, or q * n != m * k"):
+        return
     beta = np.zeros(n)
     kept = list(t["selection_iterations"])
     for it in range(T):
         alpha, beta, selection = solver_step(s, beta, k, q)
         loads = loads_of(selection, n)
-        expect(np.array_equal(alpha, t["alpha"][it]), f"{name}: alpha at iteration {it + 1}")
-        expect(np.array_equal(beta, t["beta"][it]), f"{name}: beta at iteration {it + 1}")
-        expect(np.array_equal(loads, t["loads"][it]), f"{name}: loads at iteration {it + 1}")
-        expect(max_vio(loads) == t["max_vio"][it], f"{name}: max_vio at iteration {it + 1}")
+        checks.expect(np.array_equal(alpha, t["alpha"][it]), f"{name}: alpha at iteration {it + 1}")
+        checks.expect(np.array_equal(beta, t["beta"][it]), f"{name}: beta at iteration {it + 1}")
+        checks.expect(np.array_equal(loads, t["loads"][it]), f"{name}: loads at iteration {it + 1}")
+        checks.expect(max_vio(loads) == t["max_vio"][it], f"{name}: max_vio at iteration {it + 1}")
         d = dual_objective(s, alpha, beta, k, q)
-        expect(d == t["dual_objective"][it], f"{name}: dual objective at iteration {it + 1}")
+        checks.expect(d == t["dual_objective"][it], f"{name}: dual objective at iteration {it + 1}")
         if it + 1 in kept:
             stored = t["selection"][kept.index(it + 1)]
-            expect(np.array_equal(selection, stored), f"{name}: selection at iteration {it + 1}")
+            checks.expect(np.array_equal(selection, stored), f"{name}: selection at iteration {it + 1}")
         if "duality_gap" in t:
             exact_gap = exact_dual(s, alpha, beta, k, q) - Fraction(float(t["lp_optimum"][0]))
-            expect(exact_gap >= 0, f"{name}: negative duality gap at iteration {it + 1}")
-            expect(float(exact_gap) == t["duality_gap"][it], f"{name}: duality gap at iteration {it + 1}")
+            checks.expect(exact_gap >= 0, f"{name}: negative duality gap at iteration {it + 1}")
+            checks.expect(float(exact_gap) == t["duality_gap"][it], f"{name}: duality gap at iteration {it + 1}")
     if "lp_optimum" in t:
         chosen = t["optimal_assignment"].astype(np.int64)
-        expect(set(np.unique(chosen)) <= {0, 1}, f"{name}: optimal assignment not 0/1")
-        expect((chosen.sum(1) == k).all() and (chosen.sum(0) == q).all(), f"{name}: optimal assignment not balanced")
+        checks.expect(set(np.unique(chosen)) <= {0, 1}, f"{name}: optimal assignment not 0/1")
+        checks.expect((chosen.sum(1) == k).all() and (chosen.sum(0) == q).all(), f"{name}: optimal assignment not balanced")
         primal = sum(Fraction(float(x)) for x in s[chosen == 1])
         dual = exact_dual(s, t["optimal_alpha"], t["optimal_beta"], k, q)
         # Weak duality: every balanced assignment is <= D(alpha, beta) for every (alpha, beta);
         # equality certifies that both are optimal.
-        expect(primal == dual, f"{name}: optimum not certified (primal {primal} != dual {dual})")
-        expect(float(primal) == t["lp_optimum"][0], f"{name}: lp_optimum")
+        checks.expect(primal == dual, f"{name}: optimum not certified (primal {primal} != dual {dual})")
+        checks.expect(float(primal) == t["lp_optimum"][0], f"{name}: lp_optimum")
         reduced = s - t["optimal_alpha"][:, None] - t["optimal_beta"][None, :]
-        expect(((reduced >= 0) | (chosen == 0)).all() and ((reduced <= 0) | (chosen == 1)).all(),
+        checks.expect(((reduced >= 0) | (chosen == 0)).all() and ((reduced <= 0) | (chosen == 1)).all(),
                f"{name}: complementary slackness")
 
 
@@ -119,7 +116,7 @@ def exact_dual(s, alpha, beta, k, q):
     return total
 
 
-def check_online(name, t, p):
+def check_online(name, t, p, checks):
     B, m, n, k = p["batches"], p["m"], p["n"], p["k"]
     q = m * k // n
     scale = Fraction(*p["routed_scaling_factor"])
@@ -130,15 +127,15 @@ def check_online(name, t, p):
         selection = route(s, bias, k)
         loads = loads_of(selection, n)
         # The goldens' one convention: the expert bias beta, subtracted, as the algorithm's state.
-        expect(np.array_equal(bias, t[prefix + "_beta"][b]), f"{name}: {prefix} beta of batch {b}")
-        expect(np.array_equal(selection, t[prefix + "_selection"][b]), f"{name}: {prefix} selection of batch {b}")
-        expect(np.array_equal(loads, t[prefix + "_loads"][b]), f"{name}: {prefix} loads of batch {b}")
-        expect(max_vio(loads) == t[prefix + "_max_vio"][b], f"{name}: {prefix} max_vio of batch {b}")
+        checks.expect(np.array_equal(bias, t[prefix + "_beta"][b]), f"{name}: {prefix} beta of batch {b}")
+        checks.expect(np.array_equal(selection, t[prefix + "_selection"][b]), f"{name}: {prefix} selection of batch {b}")
+        checks.expect(np.array_equal(loads, t[prefix + "_loads"][b]), f"{name}: {prefix} loads of batch {b}")
+        checks.expect(max_vio(loads) == t[prefix + "_max_vio"][b], f"{name}: {prefix} max_vio of batch {b}")
         for i in range(m):
             chosen = [Fraction(float(s[i, j])) for j in selection[i]]
             total = sum(chosen)
             w = [float(scale * c / total) for c in chosen]  # unbiased affinities, exactly rounded
-            expect(w == list(t[prefix + "_weights"][b][i]), f"{name}: {prefix} weights of batch {b} token {i}")
+            checks.expect(w == list(t[prefix + "_weights"][b][i]), f"{name}: {prefix} weights of batch {b} token {i}")
         return loads
 
     bias = np.zeros(n)
@@ -158,29 +155,22 @@ def check_online(name, t, p):
         beta = beta + float(gamma) * np.sign(loads * n - m * k)
 
 
-def main(root):
-    manifest = json.loads((Path(root) / "MANIFEST.json").read_text())
-    listed = {c["file"] for c in manifest["cases"] if c["op"].startswith("qb.")}
-    on_disk = {path.name for path in Path(root).glob("qb_*.safetensors")}
-    expect(listed == on_disk, f"manifest lists {sorted(listed)}, directory has {sorted(on_disk)}")
-    checked = 0
-    for path in sorted(Path(root).glob("qb_*.safetensors")):
-        t, meta = load(path)
-        p = json.loads(meta["k3ref.params"])
-        if meta["k3ref.op"] == "qb.solver":
-            check_solver(path.stem, t, p)
-        elif meta["k3ref.op"] == "qb.online":
-            check_online(path.stem, t, p)
-        else:
-            failures.append(f"{path.name}: unknown op {meta['k3ref.op']}")
-        checked += 1
-    if checked == 0:
-        failures.append("no qb_*.safetensors in " + str(root))
-    for f in failures[:50]:
-        print("FAIL", f)
-    print(f"qb goldens checked: {checked}, failures: {len(failures)}")
-    return 1 if failures else 0
+def test_family_present(golden_dir):
+    assert sorted(golden_dir.glob(golden_glob)), f"no {golden_glob} in {golden_dir}"
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+def test_manifest_lists_the_files(golden_dir, family_cases):
+    listed = {c["file"] for c in family_cases}
+    on_disk = {path.name for path in golden_dir.glob(golden_glob)}
+    assert listed == on_disk, f"manifest lists {sorted(listed)}, directory has {sorted(on_disk)}"
+
+
+def test_qb(golden_file, checks):
+    t, meta = load(golden_file)
+    p = json.loads(meta["k3ref.params"])
+    if meta["k3ref.op"] == "qb.solver":
+        check_solver(golden_file.stem, t, p, checks)
+    elif meta["k3ref.op"] == "qb.online":
+        check_online(golden_file.stem, t, p, checks)
+    checks.expect(meta["k3ref.op"] in ("qb.solver", "qb.online"), f"{golden_file.name}: unknown op {meta['k3ref.op']}")
+    checks.verify()

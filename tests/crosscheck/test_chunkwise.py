@@ -1,22 +1,23 @@
-#!/usr/bin/env python3
 """Independent cross-check of the chunkwise KDA stage goldens (kda.chunkwise_*).
 
 Recomputes every stage tensor from the formulas of docs/chunkwise.md in NumPy float64
 (a direct matrix inverse for INV, plain cumulative products for the decays, none of the
 C++ code's Neumann doubling, forward substitution or pairwise ratios), and o / final_state
-with the oracle's recurrence (tests/oracle/). Usage: golden_crosscheck_chunkwise.py GOLDEN_DIR
+with the oracle's recurrence (tests/oracle/).
 """
-import sys
-from pathlib import Path
+import pytest
 
-import numpy as np
+np = pytest.importorskip("numpy")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle import Tally, golden_cases, kda_forward, rel_rms, stages  # noqa: E402  (the one NumPy oracle)
+from oracle import kda_forward, rel_rms, stages  # noqa: E402  (the one NumPy oracle)
 
 # Bound on the relative RMS difference (was 2e-14): measured worst 4.13e-15 over 7 goldens
 # (date 2026-12-01); bound 4x (3.88x).
 TOLERANCE = 1.6e-14
+
+
+def accept_op(op):
+    return op.startswith("kda.chunkwise_")
 
 
 def prepared(t, p):
@@ -83,29 +84,24 @@ def chunk_stages(t, p, form, C):
     return out
 
 
-def main(golden_dir):
-    tally = Tally()
-    for case, tensors, meta in golden_cases(golden_dir, lambda op: op.startswith("kda.chunkwise_")):
-        p = case["params"]  # the KDA keys and the chunk form's, one object (docs/golden-format.md)
-        ours = chunk_stages(tensors, p, p["form"], p["chunk_size"])
-        ours.update({n: x for n, x in kda_forward(tensors, p).items() if n in ("o", "final_state")})
-        ok = True
-        names = meta["k3ref.outputs"].split(",") + meta["k3ref.layout"].split(",")  # layout: chunk_starts
-        for name in names:
-            ref, mine = tensors[name], ours[name]
-            if name == "chunk_starts":
-                good = np.array_equal(ref, mine)
-                rel = 0.0 if good else float("inf")
-            else:
-                rel = rel_rms(mine, ref)
-                good = rel <= TOLERANCE and np.isfinite(mine).all() and ref.shape == mine.shape
-            tally.figure(rel)
-            if not good:
-                ok = False
-                print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
-        tally.case(ok)
-    return tally.result("relative RMS difference over the chunkwise goldens")
+def test_family_present(family_cases):
+    assert family_cases, "no kda.chunkwise_* case in the golden suite"
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "goldens"))
+def test_chunkwise(case, golden, checks):
+    tensors, meta = golden
+    p = case["params"]  # the KDA keys and the chunk form's, one object (docs/golden-format.md)
+    ours = chunk_stages(tensors, p, p["form"], p["chunk_size"])
+    ours.update({n: x for n, x in kda_forward(tensors, p).items() if n in ("o", "final_state")})
+    names = meta["k3ref.outputs"].split(",") + meta["k3ref.layout"].split(",")  # layout: chunk_starts
+    for name in names:
+        ref, mine = tensors[name], ours[name]
+        if name == "chunk_starts":
+            good = np.array_equal(ref, mine)
+            rel = 0.0 if good else float("inf")
+        else:
+            rel = rel_rms(mine, ref)
+            good = rel <= TOLERANCE and np.isfinite(mine).all() and ref.shape == mine.shape
+        checks.figure(rel)
+        checks.expect(good, f"{case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
+    checks.verify()

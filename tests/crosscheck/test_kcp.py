@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Independent cross-check of the committed context-parallel KDA goldens (kcp.context_parallel).
 
 Written from docs/conventions.md, docs/kcp.md and the K3 report's eq. 17 in NumPy (float64), with
@@ -8,15 +7,13 @@ transitions M_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)), S~ as the affine steps 
 state, with the document-boundary rule (M = 0 when the rank's last document starts inside
 it) -- finds on which rank each rank's first document began, merges the entering states
 FLA's way (S <- M_j S + S~_j over the ranks of that document), and runs the single-device
-recurrence for the outputs. Usage: golden_crosscheck_kcp.py GOLDEN_DIR
+recurrence for the outputs.
 """
-import sys
-from pathlib import Path
+import pytest
 
-import numpy as np
+np = pytest.importorskip("numpy")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle import Tally, golden_cases, rel_rms, run, stages  # noqa: E402  (the one NumPy oracle)
+from oracle import rel_rms, run, stages  # noqa: E402  (the one NumPy oracle)
 
 
 # Bound on the relative RMS difference (was 1.1e-14): measured worst 2.235e-15 over 3 goldens
@@ -25,13 +22,17 @@ from oracle import Tally, golden_cases, rel_rms, run, stages  # noqa: E402  (the
 TOLERANCE = 8.9e-15
 
 
+def accept_op(op):
+    return op == "kcp.context_parallel"
+
+
 def prepared(t, p):
     """The stages for the single packed row (B = 1) of a context-parallel case."""
     q, k, v, decay, beta, _ = stages(t, p)
     return q[0], k[0], v[0], decay[0], beta[0], q.shape[-1] ** -0.5
 
 
-def crosscheck(t, p):
+def crosscheck(t, p, checks):
     q, k, v, decay, beta, scale = prepared(t, p)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -97,34 +98,30 @@ def crosscheck(t, p):
                     S = transition(tok, hv) @ S + write(tok, hv)
                 # was rtol=1e-9, atol=1e-12: measured worst |difference| 2.78e-16 (entries up to 0.51)
                 # over the 22 (rank, head) entering states of 3 goldens (date 2026-12-01); bound 4x (3.96x), absolute.
-                assert np.allclose(S, enter[r, hv], rtol=0, atol=1.1e-15), "entering state is not the state before the rank"
+                checks.expect(np.allclose(S, enter[r, hv], rtol=0, atol=1.1e-15),
+                              f"rank {r} head {hv}: entering state is not the state before the rank")
     return {"o": o, "final_state": final, "fragment_transition": M, "fragment_state": St, "entering_state": enter}, origin
 
 
-def main(golden_dir):
-    tally = Tally()
-    for case, tensors, meta in golden_cases(golden_dir, lambda op: op == "kcp.context_parallel"):
-        ours, origin = crosscheck(tensors, case["params"])
-        ok = bool((origin == tensors["origin_rank"]).all())
-        if not ok:
-            print(f"FAIL {case['name']}: origin_rank {tensors['origin_rank']} != {origin}")
-        # Transitions after a document start are exactly zero in both.
-        zero_mine = np.all(ours["fragment_transition"] == 0, axis=(1, 2, 3))
-        zero_ref = np.all(tensors["fragment_transition"] == 0, axis=(1, 2, 3))
-        if not (zero_mine == zero_ref).all():
-            ok = False
-            print(f"FAIL {case['name']}: ranks with a zero transition differ: {zero_ref} vs {zero_mine}")
-        for name in meta["k3ref.outputs"].split(","):
-            ref, mine = tensors[name], ours[name]
-            rel = rel_rms(mine, ref)
-            tally.figure(rel)
-            if not (rel <= TOLERANCE and np.isfinite(mine).all()):
-                ok = False
-                print(f"FAIL {case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
-        print(f"{'ok  ' if ok else 'FAIL'} {case['name']}: P = {len(tensors['splits']) - 1}, origin ranks {list(origin)}")
-        tally.case(ok)
-    return tally.result("relative RMS difference over the kcp goldens")
+def test_family_present(family_cases):
+    assert family_cases, "no kcp.context_parallel case in the golden suite"
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "goldens"))
+def test_kcp(case, golden, checks):
+    tensors, meta = golden
+    ours, origin = crosscheck(tensors, case["params"], checks)
+    checks.expect(bool((origin == tensors["origin_rank"]).all()),
+                  f"{case['name']}: origin_rank {tensors['origin_rank']} != {origin}")
+    # Transitions after a document start are exactly zero in both.
+    zero_mine = np.all(ours["fragment_transition"] == 0, axis=(1, 2, 3))
+    zero_ref = np.all(tensors["fragment_transition"] == 0, axis=(1, 2, 3))
+    checks.expect((zero_mine == zero_ref).all(),
+                  f"{case['name']}: ranks with a zero transition differ: {zero_ref} vs {zero_mine}")
+    for name in meta["k3ref.outputs"].split(","):
+        ref, mine = tensors[name], ours[name]
+        rel = rel_rms(mine, ref)
+        checks.figure(rel)
+        checks.expect(rel <= TOLERANCE and np.isfinite(mine).all(),
+                      f"{case['name']} tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
+    print(f"{case['name']}: P = {len(tensors['splits']) - 1}, origin ranks {list(origin)}")
+    checks.verify()
