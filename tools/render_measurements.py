@@ -194,7 +194,7 @@ def render_doc(text, doc, measurements, used):
         else:
             raise RenderError(f"{doc}:{i + 1}: measurements/{mid}.json has no table {part!r}")
         used.add((mid, part))
-        new = ["", body, ""]
+        new = [body]
         blocks.append((block, "\n".join(inner), "\n".join(new)))
         out += [line] + new + [end]
         i = j + 1
