@@ -591,16 +591,16 @@ void check_inputs_work(const golden::KdaParams& p, const InputsArgs& a) {
       {"v and o [B, T, HV, V]", product({p.B, p.T, p.HV, p.V}, "v size B x T x HV x V")},
       {"g [B, T, HV, K]", product({p.B, p.T, p.HV, p.K}, "g size B x T x HV x K")},
       {"initial_state and final_state [N, HV, K, V]", product({pairs, p.K, p.V}, "state size N x HV x K x V")}};
-  std::int64_t elements = 0;
-  for (const auto& [what, count] : tensors) {
+  for (const auto& [what, count] : tensors)
     if (count > max_kda_output_elements)
       throw InvalidArgument("inputs: " + std::string(what) + " would hold " + std::to_string(count) +
                             " elements, over k3ref kda's limit of " + std::to_string(max_kda_output_elements) +
                             " per tensor");
-    elements += count;
-  }
-  elements += tensors[0].second;  // q and k
-  // Each element is drawn as a double, stored (at most 8 bytes) and serialised once more.
+  // q, k, v, g, beta (at most g's size), initial_state, A_log and dt_bias (at most HV x K),
+  // all within 2^28 elements each by now: the sum is far from overflow. Each element is
+  // drawn as a double, stored (at most 8 bytes) and serialised once more.
+  const std::int64_t elements = 2 * tensors[0].second + tensors[1].second + 2 * tensors[2].second +
+                                (p.initial_state ? tensors[3].second : 0) + 2 * p.HV * (p.K + 1);
   const double need = static_cast<double>(elements) * 24;
   const std::int64_t budget = memory_budget(a.memory_budget);
   if (need > static_cast<double>(budget))
