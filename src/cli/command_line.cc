@@ -28,10 +28,12 @@
 #include "k3ref/check/policy_table.h"
 #include "k3ref/error.h"
 #include "golden/suite.h"
+#include "golden/kda_family.h"
 #include "k3ref/io/file.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/kda/recurrent.h"
+#include "k3ref/num/float_format.h"
 #include "k3ref/num/scalar.h"
 #include "k3ref/num/tier.h"
 #include "k3ref/tensor/convert.h"
@@ -267,14 +269,13 @@ struct KdaArgs {
 // 256-bit float (its limbs and header; measured about 150 bytes per state element).
 constexpr std::int64_t bytes_per_element(num::Tier tier) { return tier == num::Tier::double_ ? 8 : 150; }
 
-// The memory budget of a `k3ref kda` run in bytes: --memory-budget, else half of the
-// machine's physical memory.
-std::int64_t memory_budget(const KdaArgs& a) {
-  if (a.memory_budget.empty()) {
+// The memory budget of a `k3ref kda` or `k3ref inputs` run in bytes: the text of
+// --memory-budget, else (empty) half of the machine's physical memory.
+std::int64_t memory_budget(const std::string& text) {
+  if (text.empty()) {
     const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
     return pages > 0 && page > 0 ? static_cast<std::int64_t>(pages) * page / 2 : std::int64_t{8} << 30;
   }
-  const std::string& text = a.memory_budget;
   std::size_t digits = 0;
   while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
   std::int64_t value = 0;
@@ -355,7 +356,7 @@ void check_kda_work(const io::SafetensorsFile& file, const KdaArgs& a) {
   const double need = static_cast<double>(final_elements + o_elements + all_elements) * static_cast<double>(per + 8) +
                       static_cast<double>(inputs) * static_cast<double>(per + 8) +
                       static_cast<double>(threads) * static_cast<double>(K) * static_cast<double>(V) * per * 2;
-  const std::int64_t budget = memory_budget(a);
+  const std::int64_t budget = memory_budget(a.memory_budget);
   if (need > static_cast<double>(budget))
     throw FileError(where + ": the run needs about " + fmt_gib(need) + " of memory (" +
                     std::string(num::to_string(tier)) + ", " + std::to_string(threads) + " thread(s), K = " +
@@ -447,6 +448,239 @@ int kda_command(const KdaArgs& a) {
   io::write_safetensors_atomic(a.out, result);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("wrote %s (%s reference, %.2f s)\n", io::printable(a.out).c_str(), a.precision.c_str(), seconds);
+  return exit_ok;
+}
+
+// ---- inputs ------------------------------------------------------------------------------
+// A random, seeded input file for `k3ref kda`, for users with no safetensors writer of their
+// own. The values are the golden catalogue's (golden::draw_kda_inputs: the stream, order and
+// ranges of the kda.recurrent goldens), the file goes through the writer every command uses,
+// and the metadata records the seed and every option (not the file's name): the same
+// arguments give the same bytes.
+
+struct InputsArgs {
+  std::string out;
+  std::int64_t B = 1, T = 16, H = 1, HV = 0, K = 16, V = 16;  // HV 0: as H
+  std::optional<std::vector<std::int64_t>> cu_seqlens;      // varlen: B = 1, T = the last offset
+  std::uint64_t seed = 0;
+  std::string dtype = "bf16";
+  bool no_initial_state = false, l2norm = false, force = false;
+  std::string gate, gate_base, beta, state_layout;  // names of the options vocabulary
+  std::optional<double> lower_bound, scale;
+  std::string memory_budget;
+};
+
+// --dtype: the storage of q, k, v, g, beta (their values rounded to it). The state is F32
+// for bf16 (FLA's kernels want an fp32 state; the goldens store it so), A_log and dt_bias F32
+// unless f64.
+const std::vector<std::string_view> input_dtypes = {"bf16", "f32", "f64"};
+
+golden::KdaInputStorage input_storage(const std::string& dtype) {
+  using num::Format;
+  if (dtype == "f32") return {Format::fp32, Format::fp32, Format::fp32, DType::F32, DType::F32, DType::F32};
+  if (dtype == "f64") return {Format::fp64, Format::fp64, Format::fp64, DType::F64, DType::F64, DType::F64};
+  return {};  // bf16: the goldens' storage
+}
+
+// The shortest text that reads back as `x`.
+std::string shortest(double x) {
+  char text[32];
+  const auto [end, ec] = std::to_chars(text, text + sizeof text, x);
+  return std::string(text, end);
+}
+
+// "0,5,12": the offsets of --cu-seqlens, each a decimal integer in range, starting at 0 and
+// non-decreasing.
+std::vector<std::int64_t> parse_cu_seqlens(const std::string& text) {
+  const std::string option = "--cu-seqlens";
+  std::vector<std::int64_t> offsets;
+  std::size_t at = 0;
+  while (true) {
+    const std::size_t comma = std::min(text.find(',', at), text.size());
+    const std::string_view item(text.data() + at, comma - at);
+    std::int64_t value = 0;
+    const auto [stop, error] = std::from_chars(item.data(), item.data() + item.size(), value);
+    if (error != std::errc() || stop != item.data() + item.size() || value < 0 || value > max_kda_output_elements)
+      throw CLI::ValidationError(option, "entry " + std::to_string(offsets.size()) + " " + io::excerpt(item) +
+                                             " is not a decimal integer in [0, " +
+                                             std::to_string(max_kda_output_elements) + "] (in " + io::excerpt(text) +
+                                             ")");
+    if (offsets.empty() && value != 0) throw CLI::ValidationError(option, "must start at 0, starts at " + std::to_string(value));
+    if (!offsets.empty() && value < offsets.back())
+      throw CLI::ValidationError(option, "must be non-decreasing, but entry " + std::to_string(offsets.size()) + " = " +
+                                             std::to_string(value) + " < " + std::to_string(offsets.back()));
+    if (offsets.size() > static_cast<std::size_t>(max_kda_sequence_heads))
+      throw CLI::ValidationError(option, "more than " + std::to_string(max_kda_sequence_heads) + " sequences");
+    offsets.push_back(value);
+    if (comma == text.size()) return offsets;
+    at = comma + 1;
+  }
+}
+
+// The catalogue parameters of the file: shapes and options from the arguments, value ranges
+// as the catalogue's cases draw them (the defaults of golden::KdaParams: q, v, initial_state
+// in [-1, 1], k in [-1/sqrt(K), 1/sqrt(K)] unless l2norm, log-decays g in [-1, 0], beta in
+// [0, 1]; decay factors in [1/e, 1]; raw gates and logits of beta in [-4, 4], A_log and
+// dt_bias with the raw gates, as kda_gate_softplus and kda_flashkda_like do).
+golden::KdaParams input_params(const InputsArgs& a) {
+  golden::KdaParams p;
+  p.B = a.B;
+  p.T = a.T;
+  p.H = a.H;
+  p.HV = a.HV == 0 ? a.H : a.HV;
+  p.K = a.K;
+  p.V = a.V;
+  if (a.cu_seqlens) {
+    if (a.B != 1)
+      throw InvalidArgument("inputs: --cu-seqlens packs the sequences into one batch row; it needs --B 1, got --B " +
+                            std::to_string(a.B));
+    p.cu_seqlens = *a.cu_seqlens;
+    p.T = p.cu_seqlens.back();
+  }
+  if (p.HV % p.H != 0)
+    throw InvalidArgument("inputs: --HV " + std::to_string(p.HV) + " must be a multiple of --H " + std::to_string(p.H) +
+                          " (each q/k head serves HV / H value heads)");
+  p.initial_state = !a.no_initial_state;
+  p.gate = a.gate;
+  p.gate_base = a.gate_base;
+  const kda::GateForm gate = kda::gate_forms.parse(a.gate);
+  if (gate == kda::GateForm::lower_bound && !a.lower_bound)
+    throw InvalidArgument("inputs: --gate lower_bound needs --lower-bound (k3ref kda needs it too)");
+  if (a.lower_bound && *a.lower_bound >= 0)
+    throw InvalidArgument("inputs: --lower-bound " + shortest(*a.lower_bound) + " must be negative (k3ref kda refuses it)");
+  if (gate != kda::GateForm::lower_bound && a.lower_bound)
+    throw InvalidArgument("inputs: --lower-bound is only used by --gate lower_bound, gate is " + a.gate);
+  if (gate == kda::GateForm::decay_factor) {
+    p.g_lo = std::exp(-1.0);  // the decays of log-decays in [-1, 0]
+    p.g_hi = 1;
+  } else if (gate != kda::GateForm::log_decay) {
+    p.g_lo = -4;
+    p.g_hi = 4;
+    p.A_log = p.dt_bias = true;
+  }
+  p.lower_bound = a.lower_bound;
+  p.beta = a.beta;
+  if (kda::beta_forms.parse(a.beta) != kda::BetaForm::as_given) {
+    p.beta_lo = -4;
+    p.beta_hi = 4;
+  }
+  p.qk_l2norm = a.l2norm;
+  p.scale = a.scale;
+  p.state_layout = a.state_layout;
+  return p;
+}
+
+// The limits of `k3ref kda` (a file it would refuse is refused here) and the memory of
+// drawing and writing, from the shapes, before anything is allocated.
+void check_inputs_work(const golden::KdaParams& p, const InputsArgs& a) {
+  const std::int64_t N = p.cu_seqlens.empty() ? p.B : static_cast<std::int64_t>(p.cu_seqlens.size()) - 1;
+  auto product = [](std::initializer_list<std::int64_t> factors, const std::string& what) {
+    std::int64_t r = 1;
+    for (std::int64_t f : factors)
+      if (__builtin_mul_overflow(r, f, &r))
+        throw InvalidArgument("inputs: " + what + " overflows 63 bits");
+    return r;
+  };
+  const std::int64_t pairs = product({N, p.HV}, "sequences x value heads");
+  if (pairs > max_kda_sequence_heads)
+    throw InvalidArgument("inputs: N = " + std::to_string(N) + " sequences x HV = " + std::to_string(p.HV) +
+                          " value heads = " + std::to_string(pairs) + " sequence-heads, over k3ref kda's limit of " +
+                          std::to_string(max_kda_sequence_heads));
+  const std::pair<const char*, std::int64_t> tensors[] = {
+      {"q and k [B, T, H, K]", product({p.B, p.T, p.H, p.K}, "q size B x T x H x K")},
+      {"v and o [B, T, HV, V]", product({p.B, p.T, p.HV, p.V}, "v size B x T x HV x V")},
+      {"g [B, T, HV, K]", product({p.B, p.T, p.HV, p.K}, "g size B x T x HV x K")},
+      {"initial_state and final_state [N, HV, K, V]", product({pairs, p.K, p.V}, "state size N x HV x K x V")}};
+  for (const auto& [what, count] : tensors)
+    if (count > max_kda_output_elements)
+      throw InvalidArgument("inputs: " + std::string(what) + " would hold " + std::to_string(count) +
+                            " elements, over k3ref kda's limit of " + std::to_string(max_kda_output_elements) +
+                            " per tensor");
+  // q, k, v, g, beta (at most g's size), initial_state, A_log and dt_bias (at most HV x K),
+  // all within 2^28 elements each by now: the sum is far from overflow. Each element is
+  // drawn as a double, stored (at most 8 bytes) and serialised once more.
+  const std::int64_t elements = 2 * tensors[0].second + tensors[1].second + 2 * tensors[2].second +
+                                (p.initial_state ? tensors[3].second : 0) + 2 * p.HV * (p.K + 1);
+  const double need = static_cast<double>(elements) * 24;
+  const std::int64_t budget = memory_budget(a.memory_budget);
+  if (need > static_cast<double>(budget))
+    throw InvalidArgument("inputs: drawing and writing " + std::to_string(elements) + " elements needs about " +
+                          fmt_gib(need) + " of memory, over the budget of " + fmt_gib(static_cast<double>(budget)) +
+                          " (--memory-budget; default half the machine's memory)");
+}
+
+int inputs_command(const InputsArgs& a) {
+  const golden::KdaParams p = input_params(a);
+  check_inputs_work(p, a);
+  // Before any drawing: the output must be writable and must not replace a device, a FIFO
+  // or a symlink's target (the command reads no input).
+  io::check_output_path(a.out, io::OutputCheck{{}, a.force, "--out"});
+  const golden::KdaInputStorage storage = input_storage(a.dtype);
+  num::Random rng(a.seed);
+  const kda::Inputs<double> in = golden::draw_kda_inputs(p, rng, storage);
+  io::SafetensorsFile file;
+  golden::add_kda_inputs(file, in, storage);
+
+  // The options `k3ref kda` must be given for these inputs, and the command that draws them
+  // again, both by the command line's names (the defaults left out of the first).
+  const kda::Options<double> defaults;
+  std::string kda_args;
+  auto add = [](std::string& to, const std::string& part) { (to += to.empty() ? "" : " ") += part; };
+  if (kda::gate_forms.parse(a.gate) != defaults.gate) add(kda_args, "--gate " + a.gate);
+  if (kda::gate_bases.parse(a.gate_base) != defaults.gate_base) add(kda_args, "--gate-base " + a.gate_base);
+  if (a.lower_bound) add(kda_args, "--lower-bound " + shortest(*a.lower_bound));
+  if (kda::beta_forms.parse(a.beta) != defaults.beta) add(kda_args, "--beta " + a.beta);
+  if (a.l2norm) add(kda_args, "--l2norm");
+  if (a.scale) add(kda_args, "--scale " + shortest(*a.scale));
+  if (kda::state_layouts.parse(a.state_layout) != defaults.state_layout) add(kda_args, "--state-layout " + a.state_layout);
+  std::string again = "k3ref inputs --out FILE";
+  if (p.cu_seqlens.empty()) {
+    add(again, "--B " + std::to_string(p.B) + " --T " + std::to_string(p.T));
+  } else {
+    std::string cu;
+    for (std::int64_t x : p.cu_seqlens) (cu += cu.empty() ? "" : ",") += std::to_string(x);
+    add(again, "--cu-seqlens " + cu);
+  }
+  add(again, "--H " + std::to_string(p.H) + " --HV " + std::to_string(p.HV) + " --K " + std::to_string(p.K) + " --V " +
+                 std::to_string(p.V) + " --seed " + std::to_string(a.seed) + " --dtype " + a.dtype);
+  if (a.no_initial_state) add(again, "--no-initial-state");
+  add(again, "--gate " + a.gate + " --gate-base " + a.gate_base + " --beta " + a.beta + " --state-layout " + a.state_layout);
+  if (a.lower_bound) add(again, "--lower-bound " + shortest(*a.lower_bound));
+  if (a.l2norm) add(again, "--l2norm");
+  if (a.scale) add(again, "--scale " + shortest(*a.scale));
+  const nlohmann::json null = nullptr;
+  auto optional_number = [&](const std::optional<double>& x) { return x ? nlohmann::json(*x) : null; };
+  const nlohmann::json options = {{"B", p.B},
+                                  {"T", p.T},
+                                  {"H", p.H},
+                                  {"HV", p.HV},
+                                  {"K", p.K},
+                                  {"V", p.V},
+                                  {"cu_seqlens", p.cu_seqlens.empty() ? null : nlohmann::json(p.cu_seqlens)},
+                                  {"seed", a.seed},
+                                  {"dtype", a.dtype},
+                                  {"initial_state", !a.no_initial_state},
+                                  {kda::gate_forms.option, a.gate},
+                                  {kda::gate_bases.option, a.gate_base},
+                                  {kda::beta_forms.option, a.beta},
+                                  {kda::state_layouts.option, a.state_layout},
+                                  {"l2norm", a.l2norm},
+                                  {"lower_bound", optional_number(a.lower_bound)},
+                                  {"scale", optional_number(a.scale)}};
+  file.metadata = {{"k3ref.inputs_for", "kda.recurrent"},
+                   {"k3ref.seed", std::to_string(a.seed)},
+                   {"k3ref.generator_version", golden::generator_version},
+                   {"k3ref.draw_params", golden::to_json(p).dump()},
+                   {"k3ref.options", options.dump()},
+                   {"k3ref.command", again},
+                   {"k3ref.kda_args", kda_args}};
+  io::write_safetensors_atomic(a.out, file);
+  std::string names;
+  for (const auto& [name, t] : file.tensors) (names += names.empty() ? "" : ", ") += name + " " + std::string(dtype_name(t.dtype));
+  std::printf("wrote %s (seed %llu): %s\n", io::printable(a.out).c_str(), static_cast<unsigned long long>(a.seed),
+              names.c_str());
+  std::printf("its reference: k3ref kda --in %s --out ref.safetensors%s\n", io::printable(a.out).c_str(),
+              kda_args.empty() ? "" : (" " + kda_args).c_str());
   return exit_ok;
 }
 
@@ -655,6 +889,59 @@ int run(int argc, const char* const* argv, bool execute) {
   kda_cmd->add_flag("--force", kda_args.force,
                     "Write --out even when it is the input, a symlink, a device, a FIFO or not UTF-8");
 
+  InputsArgs inputs_args;
+  CLI::App* inputs_cmd = app.add_subcommand(
+      "inputs", "Write a random, seeded input file for `k3ref kda` (q, k, v, g, beta [, initial_state, A_log, dt_bias, "
+                "cu_seqlens]), drawn as the golden catalogue draws its inputs");
+  inputs_cmd->add_option("--out", inputs_args.out, "Output safetensors file")->required();
+  add_integer_option(inputs_cmd, "--B", inputs_args.B, std::int64_t{1}, max_kda_sequence_heads,
+                     "Batch size (default 1; 1 with --cu-seqlens)");
+  CLI::Option* tokens = add_integer_option(inputs_cmd, "--T", inputs_args.T, std::int64_t{0}, max_kda_output_elements,
+                                           "Tokens per sequence (default 16)");
+  CLI::Option* packed =
+      inputs_cmd
+          ->add_option_function<std::string>(
+              "--cu-seqlens", [&inputs_args](const std::string& text) { inputs_args.cu_seqlens = parse_cu_seqlens(text); },
+              "Varlen: sequence offsets into one packed batch row, e.g. 0,5,12 (B = 1, T = the last offset)")
+          ->type_name("LIST");
+  tokens->excludes(packed);
+  add_integer_option(inputs_cmd, "--H", inputs_args.H, std::int64_t{1}, max_kda_sequence_heads,
+                     "Query/key heads (default 1)");
+  add_integer_option(inputs_cmd, "--HV", inputs_args.HV, std::int64_t{1}, max_kda_sequence_heads,
+                     "Value heads, a multiple of H (default H; more is GVA)");
+  add_integer_option(inputs_cmd, "--K", inputs_args.K, std::int64_t{1}, max_kda_output_elements,
+                     "Key head size (default 16)");
+  add_integer_option(inputs_cmd, "--V", inputs_args.V, std::int64_t{1}, max_kda_output_elements,
+                     "Value head size (default 16)");
+  add_integer_option(inputs_cmd, "--seed", inputs_args.seed, std::uint64_t{0}, std::numeric_limits<std::uint64_t>::max(),
+                     "Seed of the random stream (default 0); recorded in the file");
+  CLI::Validator dtype_member(
+      [](std::string& text) {
+        return std::find(input_dtypes.begin(), input_dtypes.end(), text) != input_dtypes.end()
+                   ? std::string()
+                   : not_one_of(input_dtypes, text);
+      },
+      "{bf16,f32,f64}");
+  inputs_cmd
+      ->add_option("--dtype", inputs_args.dtype,
+                   "Storage of q, k, v, g, beta, values rounded to it (bf16: initial_state, A_log, dt_bias F32, as "
+                   "the goldens; f32, f64: every tensor)")
+      ->check(dtype_member)
+      ->capture_default_str();
+  inputs_cmd->add_flag("--no-initial-state", inputs_args.no_initial_state, "Write no initial_state (a zero state)");
+  add_choice_option(inputs_cmd, "gate", inputs_args.gate);
+  add_choice_option(inputs_cmd, "gate_base", inputs_args.gate_base);
+  add_finite_option(inputs_cmd, "--lower-bound", inputs_args.lower_bound,
+                    "Lower bound of the lower_bound gate (negative); passed on to k3ref kda");
+  add_choice_option(inputs_cmd, "beta", inputs_args.beta);
+  inputs_cmd->add_flag("--l2norm", inputs_args.l2norm, "Keys for the in-kernel L2 norm (k in [-1, 1], not 1/sqrt(K))");
+  add_finite_option(inputs_cmd, "--scale", inputs_args.scale, "Query scale (default K^-1/2); passed on to k3ref kda");
+  add_choice_option(inputs_cmd, "state_layout", inputs_args.state_layout);
+  inputs_cmd->add_option("--memory-budget", inputs_args.memory_budget,
+                         "Refuse a file estimated to need more memory than this to draw (bytes, or with a K/M/G/T "
+                         "suffix; default: half the machine's memory)");
+  inputs_cmd->add_flag("--force", inputs_args.force, "Write --out even when it is a symlink, a device, a FIFO or not UTF-8");
+
   CompareArgs cmp_args;
   CLI::App* cmp = app.add_subcommand(
       "compare",
@@ -692,6 +979,7 @@ int run(int argc, const char* const* argv, bool execute) {
     if (*ver) return golden_verify(golden_args);
     if (*lst) return golden_list(golden_args);
     if (*kda_cmd) return kda_command(kda_args);
+    if (*inputs_cmd) return inputs_command(inputs_args);
     if (*cmp) return compare_command(cmp_args);
   } catch (const FileError& e) {
     std::fprintf(stderr, "k3ref: %s\n", io::printable(e.what()).c_str());

@@ -81,26 +81,27 @@ kda::Options<num::golden_float> kda_golden_options(const json& kda_params) {
 }
 kda::Options<double> kda_double_options(const json& kda_params) { return options_of<double>(kda_params_from_json(kda_params)); }
 
-kda::Inputs<double> draw_kda_inputs(const KdaParams& p, num::Random& rng) {
+kda::Inputs<double> draw_kda_inputs(const KdaParams& p, num::Random& rng, const KdaInputStorage& storage) {
   const std::int64_t N = p.cu_seqlens.empty() ? p.B : static_cast<std::int64_t>(p.cu_seqlens.size()) - 1;
   // Without the in-kernel L2 norm, k is drawn with entries in [-1/sqrt(K), 1/sqrt(K)] so
   // that beta ||k||^2 stays in the stable range of the delta rule, as normalised keys do.
   const double k_half_width = p.qk_l2norm ? 1.0 : 1.0 / std::sqrt(static_cast<double>(p.K));
   kda::Inputs<double> in;
-  in.q = draw_uniform_rounded(rng, {p.B, p.T, p.H, p.K}, -1, 1, Format::bf16);
-  in.k = draw_uniform_rounded(rng, {p.B, p.T, p.H, p.K}, -k_half_width, k_half_width, Format::bf16);
-  in.v = draw_uniform_rounded(rng, {p.B, p.T, p.HV, p.V}, -1, 1, Format::bf16);
-  in.g = draw_uniform_rounded(rng, {p.B, p.T, p.HV, p.K}, p.g_lo, p.g_hi, Format::bf16);
-  in.beta = draw_uniform_rounded(rng, {p.B, p.T, p.HV}, p.beta_lo, p.beta_hi, Format::bf16);
+  const Format values = storage.values;
+  in.q = draw_uniform_rounded(rng, {p.B, p.T, p.H, p.K}, -1, 1, values);
+  in.k = draw_uniform_rounded(rng, {p.B, p.T, p.H, p.K}, -k_half_width, k_half_width, values);
+  in.v = draw_uniform_rounded(rng, {p.B, p.T, p.HV, p.V}, -1, 1, values);
+  in.g = draw_uniform_rounded(rng, {p.B, p.T, p.HV, p.K}, p.g_lo, p.g_hi, values);
+  in.beta = draw_uniform_rounded(rng, {p.B, p.T, p.HV}, p.beta_lo, p.beta_hi, values);
   if (p.initial_state) {
-    // Values exact in bf16 although stored as F32 (FLA's chunk_kda wants an fp32 state).
+    // By default values exact in bf16 although stored as F32 (FLA's chunk_kda wants an fp32 state).
     const bool v_first = kda::state_layouts.parse(p.state_layout) == kda::StateLayout::v_first;
     const Shape shape = v_first ? Shape{N, p.HV, p.V, p.K} : Shape{N, p.HV, p.K, p.V};
-    in.initial_state = draw_uniform_rounded(rng, shape, -1, 1, Format::bf16);
+    in.initial_state = draw_uniform_rounded(rng, shape, -1, 1, storage.state);
   }
   // A = exp(A_log) in [1, 16], as Mamba-style initialisations give.
-  if (p.A_log) in.A_log = draw_uniform_rounded(rng, {p.HV}, 0, std::log(16.0), Format::fp32);
-  if (p.dt_bias) in.dt_bias = draw_uniform_rounded(rng, {p.HV, p.K}, -1, 1, Format::fp32);
+  if (p.A_log) in.A_log = draw_uniform_rounded(rng, {p.HV}, 0, std::log(16.0), storage.params);
+  if (p.dt_bias) in.dt_bias = draw_uniform_rounded(rng, {p.HV, p.K}, -1, 1, storage.params);
   if (!p.cu_seqlens.empty()) in.cu_seqlens = p.cu_seqlens;
   return in;
 }
@@ -110,15 +111,15 @@ kda::Inputs<double> recurrence_inputs(const Case& c) {
   return draw_kda_inputs(kda_params_from_json(c.params), rng);
 }
 
-void add_kda_inputs(io::SafetensorsFile& file, const kda::Inputs<double>& in) {
-  file.tensors.emplace_back("q", io::from_f64(in.q, DType::BF16));
-  file.tensors.emplace_back("k", io::from_f64(in.k, DType::BF16));
-  file.tensors.emplace_back("v", io::from_f64(in.v, DType::BF16));
-  file.tensors.emplace_back("g", io::from_f64(in.g, DType::BF16));
-  file.tensors.emplace_back("beta", io::from_f64(in.beta, DType::BF16));
-  if (in.initial_state) file.tensors.emplace_back("initial_state", io::from_f64(*in.initial_state, DType::F32));
-  if (in.A_log) file.tensors.emplace_back("A_log", io::from_f64(*in.A_log, DType::F32));
-  if (in.dt_bias) file.tensors.emplace_back("dt_bias", io::from_f64(*in.dt_bias, DType::F32));
+void add_kda_inputs(io::SafetensorsFile& file, const kda::Inputs<double>& in, const KdaInputStorage& storage) {
+  file.tensors.emplace_back("q", io::from_f64(in.q, storage.values_dtype));
+  file.tensors.emplace_back("k", io::from_f64(in.k, storage.values_dtype));
+  file.tensors.emplace_back("v", io::from_f64(in.v, storage.values_dtype));
+  file.tensors.emplace_back("g", io::from_f64(in.g, storage.values_dtype));
+  file.tensors.emplace_back("beta", io::from_f64(in.beta, storage.values_dtype));
+  if (in.initial_state) file.tensors.emplace_back("initial_state", io::from_f64(*in.initial_state, storage.state_dtype));
+  if (in.A_log) file.tensors.emplace_back("A_log", io::from_f64(*in.A_log, storage.params_dtype));
+  if (in.dt_bias) file.tensors.emplace_back("dt_bias", io::from_f64(*in.dt_bias, storage.params_dtype));
   if (in.cu_seqlens)
     file.tensors.emplace_back(
         "cu_seqlens", io::from_i64(Tensor<std::int64_t>({static_cast<std::int64_t>(in.cu_seqlens->size())},

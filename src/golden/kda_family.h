@@ -45,10 +45,21 @@ KdaParams kda_params_from_json(const nlohmann::json& j);
 kda::Options<num::golden_float> kda_golden_options(const nlohmann::json& kda_params);
 kda::Options<double> kda_double_options(const nlohmann::json& kda_params);
 
+// How drawn KDA inputs are stored: the format each group of values is rounded to and the
+// dtype it is written as. The default is the goldens' storage (bf16 values for q, k, v, g,
+// beta and initial_state, the state written as F32; fp32 A_log and dt_bias); `k3ref inputs
+// --dtype` picks others. The draws from the stream do not depend on it, only the rounding.
+struct KdaInputStorage {
+  num::Format values = num::Format::bf16;  // q, k, v, g, beta
+  num::Format state = num::Format::bf16;   // initial_state
+  num::Format params = num::Format::fp32;  // A_log, dt_bias
+  DType values_dtype = DType::BF16, state_dtype = DType::F32, params_dtype = DType::F32;
+};
+
 // The inputs of a KDA case, drawn from `rng` in a fixed order (q, k, v, g, beta,
-// initial_state, A_log, dt_bias) and rounded to their storage formats: bf16 values for q, k,
-// v, g, beta and initial_state, fp32 for A_log and dt_bias.
-kda::Inputs<double> draw_kda_inputs(const KdaParams& p, num::Random& rng);
+// initial_state, A_log, dt_bias) and rounded to their storage formats (`storage`; by
+// default the goldens': see KdaInputStorage).
+kda::Inputs<double> draw_kda_inputs(const KdaParams& p, num::Random& rng, const KdaInputStorage& storage = {});
 
 // The recurrence case `name` of the catalogue; `who` names the caller in the error when
 // there is none.
@@ -56,8 +67,8 @@ Case recurrence_case(const std::string& name, const std::string& who);
 // The inputs recurrence case `c` stores, drawn in memory from its parameters and seed.
 kda::Inputs<double> recurrence_inputs(const Case& c);
 
-// Appends the inputs in their storage dtypes (BF16; initial_state, A_log, dt_bias F32;
-// cu_seqlens I64), in kda::input_names order.
-void add_kda_inputs(io::SafetensorsFile& file, const kda::Inputs<double>& in);
+// Appends the inputs in their storage dtypes (by default the goldens': BF16; initial_state,
+// A_log, dt_bias F32; cu_seqlens always I64), in kda::input_names order.
+void add_kda_inputs(io::SafetensorsFile& file, const kda::Inputs<double>& in, const KdaInputStorage& storage = {});
 
 }  // namespace k3ref::golden

@@ -73,7 +73,7 @@ fs::path candidate(const std::string& name, DType dtype, double factor) {
 
 TEST(Cli, HelpOfEveryCommandSucceeds) {
   for (const char* cmd : {"--help", "golden --help", "golden generate --help", "golden verify --help",
-                          "golden list --help", "kda --help", "compare --help"}) {
+                          "golden list --help", "kda --help", "inputs --help", "compare --help"}) {
     const CommandResult r = k3ref(cmd);
     EXPECT_EQ(r.code, 0) << cmd << "\n" << r.out;
     EXPECT_NE(r.out.find("Usage"), std::string::npos) << cmd;
@@ -479,6 +479,154 @@ TEST(CliHostile, GoldenVerifyNamesFilesByTheirOwnPathAndRefusesAnUnreadableManif
       << R"({"format":"k3ref-golden-manifest","suite":"default","generator_version":"1","cases":[{"params":)"
       << std::string(100000, '[') << std::string(100000, ']') << "}]}";
   expect_one_line_exit_two(args, {"MANIFEST.json", "nested more than 64 deep"});
+}
+
+// ---- k3ref inputs: a seeded input file for k3ref kda, with no other writer
+
+std::string slurp(const fs::path& path);
+fs::path fresh_dir(const std::string& name);
+void expect_one_line_exit_two(const std::string& args, std::initializer_list<std::string_view> parts);
+
+// The same arguments give the same bytes (the file's name is not in it); another seed gives
+// other values; the metadata records the seed, every option and the command that draws the
+// file again, which does.
+TEST(Cli, InputsAreReproducibleFromTheirSeed) {
+  const fs::path dir = fresh_dir("inputs_seed");
+  const std::string args = " --cu-seqlens 0,3,3,20 --H 2 --HV 4 --K 8 --V 12 --gate softplus --beta sigmoid";
+  for (const char* name : {"a", "b"})
+    ASSERT_EQ(k3ref("inputs --out " + (dir / name).string() + args + " --seed 7").code, 0);
+  ASSERT_EQ(k3ref("inputs --out " + (dir / "c").string() + args + " --seed 8").code, 0);
+  EXPECT_TRUE(slurp(dir / "a") == slurp(dir / "b"));  // (not EXPECT_EQ: no bytes dumped on a failure)
+  EXPECT_TRUE(slurp(dir / "a") != slurp(dir / "c"));
+  const io::SafetensorsFile a = io::read_safetensors(dir / "a"), c = io::read_safetensors(dir / "c");
+  for (const char* t : {"q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"})
+    EXPECT_NE(a.at(t, "a").bytes, c.at(t, "c").bytes) << t;
+  EXPECT_EQ(a.at("cu_seqlens", "a"), c.at("cu_seqlens", "c"));
+  EXPECT_EQ(a.metadata.at("k3ref.seed"), "7");
+  EXPECT_EQ(c.metadata.at("k3ref.seed"), "8");
+  const auto options = nlohmann::json::parse(a.metadata.at("k3ref.options"));
+  EXPECT_EQ(options.at("HV"), 4);
+  EXPECT_EQ(options.at("T"), 20);
+  EXPECT_EQ(options.at("cu_seqlens"), (std::vector<int>{0, 3, 3, 20}));
+  EXPECT_EQ(options.at("gate"), "softplus");
+  EXPECT_EQ(options.at("dtype"), "bf16");
+  EXPECT_EQ(a.metadata.at("k3ref.kda_args"), "--gate softplus --beta sigmoid");
+  EXPECT_EQ(a.at("q", "a").shape, (Shape{1, 20, 2, 8}));
+  EXPECT_EQ(a.at("initial_state", "a").shape, (Shape{3, 4, 8, 12}));
+  // k3ref.command, with its file named, draws the same bytes again.
+  std::string again = a.metadata.at("k3ref.command");
+  ASSERT_EQ(again.rfind("k3ref inputs --out FILE ", 0), 0u) << again;
+  again.replace(0, std::string("k3ref inputs --out FILE").size(), "inputs --out " + (dir / "again").string());
+  ASSERT_EQ(k3ref(again).code, 0) << again;
+  EXPECT_TRUE(slurp(dir / "again") == slurp(dir / "a"));
+  // The file is not a golden: compare refuses it as one.
+  EXPECT_EQ(k3ref("compare --golden " + (dir / "a").string() + " --candidate " + (dir / "a").string()).code, 2);
+}
+
+// The inputs -> kda -> compare path of docs/verify-your-kernel.md, for the options that shape
+// the inputs: kda takes the file with the options the file names (k3ref.kda_args), its
+// output passes compare against itself and a candidate with one element changed fails.
+TEST(Cli, InputsFeedKdaWhoseReferenceCompareJudges) {
+  const fs::path dir = fresh_dir("inputs_kda");
+  const std::vector<std::string> configurations = {
+      "",
+      "--cu-seqlens 0,5,5,12 --H 2 --HV 4 --K 8 --V 12 --state-layout v_first --gate softplus --seed 3",
+      "--B 2 --T 9 --gate lower_bound --lower-bound -5 --gate-base 2 --beta sigmoid --l2norm --scale 0.3 --dtype f32",
+      "--B 3 --T 7 --gate decay_factor --dtype f64 --no-initial-state --beta two_sigmoid --l2norm",
+  };
+  for (std::size_t i = 0; i < configurations.size(); ++i) {
+    SCOPED_TRACE(configurations[i]);
+    const fs::path in = dir / ("in" + std::to_string(i) + ".safetensors");
+    const fs::path ref = dir / ("ref" + std::to_string(i) + ".safetensors");
+    const fs::path cand = dir / ("cand" + std::to_string(i) + ".safetensors");
+    const CommandResult made = k3ref("inputs --out " + in.string() + " " + configurations[i]);
+    ASSERT_EQ(made.code, 0) << made.out;
+    const io::SafetensorsFile inputs = io::read_safetensors(in);
+    const std::string kda_args = inputs.metadata.at("k3ref.kda_args");
+    EXPECT_NE(made.out.find("its reference: k3ref kda --in " + in.string() + " --out ref.safetensors"), std::string::npos)
+        << made.out;
+    // In the operator's domain: beta in [0, 1] as given, log-decays in [-1, 0].
+    if (configurations[i].empty()) {
+      const Tensor<double> beta = io::to_f64(inputs.at("beta", "in"), "beta"), g = io::to_f64(inputs.at("g", "in"), "g");
+      for (double b : beta.values()) EXPECT_TRUE(b >= 0 && b <= 1) << b;
+      for (double x : g.values()) EXPECT_TRUE(x >= -1 && x <= 0) << x;
+    }
+    const CommandResult kda = k3ref("kda --in " + in.string() + " --out " + ref.string() + " " + kda_args);
+    ASSERT_EQ(kda.code, 0) << kda.out;
+    const CommandResult same = k3ref("compare --golden " + ref.string() + " --candidate " + ref.string());
+    EXPECT_EQ(same.code, 0) << same.out;
+    io::SafetensorsFile perturbed = io::read_safetensors(ref);
+    for (auto& [name, t] : perturbed.tensors)
+      if (name == "o") {
+        Tensor<double> o = io::to_f64(t, name);
+        o.values()[o.values().size() / 2] = 2 * o.values()[o.values().size() / 2] + 1;
+        t = io::from_f64(o, t.dtype);
+      }
+    io::write_safetensors_atomic(cand, perturbed);
+    const CommandResult wrong = k3ref("compare --golden " + ref.string() + " --candidate " + cand.string());
+    EXPECT_EQ(wrong.code, 1) << wrong.out;
+  }
+}
+
+TEST(CliHostile, InputsRefusesBadArgumentsInOneLineBeforeWriting) {
+  const fs::path dir = fresh_dir("inputs_bad");
+  const std::string inputs = "inputs --out " + (dir / "x.safetensors").string();
+  const std::vector<std::pair<std::string, std::vector<std::string_view>>> bad = {
+      {" --T 5 --cu-seqlens 0,5", {"--T excludes --cu-seqlens"}},
+      {" --cu-seqlens 0,5,x", {"--cu-seqlens", "'x' is not a decimal integer"}},
+      {" --cu-seqlens 1,5", {"--cu-seqlens", "must start at 0"}},
+      {" --cu-seqlens 0,5,3", {"--cu-seqlens", "non-decreasing"}},
+      {" --cu-seqlens 0,5 --B 2", {"--cu-seqlens", "--B 1"}},
+      {" --K 0", {"--K", "outside [1, "}},
+      {" --V 0", {"--V", "outside [1, "}},
+      {" --H 2 --HV 3", {"--HV 3 must be a multiple of --H 2"}},
+      {" --H 4 --HV 2", {"--HV 2 must be a multiple of --H 4"}},
+      {" --T 1e3", {"--T", "not a decimal integer"}},
+      {" --T 268435457", {"--T", "outside [0, 268435456]"}},
+      {" --B 99999999999999999999", {"--B", "outside"}},
+      {" --B 1000 --HV 2000", {"sequence-heads, over k3ref kda's limit of 1048576"}},
+      {" --T 100000 --K 4096", {"q and k", "over k3ref kda's limit of 268435456"}},
+      {" --T 1000000 --K 128 --memory-budget 1G", {"of memory", "over the budget of 1.00 GiB", "--memory-budget"}},
+      {" --memory-budget 12Q", {"--memory-budget", "'12Q'"}},
+      {" --seed -1", {"--seed", "not a decimal integer"}},
+      {" --seed 18446744073709551616", {"--seed", "outside [0, 18446744073709551615]"}},
+      {" --dtype f16", {"--dtype", "must be one of bf16, f32, f64, not 'f16'"}},
+      {" --gate nope", {"--gate", "not 'nope'"}},
+      {" --gate lower_bound", {"--gate lower_bound needs --lower-bound"}},
+      {" --gate lower_bound --lower-bound 1", {"--lower-bound 1 must be negative"}},
+      {" --lower-bound -5", {"--lower-bound is only used by --gate lower_bound"}},
+      {" --scale nan", {"--scale", "not finite"}},
+      {" --B", {"--B"}},
+  };
+  for (const auto& [args, parts] : bad) {
+    const CommandResult r = k3ref(inputs + args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_EQ(line_count(r.out), 1u) << args << "\n" << r.out;
+    for (std::string_view part : parts) EXPECT_NE(r.out.find(part), std::string::npos) << "missing '" << part << "' in: " << r.out;
+  }
+  expect_one_line_exit_two("inputs", {"--out"});
+  EXPECT_FALSE(fs::exists(dir / "x.safetensors"));
+  // The output path, checked before drawing: never a symlink's target, a FIFO or a device
+  // without --force, never a name whose temporary is too long; no temporary is left.
+  std::ofstream(dir / "target") << "mine";
+  fs::create_symlink("target", dir / "link");
+  expect_one_line_exit_two("inputs --out " + (dir / "link").string(), {"--out", "symbolic link"});
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  expect_one_line_exit_two("inputs --out " + (dir / "fifo").string(), {"not a regular file"});
+  expect_one_line_exit_two("inputs --out " + (dir / "missing" / "x").string(), {"missing"});
+  expect_one_line_exit_two("inputs --out " + (dir / std::string(240, 'n')).string(), {"beyond the 255-byte limit"});
+  EXPECT_EQ(slurp(dir / "target"), "mine");
+  // A regular file is replaced, as kda's --out is; --force replaces the link, not its target.
+  ASSERT_EQ(k3ref("inputs --out " + (dir / "target").string()).code, 0);
+  EXPECT_NE(io::read_safetensors(dir / "target").find("q"), nullptr);
+  std::ofstream(dir / "target") << "mine";
+  ASSERT_EQ(k3ref("inputs --force --out " + (dir / "link").string()).code, 0);
+  EXPECT_FALSE(fs::is_symlink(dir / "link"));
+  EXPECT_EQ(slurp(dir / "target"), "mine");
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"fifo", "link", "target"}));
 }
 
 }  // namespace
