@@ -138,9 +138,11 @@ def _plan_in_child(config, opts, path):
     """Runs the planning child; returns the plan or raises UsageError (one line)."""
     from k3ref.gpu_check import plan as run_plan
 
+    # The child imports what this process would: this package first, then this process's path.
     package_root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([package_root] + [p for p in sys.path if p and os.path.isdir(p)]
+                                                      + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.setdefault("PYTHONFAULTHANDLER", "1")
     args = [a for a in config.invocation_params.args]
     cmd = [sys.executable, "-m", "pytest", *args, "--collect-only", "-qq", "-p", "no:cacheprovider",
@@ -200,7 +202,13 @@ def pytest_cmdline_main(config):
                                  f"python3-pytest-timeout); or pass --k3ref-no-isolation to run in this process")
             workdir = Path(tempfile.mkdtemp(prefix="k3ref_run_"))
             config.stash[STATE]["workdir"] = workdir
-            plan = _plan_in_child(config, opts, workdir / "plan.json")
+            try:
+                plan = _plan_in_child(config, opts, workdir / "plan.json")
+            except BaseException:
+                import shutil
+
+                shutil.rmtree(workdir, ignore_errors=True)
+                raise
             config.stash[PLAN] = plan
             if not config.option.numprocesses:
                 config.option.numprocesses = 1
@@ -217,11 +225,13 @@ def pytest_configure_node(node):
     state = node.config.stash.get(STATE, None)
     if state is not None and state.get("workdir"):
         node.workerinput["k3ref_plan"] = str(state["workdir"] / "plan.json")
+        node.workerinput["k3ref_sys_path"] = [p for p in sys.path if p]  # as the planning child had it
 
 
 def pytest_configure(config):
     role = _role(config)
     if role == "worker":
+        sys.path[:0] = [p for p in config.workerinput.get("k3ref_sys_path", ()) if p not in sys.path]
         _worker_stderr(config)
     if role is not None:
         config.addinivalue_line("markers", "k3ref: a k3ref harness test")
@@ -361,6 +371,29 @@ def pytest_runtest_protocol(item, nextitem):
     yield
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's limit, stopped by faulthandler: it prints every thread's stack into the
+    worker's log (pytest's capture owns file descriptor 2 during a test, where pytest-timeout
+    would write) and ends the worker."""
+    if not (isinstance(item, K3refItem) and _role(item.config) == "worker"):
+        return None
+    import faulthandler
+
+    faulthandler.dump_traceback_later(settings.timeout, exit=True, file=item.config.stash[STATE]["log"])
+    return True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_cancel_timer(item):
+    if not (isinstance(item, K3refItem) and _role(item.config) == "worker"):
+        return None
+    import faulthandler
+
+    faulthandler.cancel_dump_traceback_later()
+    return True
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     """After a check whose error names CUDA this worker ends (its CUDA context may be
@@ -420,15 +453,40 @@ def _junit(config):
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadscope with two repairs of pytest-xdist 3.1's: a test that crashed its worker
+    is not run again (its scope went back to the queue with it), and a replacement worker that
+    is still collecting is not given work (3.1 raised KeyError when two workers died close
+    together)."""
+    if _role(config) != "isolated" or config.option.dist != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def remove_node(self, node):
+            crashitem = super().remove_node(node)
+            if crashitem:
+                for scope, unit in list(self.workqueue.items()):
+                    if crashitem in unit:
+                        unit[crashitem] = True
+                        if all(unit.values()):
+                            del self.workqueue[scope]
+            return crashitem
+
+        def _reschedule(self, node):
+            if node in self.registered_collections:
+                super()._reschedule(node)
+
+    return GroupScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem, report, sched):
     """A worker died while running `crashitem`: the test fails with the end of the worker's
     stderr (a timeout says so); when the worker ended itself after a CUDA error the test's
-    result is already recorded and this is no failure. The test is not run again."""
+    result is already recorded and this is no failure."""
     config = _CONFIG.get("config")
     state = config.stash.get(STATE, {}) if config is not None else {}
-    for unit in getattr(sched, "workqueue", {}).values():  # --dist loadscope would schedule it again
-        if crashitem in unit:
-            unit[crashitem] = True
     earlier = state.get("reports", {}).get(crashitem, [])
     if any(_record_of(r) and _record_of(r).get("recycle") for r in earlier):
         report.outcome, report.when, report.longrepr = "passed", "teardown", None
@@ -478,7 +536,7 @@ def pytest_sessionfinish(session, exitstatus):
     if workdir:
         import shutil
 
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True) if not os.environ.get("K3REF_DEBUG_KEEP") else None
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -89,7 +89,7 @@ def pytest_args(args):
     """The pytest command line of a `run`: the plugin, its options, the workers, the JUnit file."""
     out = Path(args.out)
     a = ["-p", "k3ref.pytest_plugin", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
-         "--rootdir", str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent)]
+         "--rootdir", os.getcwd(), str(Path(__file__).resolve().parent)]
     for spec in args.adapter:
         a += ["--k3ref-adapter", spec]
     if not args.no_builtin:

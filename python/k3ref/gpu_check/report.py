@@ -188,10 +188,10 @@ def stderr_summary(tail):
 
 def crash_reason(stderr_text, check_timeout=None):
     """Why a worker died while running a test, in one line, from the end of its stderr."""
-    if "+ Timeout +" in stderr_text:
-        return (f"timed out: the check ran past its limit (--k3ref-check-timeout {check_timeout:g} s, plus the "
-                f"load timeout when it loaded its kernel); its worker was stopped" if check_timeout else
-                "timed out; its worker was stopped")
+    if "Timeout (" in stderr_text and "Fatal Python error" not in stderr_text:  # faulthandler's timer
+        return (f"timed out: the check ran past its limit of {check_timeout:g} s (run: --check-timeout, pytest: "
+                f"--k3ref-check-timeout; plus the load timeout when it loaded its kernel); its worker was stopped"
+                if check_timeout else "timed out; its worker was stopped")
     if not stderr_text.strip():
         return "the worker process ended while running this check, with nothing on stderr (os._exit or a kill)"
     return f"the worker process died while running this check: {stderr_summary(stderr_text)}"

@@ -1,0 +1,46 @@
+"""Kernels that leave their check in every way but returning, for test_isolation.py: the
+example PyTorch kernel with one misdeed each (`adapters()`: abort, segfault, exit0 =
+os._exit(0) inside the kernel, sysexit = SystemExit inside the kernel, hang, alloc50g = a 50 GB
+allocation), committed on the golden case kda_t100 only (T = 100, K = 64). K3REF_HOSTILE_IMPORT
+= exit | hang makes the module itself exit or hang while it is imported."""
+import ctypes
+import os
+import time
+
+if os.environ.get("K3REF_HOSTILE_IMPORT") == "exit":
+    os._exit(0)
+if os.environ.get("K3REF_HOSTILE_IMPORT") == "hang":
+    time.sleep(3600)
+
+from k3ref.gpu_check.adapters import TorchKernelAdapter  # noqa: E402
+
+MISDEEDS = ("abort", "segfault", "exit0", "sysexit", "hang", "alloc50g")
+
+
+class Hostile(TorchKernelAdapter):
+    def __init__(self, misdeed=None):
+        super().__init__()
+        self.misdeed = misdeed
+        self.name = f"hostile.{misdeed or 'none'}"
+
+    def run(self, inputs, params, out=None):
+        if tuple(inputs["q"].shape) == (1, 100, 1, 64):
+            if self.misdeed == "abort":
+                os.abort()
+            if self.misdeed == "segfault":
+                ctypes.string_at(0)
+            if self.misdeed == "exit0":
+                os._exit(0)
+            if self.misdeed == "sysexit":
+                raise SystemExit(0)
+            if self.misdeed == "hang":
+                time.sleep(3600)
+            if self.misdeed == "alloc50g":
+                import torch
+
+                torch.empty(50 * 2**30, dtype=torch.uint8).fill_(1)
+        return super().run(inputs, params, out)
+
+
+def adapters():
+    return [Hostile(m) for m in MISDEEDS] + [Hostile()]

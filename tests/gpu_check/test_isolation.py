@@ -1,0 +1,76 @@
+"""Isolation through pytest-xdist and pytest-timeout, one test per rule: a kernel that aborts,
+segfaults, calls os._exit(0) or raises SystemExit inside its check, hangs, or allocates 50 GB
+fails that one test with its reason; the run's exit code is 1, every other test ran and the
+report is complete. Adapter code that exits or hangs while it is imported stops the run with a
+usage error (exit 2), never a pass. This process imports no adapter: the runs are children.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("xdist")
+pytest.importorskip("pytest_timeout")
+
+ROOT = Path(__file__).resolve().parents[2]
+HOSTILE = Path(__file__).with_name("data") / "hostile_adapters.py"
+CASES = "kda_t1,kda_b2_t37,kda_t100"
+REASONS = {"abort": "Fatal Python error: Aborted", "segfault": "Fatal Python error: Segmentation fault",
+           "exit0": "nothing on stderr (os._exit or a kill)", "sysexit": "SystemExit: 0", "hang": "timed out",
+           "alloc50g": ""}
+
+
+def run(out, *extra, env=None, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), **(env or {}))
+    cmd = [sys.executable, "-m", "k3ref.gpu_check", "run", "--no-builtin", "--adapter", f"{HOSTILE}:adapters",
+           "--goldens", str(ROOT / "goldens"), "--device", "cpu", "--no-warmup", "--checks", "golden,causality",
+           "--cases", CASES, "--out", str(out), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def hostile_run(tmp_path_factory):
+    """One run of every misdeed side by side (two workers), with a 20 s check timeout."""
+    out = tmp_path_factory.mktemp("isolation") / "r"
+    proc = run(out, "--check-jobs", "2", "--check-timeout", "20", "--load-timeout", "60")
+    data = json.loads((out / "report.json").read_text())
+    by_adapter = {}
+    for r in data["results"]:
+        by_adapter.setdefault(r["adapter"], {})[f"{r['case']}/{r['check']}"] = r
+    return proc, by_adapter, data["summary"], out
+
+
+@pytest.mark.parametrize("misdeed", sorted(REASONS))
+def test_a_misbehaving_check_fails_alone(hostile_run, misdeed):
+    proc, by_adapter, summary, out = hostile_run
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = dict(by_adapter[f"hostile.{misdeed}"])
+    bad = results.pop("kda_t100/golden")
+    assert bad["status"] == "error", bad
+    assert REASONS[misdeed] in bad["reason"], bad["reason"]
+    # every other test of the kernel ran and passed: two goldens and the causality check
+    assert sorted(results) == ["generic_k100/causality", "kda_b2_t37/golden", "kda_t1/golden"]
+    assert all(r["status"] == "pass" for r in results.values()), {k: r["reason"] for k, r in results.items()}
+
+
+def test_the_report_of_the_hostile_run_is_complete(hostile_run):
+    proc, by_adapter, summary, out = hostile_run
+    assert sorted(by_adapter) == sorted(f"hostile.{m}" for m in list(REASONS) + ["none"])
+    assert all(r["status"] == "pass" for r in by_adapter["hostile.none"].values())
+    assert summary["verdict"] == "FAIL" and summary["tests"] == 4 * 7 and summary["failed"] == 6
+    assert (out / "report.html").is_file() and (out / "report.xml").is_file()
+    assert f"FAIL hostile.abort-kda_t100-golden" in proc.stdout
+
+
+@pytest.mark.parametrize("misdeed,expect", [("exit", "exited with status 0 without a plan"),
+                                            ("hang", "took more than 10 s")])
+def test_adapter_code_that_exits_or_hangs_at_import_is_a_usage_error(tmp_path, misdeed, expect):
+    proc = run(tmp_path / "r", "--load-timeout", "10", env={"K3REF_HOSTILE_IMPORT": misdeed})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and expect in lines[0], proc.stderr
+    assert not (tmp_path / "r" / "report.json").exists()
