@@ -39,111 +39,8 @@ from pathlib import Path
 import torch
 
 from . import lib, reference
-
-
-def _shapes(inputs):
-    q, v = inputs["q"], inputs["v"]
-    B, T, H, K = q.shape
-    return dict(B=B, T=T, H=H, K=K, HV=v.shape[2], V=v.shape[3])
-
-
-KDA_METAMORPHIC = ("causality", "suffix", "varlen", "split", "determinism", "poisoned_memory", "inputs_unchanged")
-
-
-class Adapter:
-    """The protocol every adapter follows (see the module's docstring)."""
-
-    name = "?"
-    family = "kda"
-    kind = "kernel"  # kernel | reference | mutant
-    checks = ("golden",)
-    golden_ops = ()
-    policy = "recurrent"
-    policy_reason = ""
-    contract = ""
-    output_dtype = torch.bfloat16
-    requires_cuda = False  # True: reported unavailable without a CUDA device, without starting a child
-
-    def __init__(self):
-        self._loaded = None
-        self._reason = ""
-
-    def __getstate__(self):
-        # A loaded kernel (modules, function handles) stays in the process that loaded it.
-        state = dict(self.__dict__)
-        state["_loaded"], state["_reason"] = None, ""
-        for key in getattr(self, "_unpicklable", ()):
-            state.pop(key, None)
-        return state
-
-    def load(self):
-        """Imports the kernel; raises (any exception) when it is not available."""
-
-    def available(self):
-        if self._loaded is None:
-            try:
-                self.load()
-                self._loaded = True
-            except Exception as e:  # any import failure means "not available", with the reason
-                self._loaded = False
-                self._reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
-        return self._loaded
-
-    @property
-    def unavailable_reason(self):
-        return self._reason
-
-    def version(self):
-        """A one-line version of the kernel (package version, commit), or ''."""
-        return ""
-
-    def probe(self, device):
-        """A cheap test in the parent process, before any child is started: None, or why the
-        kernel cannot be available on this host (no CUDA device for a CUDA kernel, a missing
-        checkout). It must not import the kernel."""
-        if self.requires_cuda:
-            if not str(device).startswith("cuda"):
-                return f"needs a CUDA device; the run is on {device}"
-            if not torch.cuda.is_available():
-                return "no CUDA device"
-        return None
-
-    def case_unsupported(self, case):
-        """None, or why this golden case is outside the kernel's scope."""
-        return None if case.op in self.golden_ops else f"takes {', '.join(self.golden_ops) or 'no golden operator'}"
-
-    def cases(self, check, suite):
-        """(case id, case or None, None or the reason it is not supported) for each case of
-        this check. The golden check runs on every case of `golden_ops` in the suite; other
-        checks build their own inputs and run once, on the case id '-'."""
-        if check == "golden":
-            for case in suite:
-                if case.op in self.golden_ops:
-                    yield case.name, case, self.case_unsupported(case)
-        else:
-            yield "-", None, None
-
-    def run_check(self, check, case, device):
-        raise NotImplementedError(f"{type(self).__name__} does not implement run_check")
-
-
-# The name the adapters of earlier versions derived from.
-LoadableAdapter = Adapter
-
-
-class BrokenAdapter(Adapter):
-    """Stands for an installed entry point that cannot be resolved: one check, 'load', that
-    is never available (a skip with the reason, a failure when that kernel was asked for)."""
-
-    checks = ("load",)
-
-    def __init__(self, name, reason):
-        super().__init__()
-        self.name = name
-        self.reason = reason
-
-    def load(self):
-        raise RuntimeError(self.reason)
+from .protocol import KDA_METAMORPHIC, Adapter, BrokenAdapter, CheckResult, LoadableAdapter  # noqa: F401 (the protocol's names, here as before)
+from .protocol import shapes_of as _shapes
 
 
 class KdaAdapter(Adapter):
@@ -533,17 +430,6 @@ class TorchKernelAdapter(KdaAdapter):
         return o.to(torch.bfloat16), final.to(torch.float32)
 
 
-def builtin_adapters():
-    """The adapters of the kernels k3ref knows (the package's own `k3ref.adapters` entry
-    point): libk3gc's fp64 reference and fp32 kernel and its mutants, FLA, FlashKDA, Liger's
-    AttnRes, torchtitan's Quantile Balancing, and FLA's serving paths (serving_check.py)."""
-    from . import attnres_check, qb_check, serving_check
-
-    return kda_adapters(include_mutants=True) + [
-        attnres_check.LigerAttnResAdapter(), qb_check.TorchtitanQbAdapter(),
-        qb_check.TorchtitanQbAdapter(histogram=True)] + serving_check.serving_adapters()
-
-
 def kda_adapters(include_mutants=True):
     adapters = [
         LibReferenceAdapter(),
@@ -567,13 +453,3 @@ def torch_test_kernels():
 def all_adapters(include_mutants=True):
     """The built-in KDA adapters (kept for scripts of earlier versions)."""
     return kda_adapters(include_mutants)
-
-
-def kernel_by_name(name, extra=()):
-    """The adapter called `name` (as reports print it): built-in, a CPU test kernel, or one of
-    `extra`. Unknown names raise ValueError with the known ones."""
-    known = list(extra) + builtin_adapters() + torch_test_kernels()
-    for a in known:
-        if a.name == name:
-            return a
-    raise ValueError(f"no kernel named '{name}'; known: {', '.join(a.name for a in known)}")

@@ -33,8 +33,7 @@ import time
 import torch
 
 from . import metrics as M
-from .adapters import Adapter
-from .checks import CheckResult
+from .protocol import Adapter, CheckResult
 
 MULTIPLE = 2.0
 

@@ -5,27 +5,12 @@ one-line reason that gives the measured figure and the bound."""
 import math
 import time
 import traceback
-from dataclasses import dataclass, field
 
 import torch
 
 from . import metrics as M
-from .adapters import _shapes
-
-
-@dataclass
-class CheckResult:
-    adapter: str
-    check: str
-    case: str
-    status: str
-    reason: str
-    ratio: float = None          # rel RMS / floor, where it applies
-    metrics: dict = None
-    windows: list = None         # error by token window (golden checks)
-    window_tokens: int = None
-    seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
+from .protocol import CheckResult  # noqa: F401 (checks.CheckResult, as before)
+from .protocol import shapes_of as _shapes
 
 
 # --------------------------------------------------------------------------- problems

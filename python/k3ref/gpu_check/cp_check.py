@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adapters import Adapter, _env_path, _need_cuda, fla_option_kwargs, fla_version, load_fla
-from .checks import CheckResult
+from .protocol import CheckResult
 
 FORWARD_OP = "kcp.context_parallel"
 BACKWARD_OP = "kda.backward"

@@ -10,7 +10,7 @@ import time
 import traceback
 
 from . import plan as run_plan
-from .checks import CheckResult
+from .protocol import CheckResult
 from .collection import Test, mutant_outcome, outcome
 
 

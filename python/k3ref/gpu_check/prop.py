@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import adapters as A
+from . import registry
 from .. import goldens
 from . import lib, metrics as M, reference
 from .drawn_case import make_inputs, params_of  # noqa: F401  (params_of: prop.params_of for callers)
@@ -359,7 +360,7 @@ def main(args):
 
     try:
         extra, _ = discover(specs=args.adapter, entry_points=True)
-        adapter = A.kernel_by_name(args.kernel, extra=extra)
+        adapter = registry.kernel_by_name(args.kernel, extra=extra)
     except (AdapterSpecError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from e
     if not hasattr(adapter, "run") or adapter.family != "kda":

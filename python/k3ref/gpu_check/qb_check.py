@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import Adapter
-from .checks import CheckResult
+from .protocol import Adapter, CheckResult
 
 F32_ULP = 2.0**-23
 

@@ -10,7 +10,7 @@ Three ways, all giving objects of the adapter protocol (adapters.Adapter):
 
 What a spec names may be an Adapter subclass (instantiated without arguments), an adapter
 instance, a function returning an adapter or a list of them, or a list. The package's own
-adapters come from `k3ref.gpu_check.adapters:builtin_adapters`, its entry point (also used
+adapters come from `k3ref.gpu_check.registry:builtin_adapters`, its entry point (also used
 when the package runs from a source tree without metadata).
 """
 import hashlib
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 GROUP = "k3ref.adapters"
-BUILTIN = "k3ref.gpu_check.adapters:builtin_adapters"
+BUILTIN = "k3ref.gpu_check.registry:builtin_adapters"
 
 
 class AdapterSpecError(ValueError):
@@ -61,7 +61,7 @@ def import_module_of(spec):
 
 
 def _instances(obj, where):
-    from .adapters import Adapter
+    from .protocol import Adapter
 
     if isinstance(obj, type):
         if not issubclass(obj, Adapter):
@@ -124,7 +124,7 @@ def discover(specs=(), conftest_specs=(), entry_points=True):
     specs given. Returns (adapters, requested names). Explicitly given specs that fail raise
     AdapterSpecError; an installed entry point that fails becomes an adapter that is not
     available, with the reason. Names must be unique."""
-    from .adapters import Adapter
+    from .protocol import Adapter
 
     adapters, requested = [], set()
     if entry_points:
@@ -151,6 +151,30 @@ def discover(specs=(), conftest_specs=(), entry_points=True):
 
 
 def _broken(name, reason):
-    from .adapters import BrokenAdapter
+    from .protocol import BrokenAdapter
 
     return BrokenAdapter(name, reason)
+
+
+def builtin_adapters():
+    """The adapters of the kernels k3ref knows (the package's own `k3ref.adapters` entry
+    point): libk3gc's fp64 reference and fp32 kernel and its mutants, FLA, FlashKDA, Liger's
+    AttnRes, torchtitan's Quantile Balancing, and FLA's serving paths (serving_check.py)."""
+    from . import attnres_check, qb_check, serving_check
+    from .adapters import kda_adapters
+
+    return kda_adapters(include_mutants=True) + [
+        attnres_check.LigerAttnResAdapter(), qb_check.TorchtitanQbAdapter(),
+        qb_check.TorchtitanQbAdapter(histogram=True)] + serving_check.serving_adapters()
+
+
+def kernel_by_name(name, extra=()):
+    """The adapter called `name` (as reports print it): built-in, a CPU test kernel, or one of
+    `extra`. Unknown names raise ValueError with the known ones."""
+    from .adapters import torch_test_kernels
+
+    known = list(extra) + builtin_adapters() + torch_test_kernels()
+    for a in known:
+        if a.name == name:
+            return a
+    raise ValueError(f"no kernel named '{name}'; known: {', '.join(a.name for a in known)}")

@@ -214,7 +214,7 @@ def result_record(r):
 
 
 def _result_of(d):
-    from .checks import CheckResult
+    from .protocol import CheckResult
 
     def restore(o):
         if isinstance(o, str) and o in ("nan", "inf", "-inf"):
@@ -272,7 +272,7 @@ def from_pytest(plan, reports, collected, seconds, versions_=None):
     (reports: node id -> [TestReport], each call report carrying the worker's record in
     `report.k3ref`). A collected test with no result, or a run in which no check executed,
     fails the run. Returns {rows, results, failures, passed, summary}."""
-    from .checks import CheckResult
+    from .protocol import CheckResult
 
     rows, results, failures = [], [], []
     loaded_by = {}   # adapter -> [what loading gave, one per process that loaded it]

@@ -49,7 +49,7 @@ from .. import goldens as golden_io
 from . import reference
 from .adapters import (Adapter, _env_path, _module_version, _need_cuda, fla_option_kwargs, fla_version,
                        load_fla)
-from .checks import CheckResult
+from .protocol import CheckResult
 
 PAD = -1
 POOL_OPS = ("serving.decode", "serving.verify")
