@@ -195,7 +195,7 @@ class PolicyTable:
         if op not in self.operators:
             raise KeyError(f"operator '{op}' is not in the policy table {self.path} (known: "
                            f"{', '.join(sorted(self.operators))})")
-        param = _parametric(policy)
+        param = parse_parametric(policy)
         if param is not None:
             metric, value = param
             out = {}
@@ -244,7 +244,7 @@ def _rule_from(spec, dtype, source, where):
     return Rule(metric, floor_dtype, source=source, **kw)
 
 
-def _parametric(name):
+def parse_parametric(name):
     """(metric, value) of 'exact', 'floor:<m>', 'rel-rms:<r>'; None for any other name.
     Raises KeyError on a parametric prefix with a bad number."""
     if name == "exact":

@@ -132,19 +132,14 @@ def parse_policy(name, op="kda.recurrent", tensor="o"):
     """The policy `name` as (kind, bound) for one tensor: "exact", "floor:<m>", "rel-rms:<r>",
     or a named policy of the one policy table (k3ref.policy, policy/policies.json), whose rule
     for `tensor` of `op` gives the metric and the multiple or bound."""
-    if name == "exact":
-        return Policy("exact", 0.0, name)
-    for prefix, kind in (("floor:", "floor"), ("rel-rms:", "rel-rms")):
-        if name.startswith(prefix):
-            try:
-                value = float(name[len(prefix) :])
-            except ValueError:
-                value = -1.0
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"tolerance policy '{name}': '{name[len(prefix):]}' is not a positive number")
-            return Policy(kind, value, name)
     from .. import policy as table_policy
 
+    try:  # the one parser of parametric names (k3ref.policy; C++ spells numbers the same way)
+        parametric = table_policy.parse_parametric(name)
+    except KeyError as e:
+        raise ValueError(str(e).strip("'\"")) from None
+    if parametric is not None:
+        return Policy(parametric[0], parametric[1], name)
     table = table_policy.load_table()
     try:
         rule = table.rules(name, op)[tensor]
