@@ -64,6 +64,8 @@ def pytest_addoption(parser):
                                                "goldens/, else the suite installed with the package)")
     add("--k3ref-device", metavar="DEVICE", help="torch device (default: cuda when available, else cpu)")
     add("--k3ref-known-limitations", metavar="FILE", help="known-limitations file (default: the package's)")
+    add("--k3ref-policy", metavar="NAME", help="judge every KDA kernel under this policy instead of the one its adapter "
+                                               "declares (a policy of the table, floor:<m>, rel-rms:<r>)")
     add("--k3ref-check-timeout", type=float, default=900.0, metavar="S",
         help="seconds one check may take before its worker is ended (default 900)")
     add("--k3ref-load-timeout", type=float, default=900.0, metavar="S",

@@ -383,6 +383,7 @@ class LibReferenceAdapter(KdaAdapter):
     contract = "CUDA; fp64 recurrence, fp64 output"
     checks = ("golden",)
     output_dtype = torch.float64
+    state_dtype = torch.float64
     accepts_out = True
 
     def load(self):

@@ -51,6 +51,8 @@ def parser():
     r.add_argument("--cases", help="comma-separated golden case names (default all; checks that build their own "
                    "inputs are not filtered)")
     r.add_argument("--known-limitations", help="known-limitations file (default: the package's known_limitations.json)")
+    r.add_argument("--policy", help="judge every KDA kernel under this policy instead of its adapter's (a policy of the "
+                                    "table, floor:<m>, rel-rms:<r>)")
     r.add_argument("--budget", type=float, default=0, help="seconds per kernel; later checks are skipped (0: none)")
     r.add_argument("--check-timeout", type=float, default=900.0,
                    help="seconds one check may take before its child is killed (default 900)")
@@ -97,7 +99,7 @@ def pytest_args(args):
     flags = {"no_mutants": "--k3ref-no-mutants", "no_isolation": "--k3ref-no-isolation", "no_warmup": "--k3ref-no-warmup"}
     a += [flag for dest, flag in flags.items() if getattr(args, dest)]
     values = {"only": "--k3ref-only", "checks": "--k3ref-checks", "cases": "--k3ref-cases", "goldens": "--k3ref-goldens",
-              "device": "--k3ref-device", "known_limitations": "--k3ref-known-limitations",
+              "device": "--k3ref-device", "known_limitations": "--k3ref-known-limitations", "policy": "--k3ref-policy",
               "check_timeout": "--k3ref-check-timeout", "load_timeout": "--k3ref-load-timeout", "budget": "--k3ref-budget",
               "jobs": "--k3ref-warmup-jobs", "warmup_timeout": "--k3ref-warmup-timeout",
               "autotune_configs": "--k3ref-autotune-configs", "cache_dir": "--k3ref-cache-dir",

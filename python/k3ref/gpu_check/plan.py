@@ -37,6 +37,7 @@ class RunOptions:
     goldens: str = None
     device: str = None
     known_limitations: str = None
+    policy: str = None            # every KDA adapter judged under this policy instead of its own
     check_timeout: float = 900.0
     load_timeout: float = 900.0
     budget: float = 0.0
@@ -63,7 +64,7 @@ def options_of(config):
         adapters=tuple(g("k3ref_adapter")), builtin=bool(g("k3ref_builtin")),
         only=_csv(g("k3ref_only")), no_mutants=bool(g("k3ref_no_mutants")), checks=_csv(g("k3ref_checks")),
         cases=_csv(g("k3ref_cases")), goldens=g("k3ref_goldens"), device=g("k3ref_device"),
-        known_limitations=g("k3ref_known_limitations"), check_timeout=float(g("k3ref_check_timeout")),
+        known_limitations=g("k3ref_known_limitations"), policy=g("k3ref_policy"), check_timeout=float(g("k3ref_check_timeout")),
         load_timeout=float(g("k3ref_load_timeout")), budget=float(g("k3ref_budget")),
         isolate=not g("k3ref_no_isolation"), report=g("k3ref_report"), warmup=not g("k3ref_no_warmup"),
         warmup_jobs=g("k3ref_warmup_jobs"), warmup_timeout=float(g("k3ref_warmup_timeout")),
@@ -127,6 +128,14 @@ def select_adapters(opts, conftest_objects=()):
         collection.validate(adapters, suite, checks=opts.checks, cases=opts.cases)
     except collection.SelectorError as e:
         raise selection.UsageError(str(e)) from e
+    if opts.policy:  # --policy: the user's choice of bound for every KDA kernel, validated below
+        for a in adapters:
+            if a.family == "kda":
+                a.policy, a.policy_reason = opts.policy, "given on the command line (--policy / --k3ref-policy)"
+        try:
+            collection.validate(adapters, suite)
+        except collection.SelectorError as e:
+            raise selection.UsageError(str(e)) from e
     shapes.choose_all(adapters, suite)
     return adapters, requested, suite
 

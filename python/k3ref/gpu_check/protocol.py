@@ -47,8 +47,9 @@ class Adapter:
     policy = "recurrent"
     policy_reason = ""
     contract = ""
-    output_dtype = torch.bfloat16
-    requires_cuda = False  # True: reported unavailable without a CUDA device, without starting a child
+    output_dtype = torch.bfloat16   # the format of the outputs (o): their rounding floor
+    state_dtype = torch.float32     # the format of the state it returns and takes back (final, initial)
+    requires_cuda = False  # True: reported unavailable without a CUDA device, without loading it
 
     def __init__(self):
         self._loaded = None
