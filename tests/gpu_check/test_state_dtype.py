@@ -70,3 +70,16 @@ def test_the_policy_option_replaces_every_kernel_policy(tmp_path):
     assert {k["policy"] for k in kernels.values()} == {"floor:100"}
     bad = run(tmp_path / "s", "--policy", "floor:1_5")
     assert bad.returncode == 2 and "floor:1_5" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_report_groups_alike_failures_and_plots_the_failing_tensor(results, tmp_path_factory):
+    out = next(Path(p) for p in tmp_path_factory.getbasetemp().glob("dtype*/r"))
+    html = (out / "report.html").read_text()
+    summary = html[html.index("<ul>"):html.index("</ul>")]
+    # 21 goldens fail alike (on o): one line with their ratios and links, not 21 lines
+    group = re.search(r"<li>(\d+) golden tests of dtype.bf16_every_token failed on o, ([0-9.]+)x to ([0-9.]+)x", summary)
+    assert group and int(group.group(1)) >= 15 and float(group.group(2)) >= 1.5
+    assert summary.count("<li>") < 10
+    # the final state's failure is plotted as the final state, per (sequence, head)
+    section = html[html.index("id='dtype.bf16_every_token-kda_decay_zero-golden'"):]
+    assert "alt='error of final_state'" in section[:section.index("<h3", 10)]

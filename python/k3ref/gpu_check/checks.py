@@ -234,8 +234,14 @@ def judge_golden(adapter, case, o, final, window_tokens=8):
             res.extra[key] = {"index": dict(zip(AXES[r.tensor], r.worst_index)), "candidate": r.candidate_value,
                               "reference": r.golden_value, "abs_error": r.max_abs}
     if final is not None and "final_state" in case.expected and list(final.shape) == list(case.expected["final_state"].shape):
-        res.extra["final_state"] = M.compare(final.to(torch.float64), case.expected["final_state"].to(final.device),
-                                             adapter.output_dtype).to_dict()
+        ref_state = case.expected["final_state"].to(final.device).to(torch.float64)
+        res.extra["final_state"] = M.compare(final.to(torch.float64), ref_state, adapter.output_dtype).to_dict()
+        # Error by (sequence, value head) of the final state, for the report's plot of it.
+        err = (final.to(torch.float64) - ref_state).flatten(2).square().sum(-1)
+        den = ref_state.flatten(2).square().sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
+        res.extra["final_state_rows"] = (err / den).sqrt().cpu().tolist()
+        floor = next((r.floor for r in v.results if r.tensor == "final_state" and r.metric == "floor"), None)
+        res.extra["final_state_floor"] = floor
     return res
 
 

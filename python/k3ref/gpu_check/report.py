@@ -375,7 +375,26 @@ def _slug(text):
 
 
 def plot_failure(plt, res, path):
-    """Error by token window of a golden check (o), or None when there is nothing to plot."""
+    """A plot of the failing tensor of a golden check: o's error by token window, or the final
+    state's error by (sequence, value head); None when there is nothing to plot."""
+    extra = res.extra if isinstance(res.extra, dict) else {}
+    rows = extra.get("final_state_rows")
+    if extra.get("worst_tensor") == "final_state" and rows:
+        fig, ax = plt.subplots(figsize=(6, 2.8))
+        flat = [x for seq in rows for x in seq]
+        heads = len(rows[0]) if rows else 1
+        ax.semilogy(range(len(flat)), [max(x, 1e-18) for x in flat], marker="o", linestyle="none",
+                    label="rel RMS of the final state per (sequence, head)")
+        if extra.get("final_state_floor"):
+            ax.axhline(extra["final_state_floor"], color="grey", linestyle="--", label="bf16 floor (whole tensor)")
+        ax.set_xlabel(f"sequence x {heads} + value head")
+        ax.set_ylabel("relative RMS error")
+        ax.set_title(f"{res.adapter} {res.case}: final_state", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        return path
     if not res.windows:
         return None
     fig, ax = plt.subplots(figsize=(6, 2.8))
@@ -386,12 +405,26 @@ def plot_failure(plt, res, path):
         ax.axhline(floor, color="grey", linestyle="--", label="bf16 floor (whole tensor)")
     ax.set_xlabel(f"token (windows of {res.window_tokens})")
     ax.set_ylabel("relative RMS error")
-    ax.set_title(f"{res.adapter} {res.case}", fontsize=9)
+    ax.set_title(f"{res.adapter} {res.case}: o", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def failure_groups(rows, least=3):
+    """Failures that share a cause, for the report's summary: (adapter, check, failing tensor)
+    with at least `least` tests -> their test ids, in order; the rest stay one line each."""
+    groups = {}
+    for t, v, reason, rs in rows:
+        if v != "fail":
+            continue
+        tensor = next((r.extra.get("worst_tensor") for r in rs if isinstance(r.extra, dict)
+                       and r.extra.get("worst_tensor")), None)
+        status = "crashed" if any((r.extra or {}).get("crash") for r in rs) else "failed"
+        groups.setdefault((t.adapter.name, t.check, tensor, status), []).append((t, rs))
+    return {k: g for k, g in groups.items() if len(g) >= least}
 
 
 def write_all(out, rows, results, summary):
@@ -432,8 +465,20 @@ def write_html(path, rows, results, summary):
            f"{html.escape(str(summary.get('device')))}. Raw results: <a href='report.json'>report.json</a>, "
            f"JUnit: <a href='report.xml'>report.xml</a> (when --junitxml wrote it there).</p>"]
     if summary.get("failures"):
-        out.append("<ul>" + "".join(f"<li><a href='#{_slug(line.split(':')[0][5:])}'>{html.escape(line)}</a></li>"
-                                    for line in summary["failures"]) + "</ul>")
+        grouped = failure_groups(rows)
+        in_group = {t.id for g in grouped.values() for t, _ in g}
+        items = []
+        for (adapter, check, tensor, status), g in grouped.items():
+            ratios = [r.ratio for _, rs in g for r in rs if isinstance(r.ratio, float) and math.isfinite(r.ratio)]
+            span = f", {min(ratios):.3g}x to {max(ratios):.3g}x" if ratios else ""
+            links = ", ".join(f"<a href='#{_slug(t.id)}'>{html.escape(t.case)}</a>" for t, _ in g)
+            items.append(f"<li>{len(g)} {html.escape(check)} tests of {html.escape(adapter)} {status}"
+                         + (f" on {html.escape(tensor)}" if tensor else "") + f"{span}: {links}</li>")
+        for line in summary["failures"]:
+            tid = line.split(":")[0][5:]
+            if tid not in in_group:
+                items.append(f"<li><a href='#{_slug(tid)}'>{html.escape(line)}</a></li>")
+        out.append("<ul>" + "".join(items) + "</ul>")
     if plt is None:
         out.append(f"<p><b>Plots were left out:</b> matplotlib is {html.escape(mpl)}.</p>")
     # kernels x checks
@@ -511,14 +556,17 @@ def write_html(path, rows, results, summary):
             if r.extra.get("traceback"):
                 out.append("<details><summary>traceback</summary><pre>" + html.escape(r.extra["traceback"])
                            + "</pre></details>")
-            if plt is not None and r.windows:
+            plottable = r.windows or (isinstance(r.extra, dict) and r.extra.get("final_state_rows"))
+            if plt is not None and plottable:
                 plots_dir.mkdir(parents=True, exist_ok=True)
                 stem = t.id if len(rs) == 1 else f"{t.id}-{r.check}-{r.case}"
                 png = plot_failure(plt, r, plots_dir / f"{_slug(stem)}.png")
                 if png:
                     rel = os.path.relpath(png, path.parent)
-                    out.append(f"<p><a href='{rel}'><img src='{rel}' alt='error by token window'></a></p>")
-            elif r.windows:
+                    what = "final_state" if r.extra.get("worst_tensor") == "final_state" and \
+                        r.extra.get("final_state_rows") else "o"
+                    out.append(f"<p><a href='{rel}'><img src='{rel}' alt='error of {what}' title='{what}'></a></p>")
+            elif plottable:
                 out.append("<p>plot left out: matplotlib is not importable</p>")
     # kernels: contract, policy, availability, time split
     out.append("<h2>kernels</h2><table><tr><th>kernel</th><th>kind</th><th>contract</th><th>policy</th>"
