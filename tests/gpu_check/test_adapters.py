@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from k3ref.gpu_check import reference
+from k3ref.gpu_check import torch_model as reference  # the PyTorch recurrence, a kernel model
 from k3ref.gpu_check.adapters import KdaAdapter
 
 

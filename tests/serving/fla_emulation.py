@@ -8,7 +8,7 @@ allocation are dropped and counted in `stray_stores`; a final-state row never st
 (the wrapper's torch.empty)."""
 import torch
 
-from k3ref.gpu_check import reference
+from k3ref.gpu_check import torch_model as reference  # the PyTorch recurrence, a kernel model
 
 stray_stores = []
 

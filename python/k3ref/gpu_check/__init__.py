@@ -10,11 +10,11 @@ known limitations, verdicts), `plan` (the run's options, adapters, tests and war
 once), `execute` (one test in the worker that holds its kernel),
 `checks` (golden and metamorphic KDA checks), `attnres_check`, `qb_check`, `serving_check`
 (the other families), `metrics` (error metrics, on the GPU through libk3gc when available),
-`lib` (ctypes binding of libk3gc.so), `reference` (fp64 KDA recurrence in PyTorch), `timing`
+`lib` (ctypes binding of libk3gc.so), `references` (the one reference path: k3ref._core, libk3gc fp64 for long cases), `torch_model` (the KDA recurrence in PyTorch fp64: a kernel under test), `timing`
 (import, Triton compile, autotune and check time), `report` (HTML and JSON from pytest's results), `prop`
 (property tests), `backward` (gradients), `cp_check` (context parallelism over P ranks), `bench`
 (comparator and reference speed), `cli` (the `run` front end of the pytest plugin, `prop`,
 `warmup`). The runner is the pytest plugin, k3ref.pytest_plugin.
 """
 __all__ = ["adapters", "registry", "collection", "plan", "execute", "checks", "attnres_check", "qb_check", "serving_check",
-           "metrics", "lib", "reference", "timing", "report", "prop", "backward", "cp_check", "bench", "cli"]
+           "metrics", "lib", "references", "torch_model", "timing", "report", "prop", "backward", "cp_check", "bench", "cli"]

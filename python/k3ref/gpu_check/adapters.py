@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from . import lib, reference
+from . import lib, torch_model
 from .protocol import KDA_METAMORPHIC, Adapter, BrokenAdapter, CheckResult, LoadableAdapter  # noqa: F401 (the protocol's names, here as before)
 from .protocol import shapes_of as _shapes
 
@@ -427,7 +427,7 @@ class TorchKernelAdapter(KdaAdapter):
             inputs["q"] = torch.cat([q[:, 1:], q[:, -1:]], dim=1)
         elif self.mutation == "ignore_initial_state":
             inputs.pop("initial_state", None)
-        o, final = reference.kda_forward(inputs, params)
+        o, final = torch_model.kda_forward(inputs, params)
         return o.to(torch.bfloat16), final.to(torch.float32)
 
 

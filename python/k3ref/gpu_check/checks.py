@@ -119,15 +119,15 @@ def carried_state_error(inputs, params, split, state_dtype):
     """(rel RMS of o, of the final state): the fp64 recurrence run on [0, split) and then on
     the rest from its final state rounded to `state_dtype`, against the whole run. Zero when
     the state is carried in fp64; fp32 adds ~1e-8, bf16 ~1e-3 (the split check's bound)."""
-    from . import reference
+    from . import references
 
     if state_dtype == torch.float64:
         return 0.0, 0.0
     cpu = {k: v.cpu() for k, v in inputs.items()}
-    o, f = reference.kda_forward(cpu, params)
-    o1, f1 = reference.kda_forward(token_range(cpu, 0, split), params)
+    o, f = references.kda(cpu, params)
+    o1, f1 = references.kda(token_range(cpu, 0, split), params)
     second = dict(token_range(cpu, split, None), initial_state=f1.to(state_dtype).to(torch.float64))
-    o2, f2 = reference.kda_forward(second, params)
+    o2, f2 = references.kda(second, params)
 
     def rel(x, y):
         den = float(torch.linalg.vector_norm(y))

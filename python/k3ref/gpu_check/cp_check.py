@@ -211,7 +211,7 @@ def formula_elements(P, HV, K, V):
 # --------------------------------------------------------------------------- the PyTorch CP kernel
 
 def _prepare(local, params):
-    from .reference import prepare
+    from .torch_model import prepare
 
     return prepare(local, params)
 

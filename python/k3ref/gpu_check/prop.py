@@ -32,48 +32,14 @@ import torch
 from . import adapters as A
 from . import registry
 from .. import goldens
-from . import lib, metrics as M, reference
+from . import lib, metrics as M
 from .drawn_case import make_inputs, params_of  # noqa: F401  (params_of: prop.params_of for callers)
 
 GENERATOR_VERSION = "k3gc.prop/1"
-LONG_CASE_ELEMENTS = 1 << 22  # T * HV * K * V above which the GPU fp64 reference is used, when present
 
 # --------------------------------------------------------------------------- reference
 
-
-def _module():
-    """The k3ref package when its compiled references (k3ref._core) import, else None."""
-    import k3ref
-
-    try:
-        k3ref._compiled()
-    except ImportError:
-        return None
-    return k3ref
-
-
-def module_reference(inputs, params, precision="double"):
-    """(o, final_state) as float64 torch tensors from k3ref.kda (public API)."""
-    k3ref = _module()
-    out = k3ref.kda({n: t.cpu() for n, t in inputs.items()}, **goldens.kda_options(params), precision=precision,
-                    threads=2)
-    return out["o"], out["final_state"]
-
-
-def compute_reference(inputs, params, device):
-    """(o, final_state, source) in float64 on the CPU."""
-    s = A._shapes(inputs)
-    size = s["T"] * s["HV"] * s["K"] * s["V"]
-    if (str(device).startswith("cuda") and size >= LONG_CASE_ELEMENTS and lib.available()
-            and s["K"] <= 128 and s["V"] <= 128):
-        gpu = {k: v.to(device) for k, v in inputs.items()}
-        o, f = lib.kda_forward(gpu, params, precision=0, output_dtype=torch.float64, state_dtype=torch.float64)
-        return o.cpu(), f.cpu(), "libk3gc fp64"
-    if _module() is not None:
-        o, f = module_reference(inputs, params)
-        return o, f, "k3ref module (double)"
-    o, f = reference.kda_forward({k: v.cpu() for k, v in inputs.items()}, params)
-    return o, f, "PyTorch fp64"
+from .references import LONG_CASE_ELEMENTS, compute_reference, module_reference  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------- judging

@@ -46,7 +46,7 @@ import time
 import torch
 
 from .. import goldens as golden_io
-from . import reference
+from . import references, torch_model
 from .adapters import (Adapter, _env_path, _module_version, _need_cuda, fla_option_kwargs, fla_version,
                        load_fla)
 from .protocol import CheckResult
@@ -368,7 +368,7 @@ class ServingAdapter(Adapter):
         inputs, params, states = self._problem(5, [T], HV=2, K=8, V=12, device=device)
         one = {k: v for k, v in inputs.items() if k != "cu_seqlens"}
         h0 = states[:1].clone()
-        ref_o, ref_final = reference.kda_forward(dict(one, initial_state=h0), params)
+        ref_o, ref_final = references.kda(dict(one, initial_state=h0), params)
         single_o, single_final = self.prefill(one, params, h0.clone())
         problems, bitwise, worst = [], [], 0.0
         for split in (0, 1, 7, T - 1, T):
@@ -488,7 +488,7 @@ class ServingAdapter(Adapter):
         h0 = states[: len(lengths)].clone()
         if params["state_layout"] == "v_first":
             h0 = h0.transpose(-1, -2).contiguous()
-        ref_o, ref_final = reference.kda_forward(dict(inputs, initial_state=h0), params)
+        ref_o, ref_final = references.kda(dict(inputs, initial_state=h0), params)
         o, final = self.varlen(dict(inputs, initial_state=h0.clone()), params)
         o, final = o.cpu(), final.cpu()
         problems, worst = [], 0.0
@@ -565,7 +565,7 @@ class TorchServingAdapter(ServingAdapter):
         return outs, states
 
     def _prep(self, inputs, params):
-        prep = reference.prepare(inputs, params)
+        prep = torch_model.prepare(inputs, params)
         K = inputs["q"].shape[-1]
         scale = params.get("scale")
         return prep, K ** -0.5 if scale is None else float(scale)
@@ -669,7 +669,7 @@ class TorchServingAdapter(ServingAdapter):
         return o, final[None]
 
     def varlen(self, inputs, params):
-        o, final = reference.kda_forward(inputs, params)
+        o, final = torch_model.kda_forward(inputs, params)
         if self.mutation == "empty_sequence_state":
             cu = inputs["cu_seqlens"].tolist()
             for n in range(len(cu) - 1):

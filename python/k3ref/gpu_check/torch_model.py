@@ -1,6 +1,7 @@
-"""KDA forward in PyTorch fp64 (docs/conventions.md): the in-process reference on any device
-for small cases, and the fallback when libk3gc is absent. The fp64 GPU recurrence of
-libk3gc (lib.kda_forward, precision 0) is the reference for long sequences."""
+"""The KDA recurrence written in PyTorch, in fp64 (docs/conventions.md): a *kernel under test*,
+not a reference. The built-in CPU test kernels (`torch.fp64_bf16` and its mutants), the serving
+and CP models and the tests' stand-ins are built on it; what they are judged against comes from
+references.py (k3ref's compiled references, libk3gc's fp64 kernel for long cases)."""
 import math
 
 import torch
