@@ -125,9 +125,22 @@ def _check_strings(value):
             stack.extend(v)
 
 
-def parse_json(data, what, max_depth=MAX_DEPTH):
+_SCALAR = re.compile(r"[-+.0-9a-zA-Z]+")
+
+
+def _value_count(text):
+    """The number of JSON values in `text` as the C++ manifest reader counts them (every
+    scalar, string value, object and array; keys are not values), at C speed: strings are
+    replaced by one character each, keys are the strings before a colon."""
+    stripped, strings = _STRING.subn('"', text)
+    return (strings - stripped.count(":") + stripped.count("[") + stripped.count("{")
+            + _SCALAR.subn("", stripped)[1])
+
+
+def parse_json(data, what, max_depth=MAX_DEPTH, max_values=None):
     """The JSON value of `data` (bytes or str) under the rules above; `what` names its source.
-    `max_depth`: the deepest nesting allowed (a safetensors header's schema has 3 levels)."""
+    `max_depth`: the deepest nesting allowed (a safetensors header's schema has 3 levels);
+    `max_values`: the most JSON values (counted before any is built), or None."""
     try:
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
     except UnicodeDecodeError as e:
@@ -136,6 +149,8 @@ def parse_json(data, what, max_depth=MAX_DEPTH):
         raise ValueError(f"{what}: holds a NUL character (at {text.index(chr(0))})")
     if _depth(text) > max_depth:
         raise ValueError(f"{what}: nested more than {max_depth} deep")
+    if max_values is not None and _value_count(text) > max_values:
+        raise ValueError(f"{what}: more than {max_values} JSON values (the limit)")
     try:
         value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_int=_integer)
         if _LONE_SURROGATE_ESCAPE.search(text):
@@ -147,6 +162,6 @@ def parse_json(data, what, max_depth=MAX_DEPTH):
         raise ValueError(f"{what}: not valid JSON: {str(e).splitlines()[0][:200] if str(e) else 'invalid'}") from None
 
 
-def load_json(path, what, limit=MAX_JSON_BYTES):
+def load_json(path, what, limit=MAX_JSON_BYTES, max_values=None):
     """The JSON value of the regular file `path`."""
-    return parse_json(read_bytes(path, what, limit), f"{what} {path}")
+    return parse_json(read_bytes(path, what, limit), f"{what} {path}", max_values=max_values)
