@@ -48,20 +48,43 @@ def _no_duplicates(pairs):
     return out
 
 
+# Characters a terminal acts on or that break a line (io::printable's set in C++): C0, DEL, C1,
+# the line and paragraph separators, the bidirectional overrides and isolates.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028-\u202e\u2066-\u2069]")
+
+
+def _plain_keys(pairs):
+    """_no_duplicates, and no key holding a character of _UNPRINTABLE: the keys of a table or a
+    registry are names, which messages quote."""
+    for key, _ in pairs:
+        if _UNPRINTABLE.search(key):
+            raise ValueError(f"key {key[:80]!r} holds a control character")
+    return _no_duplicates(pairs)
+
+
 def _no_constant(name):
     # Python's json takes NaN, Infinity and -Infinity; JSON (and the C++ readers) do not.
     raise ValueError(f"{name} is not JSON (non-finite numbers have no JSON form)")
 
 
+def _float(text):
+    # As nlohmann::json (the C++ readers): a number past double's range is an error
+    # ("number overflow"), not infinity.
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number overflow parsing {text[:40]!r}")
+    return value
+
+
 def _integer(text):
-    # As the C++ readers' nlohmann::json: an integer that fits in 64 bits (signed, or unsigned
-    # when positive) is an integer; a longer one becomes a double (inf when past its range),
-    # never a Python int of thousands of digits.
+    # As nlohmann::json: an integer that fits in 64 bits (signed, or unsigned when positive) is
+    # an integer; a longer one becomes a double (an error past double's range), never a Python
+    # int of thousands of digits.
     if len(text) <= 20:
         value = int(text)
         if -(1 << 63) <= value < (1 << 64):
             return value
-    return float(text)
+    return _float(text)
 
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -126,6 +149,7 @@ def _check_strings(value):
 
 
 _SCALAR = re.compile(r"[-+.0-9a-zA-Z]+")
+_BIG_NUMBER = re.compile(r"[0-9]{20}|[eE][-+]?[0-9]{3}")
 
 
 def _value_count(text):
@@ -137,10 +161,11 @@ def _value_count(text):
             + _SCALAR.subn("", stripped)[1])
 
 
-def parse_json(data, what, max_depth=MAX_DEPTH, max_values=None):
+def parse_json(data, what, max_depth=MAX_DEPTH, max_values=None, plain_keys=False):
     """The JSON value of `data` (bytes or str) under the rules above; `what` names its source.
     `max_depth`: the deepest nesting allowed (a safetensors header's schema has 3 levels);
-    `max_values`: the most JSON values (counted before any is built), or None."""
+    `max_values`: the most JSON values (counted before any is built), or None; `plain_keys`:
+    refuse keys with control characters (tables and registries, whose keys are names)."""
     try:
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
     except UnicodeDecodeError as e:
@@ -152,7 +177,12 @@ def parse_json(data, what, max_depth=MAX_DEPTH, max_values=None):
     if max_values is not None and _value_count(text) > max_values:
         raise ValueError(f"{what}: more than {max_values} JSON values (the limit)")
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_int=_integer)
+        # (the number hooks cost a call per number: only when some number may pass 64 bits or
+        # double's range)
+        big = _BIG_NUMBER.search(text) is not None
+        value = json.loads(text, object_pairs_hook=_plain_keys if plain_keys else _no_duplicates,
+                           parse_constant=_no_constant, parse_int=_integer if big else None,
+                           parse_float=_float if big else None)
         if _LONE_SURROGATE_ESCAPE.search(text):
             _check_strings(value)
         return value
@@ -162,6 +192,7 @@ def parse_json(data, what, max_depth=MAX_DEPTH, max_values=None):
         raise ValueError(f"{what}: not valid JSON: {str(e).splitlines()[0][:200] if str(e) else 'invalid'}") from None
 
 
-def load_json(path, what, limit=MAX_JSON_BYTES, max_values=None):
-    """The JSON value of the regular file `path`."""
-    return parse_json(read_bytes(path, what, limit), f"{what} {path}", max_values=max_values)
+def load_json(path, what, limit=MAX_JSON_BYTES, max_values=None, plain_keys=True):
+    """The JSON value of the regular file `path` (a table or a registry: keys are names without
+    control characters, unless plain_keys=False, as for a golden manifest's free-form params)."""
+    return parse_json(read_bytes(path, what, limit), f"{what} {path}", max_values=max_values, plain_keys=plain_keys)

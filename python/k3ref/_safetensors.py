@@ -117,8 +117,10 @@ def read(path):
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             _fail(path, f"{where}: entry must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             _fail(path, f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        if isinstance(shape, list) and len(shape) > MAX_RANK:  # first: a shape of 20 million extents
+            _fail(path, f"{where}: shape has more than {MAX_RANK} dimensions (the rank limit)")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
             _fail(path, f"{where}: shape must be a list of non-negative integers, not {shape!r}")
@@ -126,8 +128,6 @@ def read(path):
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= len(data)):
             _fail(path, f"{where}: data_offsets {offsets!r} outside the {len(data)} data bytes")
-        if len(shape) > MAX_RANK:
-            _fail(path, f"{where}: shape has more than {MAX_RANK} dimensions (the rank limit)")
         # Every extent, and the product of the non-zero ones, fits in 63 bits (the C++ reader's
         # rule: a stride or a product of some extents of a zero-element shape must not overflow).
         nonzero = 1

@@ -228,7 +228,8 @@ def manifest(directory_=None):
     path = directory(directory_) / "MANIFEST.json"
     if not path.exists() and not path.is_symlink():
         return None
-    data = load_json(path, "golden manifest", limit=MAX_MANIFEST_BYTES, max_values=MAX_MANIFEST_VALUES)
+    data = load_json(path, "golden manifest", limit=MAX_MANIFEST_BYTES, max_values=MAX_MANIFEST_VALUES,
+                     plain_keys=False)  # (params are the generator's, any key: as golden::parse_manifest)
 
     def fail(where, what):
         raise ValueError(f"golden manifest {path}: {where}{': ' if where else ''}{what}")

@@ -41,7 +41,8 @@ std::string one_line(const std::string& message) {
 
 // The JSON rules every reader of the project's tables shares (k3ref._bounded in Python): no
 // value nested deeper than max_table_depth, no key twice in one object. A SAX pass checks
-// them before the document is built (nlohmann keeps the last of duplicate keys silently).
+// them before the document is built (nlohmann keeps the last of duplicate keys silently), and
+// that no key holds a control character.
 constexpr int max_table_depth = 64;
 
 class TableLimits final : public json::json_sax_t {
@@ -66,6 +67,12 @@ class TableLimits final : public json::json_sax_t {
   bool end_object() override { return close(); }
   bool end_array() override { return close(); }
   bool key(string_t& key) override {
+    // Keys are names, which messages quote: none holds a character a terminal acts on
+    // (io::printable's set), as k3ref._bounded reads tables and registries.
+    if (io::printable(key) != key) {
+      error = "key " + io::excerpt(key) + " holds a control character";
+      return false;
+    }
     if (!keys_.back().insert(key).second) {
       error = "duplicate key " + io::excerpt(key);
       return false;
