@@ -203,14 +203,14 @@ def main():
     corpus = seeds(args.seeds_dir)
     work = tempfile.mkdtemp(prefix="k3ref_limitations_fuzz_")
     stats = {"inputs": 0, "accepted": 0, "refused": 0, "findings": 0}
-    deadline = time.monotonic() + args.seconds
+    deadline = [float("inf")]  # set when the rounds start: --seconds of fuzzing, setup aside
     outcomes = []
 
     @settings(max_examples=200, deadline=None, database=None, derandomize=False, print_blob=True,
               suppress_health_check=list(HealthCheck))
     @given(st.integers(0, 2 ** 63), st.sampled_from(["bytes", "structured", "both"]))
     def one(value_seed, how):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline[0]:
             return
         rnd = random.Random(value_seed)
         if how == "bytes":
@@ -233,11 +233,13 @@ def main():
                             f"this run: --seed {run_seed})")
             print("FINDING: " + outcomes[-1], flush=True)
 
-    started = time.monotonic()
     from hypothesis import seed as hypothesis_seed
 
+    started = time.monotonic()
+    deadline[0] = started + args.seconds
+
     rounds = 0
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline[0]:
         # Hypothesis draws the inputs (200 a round); round r is seeded by run_seed + r, so
         # --seed replays the run.
         try:
