@@ -700,7 +700,7 @@ def read_cpp_outputs(path):
                                path.parent)
     if code is None:
         return ("failed", f"ran past {TIME_LIMIT_S:.0f} s")
-    if code == 2 and b"k3ref.outputs" in output:
+    if code == 2 and b"k3ref.outputs '" in output:  # check::expand_outputs's refusals quote the value
         return ("refused", output.decode(errors="replace"))
     if code in (0, 1, 2):
         return ("ok", None)  # expanded; the judgement then passed, failed, or refused the names
