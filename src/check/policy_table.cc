@@ -253,7 +253,7 @@ PolicyTable PolicyTable::parse(const std::string& json_text, const std::string& 
   if (!data.contains("format") || data["format"] != table_format)
     table_error(origin, std::string("'format' must be '") + table_format + "'");
   if (!data.contains("version") || !data["version"].is_number_integer() || data["version"] != policy_table_version)
-    table_error(origin, "version " + (data.contains("version") ? io::excerpt(data["version"].dump()) : std::string("(none)")) +
+    table_error(origin, "version " + (data.contains("version") ? data["version"].dump() : std::string("(none)")) +
                             " is not supported (this k3ref reads version " + std::to_string(policy_table_version) + ")");
   const json empty = json::object();
   const json& operators = data.contains("operators") ? data["operators"] : empty;
