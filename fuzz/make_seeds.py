@@ -2,11 +2,12 @@
 
 usage: make_seeds.py OUT_DIR [GOLDENS_DIR]
 
-OUT_DIR/safetensors, OUT_DIR/manifest and OUT_DIR/cli receive seeds that reach what the
+OUT_DIR/safetensors, OUT_DIR/manifest, OUT_DIR/cli and OUT_DIR/policy_table receive seeds that reach what the
 hostile corpus (tests/hostile/corpus.py) reaches, at sizes libFuzzer can mutate
 (run with -max_len=262144): values nested thousands deep in every field, headers with
 thousands of tensors, huge declared shapes with no elements, NUL bytes, escape codes,
-deep manifest params, and argument lists for every option with edge values.
+deep manifest params, argument lists for every option with edge values, and policy tables
+(policy/policies.json whole and cut down, deep, duplicate keys, NUL, escapes, 300 policies).
 """
 
 import json
@@ -21,7 +22,7 @@ from corpus import dumps, entry, kda_inputs, nested, safetensors_bytes  # noqa: 
 def main():
     out = sys.argv[1]
     goldens = sys.argv[2] if len(sys.argv) > 2 else None
-    seeds = {"safetensors": {}, "manifest": {}, "cli": {}}
+    seeds = {"safetensors": {}, "manifest": {}, "cli": {}, "policy_table": {}}
     st = seeds["safetensors"]
 
     header, data = kda_inputs(B=1, T=2, H=1, HV=2, K=2, V=2)
@@ -75,6 +76,26 @@ def main():
     cli["generate_only"] = args("golden", "generate", "--only", "kda_t1", "--only", "kda_t1", "--out", "d", "-j", "0")
     cli["verify"] = args("golden", "verify", "--dir", "d", "--generated", "g", "-j", "-1")
     cli["non_utf8"] = args("kda", "--in", b"\xff\xfe", "--out", b"o\xff")
+
+    pt = seeds["policy_table"]
+    table_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "policy", "policies.json")
+    table = json.load(open(table_path))
+    pt["committed"] = open(table_path, "rb").read()
+    pt["compact"] = json.dumps(table, separators=(",", ":")).encode()
+    op = "kda.recurrent"
+    small = {"format": table["format"], "version": table["version"],
+             "operators": {op: table["operators"][op]},
+             "policies": {"p": {"about": "x", "rules": {op: {"output": {"metric": "floor", "multiple": 2},
+                                                              "stage": {"metric": "rel-rms", "bound": 1e-3},
+                                                              "gradient": {"metric": "max-abs-ulps", "ulps": 4,
+                                                                           "floor_dtype": "bf16"}}}}}}
+    pt["small"] = json.dumps(small).encode()
+    pt["deep_about"] = json.dumps({**small, "about": "P"}).replace('"P"', nested(3000)).encode()
+    pt["dup_keys"] = pt["small"].replace(b'"version": 1', b'"version": 1, "version": 1')
+    pt["nul"] = pt["small"] + b"\0garbage"
+    pt["escapes"] = json.dumps({**small, "policies": {"\x1b[2J\n": {"rules": {}}}}).encode()
+    pt["many_policies"] = json.dumps({**small, "policies": {f"p{i}": small["policies"]["p"] for i in range(300)}}).encode()
+    pt["non_finite"] = pt["small"].replace(b'"multiple": 2', b'"multiple": 1e999')
 
     for target, files in seeds.items():
         os.makedirs(os.path.join(out, target), exist_ok=True)

@@ -76,6 +76,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("high_precision_bits") = k3ref::num::golden_bits;
   // InvalidArgument and FileError are ValueErrors with the library's one-line message.
   pybind11::register_exception<k3ref::InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+  pybind11::register_exception<k3ref::FileError>(m, "FileError", PyExc_ValueError);
   // The options vocabulary (k3ref/vocabulary.h), from which the package takes its option
   // names, defaults and allowed values: {option: {"values": (name, ...), "default": name or
   // None, "about": {name: meaning}}}; and every tier's {name: description}.
@@ -107,4 +108,5 @@ PYBIND11_MODULE(_core, m) {
   kp::register_kda_contract(m);
   kp::register_kcp(m);
   kp::register_attnres_qb(m);
+  kp::register_readers(m);
 }

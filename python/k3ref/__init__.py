@@ -233,6 +233,79 @@ def _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_la
     }
 
 
+# ---- memory budgets -------------------------------------------------------------------------
+# Every reference estimates its working memory from the shapes before it computes, by the rule
+# of `k3ref kda --memory-budget` (include/k3ref/io/memory_budget.h, through k3ref._core): the
+# outputs in the tier and as float64, the inputs lifted to the tier, two K x V states per thread
+# (at most one thread per sequence-head), and for the chunk forms each thread's chunk scratch
+# (about 8 C x C matrices, allocated at chunk_size C whatever the number of tokens); a value
+# takes 8 bytes in double, about 150 in mp256. Past `memory_budget` (bytes, or a string with a
+# binary K/M/G/T suffix; default None: half the machine's physical memory, the command's
+# default) the call is refused with a one-line ValueError naming the function and the budget.
+
+def _memory_budget(fn, value):
+    core = _compiled()
+    if value is None:
+        return int(core.default_memory_budget())
+    if isinstance(value, bool) or not isinstance(value, (int, str)) and not hasattr(value, "__index__"):
+        _fail(fn, TypeError, f"option 'memory_budget' must be a number of bytes or a string such as '512M', "
+                             f"not {type(value).__name__} ({value!r})")
+    if isinstance(value, str):
+        try:
+            return int(core.parse_memory_budget(value, "option 'memory_budget'"))
+        except ValueError as e:
+            _fail(fn, ValueError, str(e).splitlines()[0])
+    value = int(value.__index__())
+    if value <= 0:
+        _fail(fn, ValueError, f"option 'memory_budget' must be a positive number of bytes, not {value}")
+    return value
+
+
+def _gib(n):
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n:.0f} bytes"
+
+
+def _numel(a):
+    n = 1
+    for d in a.shape:
+        n *= int(d)
+    return n
+
+
+def _check_memory(fn, t, opt, precision, budget, *, chunk_size=0, stages=False, backward=False, ranks=0):
+    """Refuses (ValueError, one line) a KDA-family call whose estimated working memory is past
+    the budget; the shapes it cannot read are left to the library, which names them."""
+    q, v = t.get("q"), t.get("v")
+    if q is None or v is None or q.ndim != 4 or v.ndim != 4:
+        return
+    B, T, _, K = (int(x) for x in q.shape)
+    HV, V = int(v.shape[2]), int(v.shape[3])
+    N = len(t["cu_seqlens"]) - 1 if "cu_seqlens" in t and len(t["cu_seqlens"]) > 0 else B
+    N = max(N, 0)
+    inputs = sum(_numel(a) for name, a in t.items() if name not in _INDEX_INPUTS)
+    outputs = B * T * HV * V
+    if not opt.get("no_final_state"):
+        outputs += N * HV * K * V
+    if opt.get("all_states") or backward:  # the adjoint keeps every token's state
+        outputs += B * T * HV * K * V
+    if backward:
+        outputs += inputs  # the gradients, one per input
+    if stages and chunk_size:
+        outputs += B * T * HV * (5 * K + 3 * chunk_size + 2 * V) + (T // chunk_size + N + 1) * HV * K * V
+    if ranks:
+        outputs += ranks * HV * (K * K + 3 * K * V)
+    threads = opt["threads"]
+    need = float(_compiled().working_memory(outputs, inputs, N * HV, threads, K, V, chunk_size, precision))
+    if need > budget:
+        used = max(1, min(threads, max(1, N * HV)))
+        detail = f"{precision}, {used} thread(s), K = {K}, V = {V}" + (f", chunk_size = {chunk_size}" if chunk_size else "")
+        _fail(fn, ValueError, f"the computation needs about {_gib(need)} of memory ({detail}), over the memory_budget "
+                              f"of {_gib(budget)} (memory_budget=: bytes or '512M'; default half the machine's "
+                              "memory, as `k3ref kda --memory-budget`)")
+
+
 def _call(fn, core_fn, *args):
     """Calls k3ref._core; its errors (the library's InvalidArgument) become one-line ValueErrors."""
     torch = _torch()
@@ -244,41 +317,50 @@ def _call(fn, core_fn, *args):
 
 
 def kda(inputs, *, gate="log_decay", gate_base="e", lower_bound=None, beta="as_given", l2norm=False, scale=None,
-        state_layout="k_first", all_states=False, no_final_state=False, precision="double", threads=None):
+        state_layout="k_first", all_states=False, no_final_state=False, precision="double", threads=None,
+        memory_budget=None):
     """The KDA recurrence (what `k3ref kda` computes). inputs: q, k [B, T, H, K], v [B, T, HV, V],
     g [B, T, HV, K], beta [B, T, HV], optional initial_state [N, HV, K, V] (V-first with
     state_layout="v_first"), A_log [HV], dt_bias [HV, K], cu_seqlens [N + 1] (B = 1).
     Returns o [B, T, HV, V], final_state (unless no_final_state) and all_states [B, T, HV, K, V]
     (with all_states=True). threads: parallel over (sequence, head); never changes a result
-    (default: every CPU)."""
+    (default: every CPU). memory_budget: see "memory budgets" (refused past it, before computing)."""
     fn = "kda"
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, all_states,
                        no_final_state, threads)
-    return _call(fn, _compiled().kda_recurrent, t, opt, _choice(fn, "precision", precision))
+    precision = _choice(fn, "precision", precision)
+    _check_memory(fn, t, opt, precision, _memory_budget(fn, memory_budget))
+    return _call(fn, _compiled().kda_recurrent, t, opt, precision)
 
 
 def kda_chunkwise(inputs, *, chunk_form="flashkda", chunk_size=0, sub_chunk=16, stages=False, gate="log_decay",
                   gate_base="e", lower_bound=None, beta="as_given", l2norm=False, scale=None, state_layout="k_first",
-                  no_final_state=False, precision="double", threads=None):
+                  no_final_state=False, precision="double", threads=None, memory_budget=None):
     """The KDA forward by a chunkwise (UT transform) form: chunk_form "flashkda" (inverse-decay
     form, chunk 16 by default) or "fla" (FLA's sub-chunked form, chunk 64; sub_chunk rows per
     sub-chunk). chunk_size 0 takes the form's own. Returns o and final_state; with stages=True
     also the stage tensors of the kda.chunkwise_* goldens (decay, q_decay, k_decay, k_inv,
     k_restore, L, INV, M_qk, w, u_pre, u, chunk_states, chunk_starts; docs/chunkwise.md).
-    The arithmetic is exact to the tier (no rounding contract)."""
+    The arithmetic is exact to the tier (no rounding contract). memory_budget: as for kda (the
+    chunk scratch counts at chunk_size, whatever the number of tokens)."""
     fn = "kda_chunkwise"
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, no_final_state,
                        threads)
-    return _call(fn, _compiled().kda_chunkwise, t, opt, _choice(fn, "chunk_form", chunk_form),
-                 _count(fn, "chunk_size", chunk_size, 0), _count(fn, "sub_chunk", sub_chunk, 1),
-                 _flag(fn, "stages", stages), _choice(fn, "precision", precision))
+    chunk_form = _choice(fn, "chunk_form", chunk_form)
+    chunk_size = _count(fn, "chunk_size", chunk_size, 0)
+    stages = _flag(fn, "stages", stages)
+    precision = _choice(fn, "precision", precision)
+    _check_memory(fn, t, opt, precision, _memory_budget(fn, memory_budget),
+                  chunk_size=chunk_size or (64 if chunk_form == "fla" else 16), stages=stages)
+    return _call(fn, _compiled().kda_chunkwise, t, opt, chunk_form, chunk_size, _count(fn, "sub_chunk", sub_chunk, 1),
+                 stages, precision)
 
 
 def kda_contract(inputs, contract, *, exact=False, sites=None, gate="log_decay", gate_base="e", lower_bound=None,
                  beta="as_given", l2norm=False, scale=None, state_layout="k_first", no_final_state=False,
-                 threads=None):
+                 threads=None, memory_budget=None):
     """The precision contract of a real KDA kernel evaluated on the inputs it received
     (docs/contracts.md): "fla_recurrent", "fla_chunk", "fla_chunk_safe_gate" or "flashkda".
     Options as for kda. Returns o and final_state (float64), the values the kernel's declared
@@ -292,6 +374,9 @@ def kda_contract(inputs, contract, *, exact=False, sites=None, gate="log_decay",
     if sites is not None and not (hasattr(sites, "items") and all(isinstance(a, str) and isinstance(b, str)
                                                                 for a, b in sites.items())):
         _fail(fn, TypeError, f"option 'sites' must map site names to precision names, not {sites!r}")
+    # (the chunk kernels' contracts run a chunk form: counted at the larger default chunk, 64)
+    _check_memory(fn, t, opt, "double", _memory_budget(fn, memory_budget),
+                  chunk_size=0 if contract == "fla_recurrent" else 64)
     return _call(fn, _compiled().kda_contract, t, opt, _choice(fn, "contract", contract),
                  _flag(fn, "exact", exact), dict(sites or {}))
 
@@ -307,7 +392,7 @@ def kda_contract_sites(contract):
 
 def kda_backward(inputs, cotangents=None, *, method="adjoint", chunk_size=0, gate="log_decay", gate_base="e",
                  lower_bound=None, beta="as_given", l2norm=False, scale=None, state_layout="k_first",
-                 precision="double", threads=None):
+                 precision="double", threads=None, memory_budget=None):
     """Gradients of the KDA forward for the loss sum(o * d_o) + sum(final_state * d_final_state).
     cotangents: d_o [B, T, HV, V] and optional d_final_state; they may also sit in `inputs`
     (as in the kda.backward goldens). method "adjoint" (the adjoint recurrence) or "chunkwise"
@@ -320,8 +405,12 @@ def kda_backward(inputs, cotangents=None, *, method="adjoint", chunk_size=0, gat
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     c = _tensors(fn, cotangents, KDA_COTANGENTS, KDA_COTANGENTS[:1])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, False, threads)
-    return _call(fn, _compiled().kda_backward, t, c, opt, _choice(fn, "method", method),
-                 _count(fn, "chunk_size", chunk_size, 0), _choice(fn, "precision", precision))
+    method = _choice(fn, "method", method)
+    chunk_size = _count(fn, "chunk_size", chunk_size, 0)
+    precision = _choice(fn, "precision", precision)
+    _check_memory(fn, {**t, **c}, opt, precision, _memory_budget(fn, memory_budget), backward=True,
+                  chunk_size=(chunk_size or 16) if method == "chunkwise" else 0, stages=method == "chunkwise")
+    return _call(fn, _compiled().kda_backward, t, c, opt, method, chunk_size, precision)
 
 
 def _split_cotangents(fn, inputs, cotangents):
@@ -349,7 +438,7 @@ def _splits(fn, inputs, splits):
 
 def kcp_forward(inputs, splits=None, *, merge="origin_rank", gate="log_decay", gate_base="e", lower_bound=None,
                 beta="as_given", l2norm=False, scale=None, state_layout="k_first", all_states=False,
-                no_final_state=False, precision="double", threads=None):
+                no_final_state=False, precision="double", threads=None, memory_budget=None):
     """Context-parallel KDA over P simulated ranks (docs/kcp.md): splits [P + 1] are the ranks'
     token boundaries (0 .. T; also accepted as inputs["splits"]), inputs as for kda with B = 1
     and cu_seqlens. merge: how gathered fragments become entering states ("origin_rank" is
@@ -360,13 +449,14 @@ def kcp_forward(inputs, splits=None, *, merge="origin_rank", gate="log_decay", g
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, all_states,
                        no_final_state, threads)
-    return _call(fn, _compiled().kcp_forward, t, opt, s, _choice(fn, "merge", merge),
-                 _choice(fn, "precision", precision))
+    precision = _choice(fn, "precision", precision)
+    _check_memory(fn, t, opt, precision, _memory_budget(fn, memory_budget), ranks=max(len(s) - 1, 0))
+    return _call(fn, _compiled().kcp_forward, t, opt, s, _choice(fn, "merge", merge), precision)
 
 
 def kcp_backward(inputs, cotangents=None, splits=None, *, merge="origin_rank", gate="log_decay", gate_base="e",
                  lower_bound=None, beta="as_given", l2norm=False, scale=None, state_layout="k_first",
-                 precision="double", threads=None):
+                 precision="double", threads=None, memory_budget=None):
     """The context-parallel backward: each rank's adjoint over its slice from the state it
     entered with and the state gradient arriving from the next rank. Returns the gathered
     gradients (as kda_backward) and, stacked per rank, cp_entering_states and
@@ -377,11 +467,13 @@ def kcp_backward(inputs, cotangents=None, splits=None, *, merge="origin_rank", g
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     c = _tensors(fn, cotangents, KDA_COTANGENTS, KDA_COTANGENTS[:1])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, False, threads)
-    return _call(fn, _compiled().kcp_backward, t, c, opt, s, _choice(fn, "merge", merge),
-                 _choice(fn, "precision", precision))
+    precision = _choice(fn, "precision", precision)
+    _check_memory(fn, {**t, **c}, opt, precision, _memory_budget(fn, memory_budget), backward=True,
+                  ranks=max(len(s) - 1, 0))
+    return _call(fn, _compiled().kcp_backward, t, c, opt, s, _choice(fn, "merge", merge), precision)
 
 
-def attnres(inputs, *, eps=1e-6, block_size=None, two_phase=False, precision="double"):
+def attnres(inputs, *, eps=1e-6, block_size=None, two_phase=False, precision="double", memory_budget=None):
     """Attention Residuals with teacher forcing (docs/attnres.md). inputs: values [L+1, T, d],
     queries and norm_weights [L+1, d]. block_size None: full AttnRes; otherwise block AttnRes
     (two_phase: the two-phase inference form). Returns h [L+1, T, d], alpha, and for blocks
@@ -391,8 +483,19 @@ def attnres(inputs, *, eps=1e-6, block_size=None, two_phase=False, precision="do
     t = _tensors(fn, inputs, names, names)
     if block_size is not None:
         block_size = _count(fn, "block_size", block_size, 1)
+    precision = _choice(fn, "precision", precision)
+    values = t["values"]
+    if values.ndim == 3:  # outputs h [L+1, T, d] and alpha [L+1, T, L+1] (and block sums), inputs lifted
+        L1, T, d = (int(x) for x in values.shape)
+        need = float(_compiled().working_memory(3 * L1 * T * d + 2 * L1 * T * L1, sum(_numel(a) for a in t.values()),
+                                                1, 1, 0, 0, 0, precision))
+        budget = _memory_budget(fn, memory_budget)
+        if need > budget:
+            _fail(fn, ValueError, f"the computation needs about {_gib(need)} of memory ({precision}, L + 1 = {L1}, "
+                                  f"T = {T}, d = {d}), over the memory_budget of {_gib(budget)} (memory_budget=: "
+                                  "bytes or '512M'; default half the machine's memory)")
     return _call(fn, _compiled().attnres, t["values"], t["queries"], t["norm_weights"], _number(fn, "eps", eps, False),
-                 block_size, _flag(fn, "two_phase", two_phase), _choice(fn, "precision", precision))
+                 block_size, _flag(fn, "two_phase", two_phase), precision)
 
 
 def qb_solver(inputs, *, k, iterations, beta0=None):

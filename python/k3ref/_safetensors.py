@@ -12,7 +12,7 @@ API
 ---
 read(path) -> SafetensorsFile      .tensors {name: RawTensor(dtype, shape, data)}, in the
                                    file's data order; .metadata {str: str}
-load(path) -> (arrays, metadata)   {name: numpy array}: F64 F32 F16 I64 I32 I16 I8 U8 BOOL as
+load(path) -> (arrays, metadata)   {name: numpy array}: F64 F32 F16 I64 I32 U8 BOOL as
                                    stored (native byte order); BF16, F8_E4M3, F8_E5M2 widened
                                    exactly to float64
 to_numpy(raw, widen=True)          one RawTensor; widen=False gives BF16 as float32 (exact) and
@@ -29,14 +29,19 @@ from pathlib import Path
 
 import numpy as np
 
-# dtype name -> (NumPy storage dtype, bytes per element)
+# dtype name -> (NumPy storage dtype, bytes per element): the dtypes k3ref's C++ reader reads
+# (include/k3ref/tensor/dtype.h); a file with another (I16, I8, ...) is refused by both.
 DTYPES = {
     "F64": ("<f8", 8), "F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2),
     "F8_E4M3": ("u1", 1), "F8_E5M2": ("u1", 1),
-    "I64": ("<i8", 8), "I32": ("<i4", 4), "I16": ("<i2", 2), "I8": ("i1", 1), "U8": ("u1", 1),
+    "I64": ("<i8", 8), "I32": ("<i4", 4), "U8": ("u1", 1),
     "BOOL": ("?", 1),
 }
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
+# The C++ reader's limits (include/k3ref/io/safetensors.h), so that both take the same files.
+MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
+MAX_TENSORS = 131_072
+MAX_RANK = 64
+MAX_HEADER_DEPTH = 3            # top object, tensor entry, shape array: nothing nests deeper
 MAX_FILE_BYTES = 1 << 40                # read whole into memory: no file of that size is a golden
 
 
@@ -93,8 +98,8 @@ def read(path):
     (n,) = struct.unpack("<Q", raw[:8])
     if n > MAX_HEADER_BYTES or 8 + n > len(raw):
         _fail(path, f"header length {n} exceeds the file ({len(raw)} bytes) or the {MAX_HEADER_BYTES}-byte limit")
-    try:  # no duplicate keys (the C++ reader refuses them too), no NUL, bounded nesting
-        header = parse_json(bytes(raw[8:8 + n]), "header")
+    try:  # no duplicate keys (the C++ reader refuses them too), no NUL, the schema's nesting
+        header = parse_json(bytes(raw[8:8 + n]), "header", max_depth=MAX_HEADER_DEPTH)
     except ValueError as e:
         _fail(path, f"header is not JSON ({str(e).splitlines()[0]})")
     if not isinstance(header, dict):
@@ -103,6 +108,8 @@ def read(path):
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in metadata.items()):
         _fail(path, "__metadata__ must map strings to strings")
+    if len(header) > MAX_TENSORS:
+        _fail(path, f"header declares more than {MAX_TENSORS} tensors (the limit)")
     data = memoryview(raw)[8 + n:]
     entries = []
     for name, e in header.items():
@@ -110,8 +117,10 @@ def read(path):
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             _fail(path, f"{where}: entry must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             _fail(path, f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        if isinstance(shape, list) and len(shape) > MAX_RANK:  # first: a shape of 20 million extents
+            _fail(path, f"{where}: shape has more than {MAX_RANK} dimensions (the rank limit)")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
             _fail(path, f"{where}: shape must be a list of non-negative integers, not {shape!r}")
@@ -119,9 +128,16 @@ def read(path):
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= len(data)):
             _fail(path, f"{where}: data_offsets {offsets!r} outside the {len(data)} data bytes")
-        count = 1
+        # Every extent, and the product of the non-zero ones, fits in 63 bits (the C++ reader's
+        # rule: a stride or a product of some extents of a zero-element shape must not overflow).
+        nonzero = 1
         for d in shape:
-            count *= d
+            if d >= 1 << 63:
+                _fail(path, f"{where}: extent {d} in shape does not fit in 63 bits")
+            nonzero *= d or 1
+            if nonzero >= 1 << 63:
+                _fail(path, f"{where}: element count of shape {shape} overflows 63 bits")
+        count = 0 if 0 in shape else nonzero
         if offsets[1] - offsets[0] != count * DTYPES[dtype][1]:
             _fail(path, f"{where}: {offsets[1] - offsets[0]} bytes for shape {shape} of {dtype} "
                         f"(needs {count * DTYPES[dtype][1]})")
@@ -198,8 +214,8 @@ def load(path):
 
 # NumPy dtype -> safetensors dtype (the writer's direction; BF16 and F8 come from torch).
 _NUMPY_CODES = {np.dtype("float64"): "F64", np.dtype("float32"): "F32", np.dtype("float16"): "F16",
-                np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("int16"): "I16",
-                np.dtype("int8"): "I8", np.dtype("uint8"): "U8", np.dtype("bool"): "BOOL"}
+                np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("uint8"): "U8",
+                np.dtype("bool"): "BOOL"}  # (int16 and int8: no dtype k3ref's C++ reader reads)
 
 
 def _as_stored(name, t):
@@ -210,8 +226,7 @@ def _as_stored(name, t):
 
         t = t.detach().cpu().contiguous()
         codes = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                 torch.bool: "BOOL"}
+                 torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
         if t.dtype not in codes:
             raise TypeError(f"k3ref.save: tensor {name!r}: dtype {t.dtype} has no safetensors name here")
         raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t

@@ -205,22 +205,77 @@ def check_case_name(name, where="k3ref.goldens"):
     return name
 
 
+MAX_MANIFEST_VALUES = 1 << 20  # the C++ reader's max_manifest_values (src/golden/suite.h)
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_plain(text):
+    return isinstance(text, str) and bool(text) and len(text) <= 200 and text not in (".", "..") and set(text) <= _NAME_CHARS
+
+
+def _is_unsigned(value):
+    return type(value) is int and 0 <= value < 1 << 64
+
+
 def manifest(directory_=None):
-    """The parsed MANIFEST.json of a golden directory (read under k3ref._bounded's rules), or
-    None when the directory has none."""
+    """The parsed MANIFEST.json of a golden directory, or None when the directory has none.
+    Read under k3ref._bounded's rules and checked field by field as the C++ reader checks it
+    (golden::parse_manifest: format, suite, generator_version, schema, subset, and each case's
+    name, op, file, sha256, seed, bytes and params), so that both take the same manifests
+    (tests/python/test_reader_parity.py). ValueError (one line) otherwise."""
     from ._bounded import load_json
 
     path = directory(directory_) / "MANIFEST.json"
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return None
-    data = load_json(path, "golden manifest", limit=MAX_MANIFEST_BYTES)
-    cases = data.get("cases") if isinstance(data, dict) else None
-    if not isinstance(cases, list) or not all(isinstance(c, dict) for c in cases):
-        raise ValueError(f"golden manifest {path}: expected an object with a list 'cases'")
-    for c in cases:
-        check_case_name(c.get("name"), f"golden manifest {path}")
-        if not isinstance(c.get("sha256"), str) or len(c["sha256"]) != 64:
-            raise ValueError(f"golden manifest {path}: case {c['name']!r}: 'sha256' must be 64 hexadecimal digits")
+    data = load_json(path, "golden manifest", limit=MAX_MANIFEST_BYTES, max_values=MAX_MANIFEST_VALUES,
+                     plain_keys=False)  # (params are the generator's, any key: as golden::parse_manifest)
+
+    def fail(where, what):
+        raise ValueError(f"golden manifest {path}: {where}{': ' if where else ''}{what}")
+
+    def string(obj, key, where):
+        if not isinstance(obj.get(key), str):
+            fail(where, f"field '{key}' missing or not a string")
+        return obj[key]
+
+    if not isinstance(data, dict):
+        fail("", "top level is not a JSON object")
+    if string(data, "format", "") != "k3ref-golden-manifest":
+        fail("", "field 'format' is not k3ref-golden-manifest")
+    for key in ("suite", "generator_version"):
+        if not _is_plain(string(data, key, "")):
+            fail("", f"field '{key}' {data[key][:60]!r} is not a plain name ([A-Za-z0-9_.-], at most 200)")
+    if "schema" in data and not _is_plain(data["schema"]):
+        fail("", "field 'schema' is not a plain version string ([A-Za-z0-9_.-], at most 200)")
+    if "subset" in data and not isinstance(data["subset"], bool):
+        fail("", "field 'subset' is not a boolean")
+    cases = data.get("cases")
+    if not isinstance(cases, list):
+        fail("", "field 'cases' missing or not an array")
+    names = set()
+    for i, c in enumerate(cases):
+        where = f"case #{i}"
+        if not isinstance(c, dict):
+            fail(where, "not a JSON object")
+        name = string(c, "name", where)
+        check_case_name(name, f"golden manifest {path}: {where}")
+        where = f"case {name!r}"
+        if name in names:
+            fail(where, "listed twice")
+        names.add(name)
+        string(c, "op", where)
+        if string(c, "file", where) != name + ".safetensors":
+            fail(where, f"field 'file' is not '{name}.safetensors'")
+        sha = string(c, "sha256", where)
+        if len(sha) != 64 or not set(sha) <= _HEX:
+            fail(where, "'sha256' must be 64 lowercase hexadecimal digits")
+        if not _is_unsigned(c.get("seed")):
+            fail(where, "field 'seed' missing or not an unsigned integer")
+        if "bytes" in c and not _is_unsigned(c["bytes"]):
+            fail(where, "field 'bytes' is not an unsigned integer")
+        if not isinstance(c.get("params"), dict):
+            fail(where, "field 'params' missing or not an object")
     return data
 
 

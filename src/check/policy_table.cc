@@ -23,9 +23,81 @@ using nlohmann::json;
 constexpr const char* table_format = "k3ref-policy-table";
 const char* const role_names[] = {"output", "gradient", "stage"};
 
-[[noreturn]] void table_error(const std::string& where, const std::string& what) {
-  throw InvalidArgument(where + ": " + what);
+// Longest message a table error has: keys and names are the table's, untrusted, so the line
+// is made printable (no newline, no terminal escape) and cut.
+constexpr std::size_t max_message_bytes = 600;
+
+std::string one_line(const std::string& message) {
+  if (message.size() <= max_message_bytes) return io::printable(message);
+  std::size_t cut = max_message_bytes;
+  while (cut > 0 && (static_cast<unsigned char>(message[cut]) & 0xc0) == 0x80) --cut;  // a character boundary
+  return io::printable(std::string_view(message).substr(0, cut)) + "... (" + std::to_string(message.size()) +
+         " bytes)";
 }
+
+[[noreturn]] void table_error(const std::string& where, const std::string& what) {
+  throw InvalidArgument(one_line(where + ": " + what));
+}
+
+// The JSON rules every reader of the project's tables shares (k3ref._bounded in Python): no
+// value nested deeper than max_table_depth, no key twice in one object. A SAX pass checks
+// them before the document is built (nlohmann keeps the last of duplicate keys silently), and
+// that no key holds a control character.
+constexpr int max_table_depth = 64;
+
+class TableLimits final : public json::json_sax_t {
+ public:
+  std::string error;
+
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    keys_.emplace_back();
+    return open();
+  }
+  bool start_array(std::size_t) override {
+    keys_.emplace_back();  // an array's level holds no keys
+    return open();
+  }
+  bool end_object() override { return close(); }
+  bool end_array() override { return close(); }
+  bool key(string_t& key) override {
+    // Keys are names, which messages quote: none holds a character a terminal acts on
+    // (io::printable's set), as k3ref._bounded reads tables and registries.
+    if (io::printable(key) != key) {
+      error = "key " + io::excerpt(key) + " holds a control character";
+      return false;
+    }
+    if (!keys_.back().insert(key).second) {
+      error = "duplicate key " + io::excerpt(key);
+      return false;
+    }
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const json::exception& e) override {
+    error = "not valid JSON: " + io::excerpt(e.what(), 200);
+    return false;
+  }
+
+ private:
+  bool open() {
+    if (static_cast<int>(keys_.size()) > max_table_depth) {
+      error = "nested more than " + std::to_string(max_table_depth) + " deep";
+      return false;
+    }
+    return true;
+  }
+  bool close() {
+    keys_.pop_back();
+    return true;
+  }
+  std::vector<std::set<std::string>> keys_;
+};
 
 void only_keys(const json& obj, const std::vector<std::string>& allowed, const std::string& where) {
   if (!obj.is_object()) table_error(where, "must be an object");
@@ -115,7 +187,7 @@ std::optional<std::pair<RuleMetric, double>> parametric(const std::string& name)
     double value = -1;
     if (std::regex_match(text, number)) value = std::strtod(text.c_str(), nullptr);  // inf on overflow
     if (!(value > 0) || !std::isfinite(value))
-      throw InvalidArgument("tolerance policy '" + name + "': '" + text + "' is not a positive number");
+      throw InvalidArgument(one_line("tolerance policy '" + name + "': '" + text + "' is not a positive number"));
     return std::pair{metric, value};
   }
   return std::nullopt;
@@ -126,6 +198,8 @@ std::string join(const std::vector<std::string>& v) {
   for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
   return s;
 }
+
+[[noreturn]] void rules_error(const std::string& message) { throw InvalidArgument(one_line(message)); }
 
 }  // namespace
 
@@ -158,11 +232,20 @@ const OutputSpec* OperatorSpec::find(const std::string& name) const {
 }
 
 PolicyTable PolicyTable::parse(const std::string& json_text, const std::string& origin) {
+  // JSON holds no raw NUL (nlohmann's lexer would end the input at one) and no byte-order
+  // mark (nlohmann skips one; Python's json refuses it, and both readers must agree).
+  if (const std::size_t nul = json_text.find('\0'); nul != std::string::npos)
+    table_error(origin, "holds a NUL character (at " + std::to_string(nul) + ")");
+  if (json_text.starts_with("\xef\xbb\xbf")) table_error(origin, "starts with a UTF-8 byte-order mark");
+  if (const auto bad = io::first_invalid_utf8(json_text)) table_error(origin, "not UTF-8 (byte " + std::to_string(*bad) + ")");
+  TableLimits limits;
+  if (!json::sax_parse(json_text, &limits))
+    table_error(origin, limits.error.empty() ? std::string("not valid JSON") : limits.error);
   json data;
   try {
     data = json::parse(json_text);
   } catch (const json::exception& e) {
-    throw InvalidArgument(origin + ": not valid JSON: " + std::string(e.what()));
+    table_error(origin, "not valid JSON: " + io::excerpt(e.what(), 200));
   }
   PolicyTable t;
   t.origin_ = origin;
@@ -232,12 +315,10 @@ PolicyTable PolicyTable::parse(const std::string& json_text, const std::string& 
 }
 
 PolicyTable PolicyTable::load(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FileError(path.string() + ": cannot open the policy table");
-  std::stringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw FileError(path.string() + ": cannot read the policy table");
-  return parse(text.str(), path.string());
+  // A regular file of at most max_table_bytes, opened without blocking (a FIFO, a device or a
+  // directory is refused unread), as the Python reader reads it.
+  const std::vector<std::uint8_t> bytes = io::read_regular_file(path, max_table_bytes);
+  return parse(std::string(bytes.begin(), bytes.end()), io::printable(path.string()));
 }
 
 const std::string& PolicyTable::builtin_text() {
@@ -284,8 +365,8 @@ const std::string& PolicyTable::about(const std::string& policy) const {
 std::map<std::string, TensorRule> PolicyTable::rules(const std::string& policy, const std::string& op) const {
   const OperatorSpec* spec = find_operator(op);
   if (!spec)
-    throw InvalidArgument("operator '" + op + "' is not in the policy table " + origin_ + " (known: " +
-                          join(operator_names()) + ")");
+    rules_error("operator '" + op + "' is not in the policy table " + origin_ + " (known: " + join(operator_names()) +
+                ")");
   if (const auto param = parametric(policy)) {
     std::map<std::string, TensorRule> out;
     for (const auto& o : spec->outputs) {
@@ -309,10 +390,9 @@ std::map<std::string, TensorRule> PolicyTable::rules(const std::string& policy, 
   if (it != rules_.end()) return it->second;
   const auto names = policy_names();
   if (std::find(names.begin(), names.end(), policy) != names.end())
-    throw InvalidArgument("policy '" + policy + "' has no rules for operator '" + op + "' (it covers " +
-                          join(operators_of(policy)) + ")");
-  throw InvalidArgument("unknown tolerance policy '" + policy + "' (known: exact, floor:<m>, rel-rms:<r>, " +
-                        join(names) + ")");
+    rules_error("policy '" + policy + "' has no rules for operator '" + op + "' (it covers " +
+                join(operators_of(policy)) + ")");
+  rules_error("unknown tolerance policy '" + policy + "' (known: exact, floor:<m>, rel-rms:<r>, " + join(names) + ")");
 }
 
 std::string policy_table_help(const PolicyTable& table) {

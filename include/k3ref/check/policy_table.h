@@ -12,6 +12,7 @@
 // entry, never in the middle of a verdict.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -24,6 +25,8 @@
 namespace k3ref::check {
 
 inline constexpr int policy_table_version = 1;
+// Largest table file load() reads (the shipped one is about 20 kB), as k3ref.policy reads it.
+inline constexpr std::uint64_t max_table_bytes = std::uint64_t{4} << 20;
 
 enum class TensorRole { output, gradient, stage };  // stage tensors are optional in a candidate
 enum class RuleMetric { exact, floor_multiple, rel_rms, max_abs_ulps };
@@ -60,8 +63,11 @@ class PolicyTable {
   // Parses a table's JSON text; `origin` names it in errors. Throws InvalidArgument
   // ("<origin>: policies.chunk.rules.kda.backward: no rule for 'dq' ...") on anything
   // malformed, unknown keys included, and on a version other than policy_table_version.
+  // The JSON rules are k3ref._bounded's: UTF-8 without NUL or byte-order mark, nested at
+  // most 64 deep, no key twice in one object. Every message is one printable line.
   static PolicyTable parse(const std::string& json_text, const std::string& origin);
-  // Reads and parses a file (FileError when it cannot be read).
+  // Reads and parses a regular file of at most max_table_bytes (FileError when it cannot be
+  // read, is a FIFO, a device or a directory, or is larger).
   static PolicyTable load(const std::filesystem::path& path);
   // The copy of policy/policies.json compiled into the library.
   static const PolicyTable& builtin();
