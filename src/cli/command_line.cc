@@ -30,6 +30,7 @@
 #include "golden/suite.h"
 #include "golden/kda_family.h"
 #include "k3ref/io/file.h"
+#include "k3ref/io/memory_budget.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/kda/recurrent.h"
@@ -265,34 +266,10 @@ struct KdaArgs {
   std::string memory_budget;  // bytes, with an optional K/M/G/T suffix (binary); empty: half the machine's memory
 };
 
-// Bytes a value of the tier occupies while `k3ref kda` computes with it: a double, or the
-// 256-bit float (its limbs and header; measured about 150 bytes per state element).
-constexpr std::int64_t bytes_per_element(num::Tier tier) { return tier == num::Tier::double_ ? 8 : 150; }
-
 // The memory budget of a `k3ref kda` or `k3ref inputs` run in bytes: the text of
-// --memory-budget, else (empty) half of the machine's physical memory.
-std::int64_t memory_budget(const std::string& text) {
-  if (text.empty()) {
-    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-    return pages > 0 && page > 0 ? static_cast<std::int64_t>(pages) * page / 2 : std::int64_t{8} << 30;
-  }
-  std::size_t digits = 0;
-  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
-  std::int64_t value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + digits, value);
-  const std::string suffix = text.substr(digits);
-  const int shift = suffix.empty() ? 0
-                    : suffix == "K" ? 10
-                    : suffix == "M" ? 20
-                    : suffix == "G" ? 30
-                    : suffix == "T" ? 40
-                                    : -1;
-  if (digits == 0 || ec != std::errc() || shift < 0 || value <= 0 ||
-      value > (std::numeric_limits<std::int64_t>::max() >> shift))
-    throw InvalidArgument("option --memory-budget: expected a positive number of bytes with an optional K, M, G or T "
-                          "suffix (binary), not " + io::excerpt(text));
-  return value << shift;
-}
+// --memory-budget, else (empty) half of the machine's physical memory (io/memory_budget.h, the
+// rule the Python package's memory_budget= follows too).
+std::int64_t memory_budget(const std::string& text) { return io::parse_memory_budget(text, "option --memory-budget"); }
 
 // Bounds on what `k3ref kda` computes, checked from the shapes before anything is
 // allocated: a file with T = 0 has no elements, so its size bounds nothing, yet its shapes
@@ -349,13 +326,17 @@ void check_kda_work(const io::SafetensorsFile& file, const KdaArgs& a) {
   // and those of the sequence-heads it has finished: at most all of them). All are within
   // 2^28 elements by now, so the sums stay far from overflow.
   const num::Tier tier = num::precision_tiers.parse(a.precision.empty() ? "double" : a.precision);
-  const std::int64_t per = bytes_per_element(tier);
   std::int64_t inputs = 0;
   for (const auto& [name, t] : file.tensors) inputs += static_cast<std::int64_t>(io::checked_element_count(t, name));
   const std::int64_t threads = std::max<std::int64_t>(1, std::min<std::int64_t>(a.threads, pairs));
-  const double need = static_cast<double>(final_elements + o_elements + all_elements) * static_cast<double>(per + 8) +
-                      static_cast<double>(inputs) * static_cast<double>(per + 8) +
-                      static_cast<double>(threads) * static_cast<double>(K) * static_cast<double>(V) * per * 2;
+  io::WorkShape work;
+  work.outputs = final_elements + o_elements + all_elements;
+  work.inputs = inputs;
+  work.sequence_heads = pairs;
+  work.threads = a.threads;
+  work.K = K;
+  work.V = V;
+  const double need = io::working_memory(work, tier != num::Tier::double_);
   const std::int64_t budget = memory_budget(a.memory_budget);
   if (need > static_cast<double>(budget))
     throw FileError(where + ": the run needs about " + fmt_gib(need) + " of memory (" +

@@ -13,6 +13,7 @@
 #include "k3ref/error.h"
 #include "k3ref/exec/parallel.h"
 #include "k3ref/io/file.h"
+#include "k3ref/io/json_rules.h"
 #include "k3ref/io/sha256.h"
 #include "k3ref/num/scalar.h"
 
@@ -24,52 +25,6 @@ using nlohmann::json;
 
 // A golden file: regular files only (a FIFO would block, /dev/zero never ends), bounded.
 std::vector<std::uint8_t> read_all(const fs::path& path) { return io::read_regular_file(path, max_golden_file_bytes); }
-
-// Counts nesting and values while nlohmann parses, and stops the parse at the first value
-// past either limit: the document is built only for manifests within both, so no deep
-// value reaches a recursive copy, comparison, dump or destructor, and a manifest of
-// millions of tiny values is refused before it costs their memory.
-class ManifestLimits final : public json::json_sax_t {
- public:
-  std::string error;
-
-  bool null() override { return value(); }
-  bool boolean(bool) override { return value(); }
-  bool number_integer(number_integer_t) override { return value(); }
-  bool number_unsigned(number_unsigned_t) override { return value(); }
-  bool number_float(number_float_t, const string_t&) override { return value(); }
-  bool string(string_t&) override { return value(); }
-  bool binary(binary_t&) override { return value(); }
-  bool start_object(std::size_t) override { return open(); }
-  bool start_array(std::size_t) override { return open(); }
-  bool end_object() override { return close(); }
-  bool end_array() override { return close(); }
-  bool key(string_t&) override { return true; }
-  bool parse_error(std::size_t, const std::string&, const json::exception& e) override {
-    error = "not valid JSON (" + io::excerpt(e.what(), 160) + ")";
-    return false;
-  }
-
- private:
-  bool value() {
-    if (++values_ <= max_manifest_values) return true;
-    error = "more than " + std::to_string(max_manifest_values) + " JSON values (the limit)";
-    return false;
-  }
-  bool open() {
-    if (++depth_ > max_manifest_depth) {
-      error = "values nested more than " + std::to_string(max_manifest_depth) + " deep (the limit)";
-      return false;
-    }
-    return value();
-  }
-  bool close() {
-    --depth_;
-    return true;
-  }
-  int depth_ = 0;
-  std::size_t values_ = 0;
-};
 
 std::string file_name_of(const Case& c) { return c.name + ".safetensors"; }
 
@@ -88,9 +43,20 @@ Manifest parse_manifest(std::span<const std::uint8_t> bytes, const std::string& 
   // nlohmann's lexer ends the input at a NUL, which would accept garbage after one.
   if (const std::size_t nul = text.find('\0'); nul != std::string_view::npos)
     throw FileError(file + ": holds a NUL byte at byte " + std::to_string(nul) + " (JSON allows none)");
-  ManifestLimits limits;
-  if (!json::sax_parse(text.begin(), text.end(), &limits))
-    throw FileError(file + ": " + (limits.error.empty() ? std::string("not valid JSON") : limits.error));
+  // The shared JSON rules (io/json_rules.h), checked before the document is built.
+  using Break = io::JsonRuleBreak::Kind;
+  if (const auto broken = io::check_json_rules(text, {max_manifest_depth, max_manifest_values, false})) {
+    switch (broken.kind) {
+      case Break::byte_order_mark: throw FileError(file + ": starts with a byte-order mark (JSON allows none)");
+      case Break::too_deep:
+        throw FileError(file + ": values nested more than " + std::to_string(max_manifest_depth) + " deep (the limit)");
+      case Break::too_many_values:
+        throw FileError(file + ": more than " + std::to_string(max_manifest_values) + " JSON values (the limit)");
+      case Break::duplicate_key:
+        throw FileError(file + ": duplicate key " + io::excerpt(broken.detail) + " (JSON keys must be unique)");
+      default: throw FileError(file + ": not valid JSON (" + io::excerpt(broken.detail, 160) + ")");
+    }
+  }
   json j;
   try {
     j = json::parse(text.begin(), text.end());
