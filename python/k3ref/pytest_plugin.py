@@ -164,6 +164,7 @@ def _plan_in_child(config, opts, path):
                     print(line[len(PROGRESS):], end="", flush=True)
             proc.wait()
         finally:
+            proc.stdout.close()
             timed_out = not timer.is_alive() and proc.returncode is not None and proc.returncode < 0
             timer.cancel()
         rc = None if timed_out else proc.returncode
@@ -204,6 +205,8 @@ def pytest_cmdline_main(config):
                                  f"python3-pytest-timeout); or pass --k3ref-no-isolation to run in this process")
             workdir = Path(tempfile.mkdtemp(prefix="k3ref_run_"))
             config.stash[STATE]["workdir"] = workdir
+            config.stash[STATE]["log_dir_before"] = os.environ.get(LOG_DIR_VARIABLE)
+            os.environ[LOG_DIR_VARIABLE] = str(workdir)  # the workers inherit it (pytest_load_initial_conftests)
             try:
                 plan = _plan_in_child(config, opts, workdir / "plan.json")
             except BaseException:
@@ -239,17 +242,31 @@ def pytest_configure(config):
         config.addinivalue_line("markers", "k3ref: a k3ref harness test")
 
 
-def _worker_stderr(config):
-    """The worker's stderr (faulthandler's report of a crash, pytest-timeout's stacks) into a
-    log the controller reads when the worker dies."""
-    import faulthandler
+LOG_DIR_VARIABLE = "K3REF_WORKER_LOG_DIR"  # set by the controller for the workers it starts
 
-    log_path = Path(config.workerinput["k3ref_plan"]).with_name(f"{config.workerinput['workerid']}.stderr")
-    log = open(log_path, "ab", buffering=0)
-    log.write(f"\n=== k3ref worker {config.workerinput['workerid']} pid {os.getpid()} ===\n".encode())
-    os.dup2(log.fileno(), 2)
-    faulthandler.enable(file=log)
-    config.stash[STATE] = {"log": log}
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    """A worker's file descriptor 2 into its log before pytest's capture saves it, so that
+    what a kernel writes while it dies (a CUDA or C++ assertion, faulthandler's report,
+    pytest-timeout's stacks) lands where the controller reads it."""
+    log_dir, worker = os.environ.get(LOG_DIR_VARIABLE), os.environ.get("PYTEST_XDIST_WORKER")
+    if log_dir and worker and Path(log_dir).is_dir():
+        import faulthandler
+
+        log = open(Path(log_dir) / f"{worker}.stderr", "ab", buffering=0)
+        log.write(f"\n=== k3ref worker {worker} pid {os.getpid()} ===\n".encode())
+        os.dup2(log.fileno(), 2)
+        faulthandler.enable(file=log)
+        _WORKER_LOG["log"] = log
+    yield
+
+
+_WORKER_LOG = {}
+
+
+def _worker_stderr(config):
+    config.stash[STATE] = {"log": _WORKER_LOG.get("log") or sys.stderr}
 
 
 # --------------------------------------------------------------------------- collection
@@ -271,7 +288,13 @@ class K3refItem(pytest.Item):
         from k3ref.gpu_check.report import result_record
 
         executor = self.config.stash[STATE]["executor"]
-        verdict, reason, results = executor.run(self.entry)
+        capman = self.config.pluginmanager.getplugin("capturemanager")
+        if capman is not None and _role(self.config) == "worker":
+            # Capture off while the kernel runs: what it prints as it dies goes to the log.
+            with capman.global_and_fixture_disabled():
+                verdict, reason, results = executor.run(self.entry)
+        else:
+            verdict, reason, results = executor.run(self.entry)
         loaded = executor.loaded.get(self.entry["adapter"])
         recycle = any(r.status == "error" and any(w in r.reason for w in CUDA_WORDS) for r in results)
         # Carried to the controller on the report (pytest_runtest_makereport), not as a user
@@ -493,7 +516,7 @@ def pytest_handlecrashitem(crashitem, report, sched):
     if any(_record_of(r) and _record_of(r).get("recycle") for r in earlier):
         report.outcome, report.when, report.longrepr = "passed", "teardown", None
         return
-    from k3ref.gpu_check.report import crash_reason
+    from k3ref.gpu_check.report import crash_excerpt, crash_reason
 
     workdir = state.get("workdir")
     worker = getattr(getattr(report, "node", None), "gateway", None)
@@ -501,7 +524,7 @@ def pytest_handlecrashitem(crashitem, report, sched):
     text = log.read_bytes()[-64 * 1024:].decode(errors="replace") if log and log.is_file() else ""
     text = text.rpartition("=== k3ref worker ")[2].partition("\n")[2] if "=== k3ref worker " in text else text
     report.longrepr = crash_reason(text, state["opts"].check_timeout if state.get("opts") else None) + (
-        "\nlast lines of the worker's stderr:\n" + text[-3000:] if text.strip() else "")
+        "\nthe worker's stderr:\n" + crash_excerpt(text) if text.strip() else "")
 
 
 def _record_of(report):
@@ -537,6 +560,11 @@ def pytest_sessionfinish(session, exitstatus):
     workdir = state.get("workdir")
     if workdir:
         import shutil
+
+        if state.get("log_dir_before") is None:
+            os.environ.pop(LOG_DIR_VARIABLE, None)
+        else:
+            os.environ[LOG_DIR_VARIABLE] = state["log_dir_before"]
 
         shutil.rmtree(workdir, ignore_errors=True) if not os.environ.get("K3REF_DEBUG_KEEP") else None
 

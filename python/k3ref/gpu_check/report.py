@@ -179,11 +179,29 @@ def stderr_summary(tail):
         return "(nothing on stderr)"
     at = next((i for i, l in enumerate(lines) if l.startswith("Fatal Python error")), None)
     if at is not None:
-        frames = [l for l in lines[at:] if l.startswith("File ")]
+        # faulthandler lists the thread that failed first ("Current thread"), most recent call first
+        current = next((i for i in range(at, len(lines)) if lines[i].startswith("Current thread")), at)
+        frames = [l for l in lines[current:] if l.startswith("File ")]
         # What the process printed just before it died (a C++ assertion, a CUDA error).
         said = [l for l in lines[:at] if not l.startswith(("File ", "Thread ", "Current thread", "Extension modules"))]
         return ((said[-1] + "; ") if said else "") + lines[at] + (f"; innermost frame: {frames[0]}" if frames else "")
     return lines[-1]
+
+
+def crash_excerpt(text, limit=3000):
+    """What a report keeps of a dead worker's stderr: with a fatal-error report, what was
+    printed just before it and the failing thread's stack (other threads' stacks come after
+    and would push both out of a plain tail); else the tail."""
+    at = text.find("Fatal Python error")
+    if at < 0:
+        return text[-limit:]
+    current = text.find("Current thread", at)
+    end = text.find("\nThread 0x", current) if current >= 0 else -1
+    end = len(text) if end < 0 else end
+    before = text[max(0, at - limit // 3):at]
+    fatal = text[at:text.find("\n", at) + 1 or len(text)]
+    stack = text[current:end] if current >= 0 else text[at + len(fatal):end]
+    return (before + fatal + stack)[: limit]
 
 
 def crash_reason(stderr_text, check_timeout=None):
