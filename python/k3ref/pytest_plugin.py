@@ -207,6 +207,12 @@ def pytest_cmdline_main(config):
             config.stash[STATE]["workdir"] = workdir
             config.stash[STATE]["log_dir_before"] = os.environ.get(LOG_DIR_VARIABLE)
             os.environ[LOG_DIR_VARIABLE] = str(workdir)  # the workers inherit it (pytest_load_initial_conftests)
+            # Workers import this plugin before any hook of it runs, with a sys.path pytest-xdist
+            # froze when it was imported: the package's root goes in through the environment.
+            config.stash[STATE]["pythonpath_before"] = os.environ.get("PYTHONPATH")
+            package_root = str(Path(__file__).resolve().parents[1])
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                dict.fromkeys([package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
             try:
                 plan = _plan_in_child(config, opts, workdir / "plan.json")
             except BaseException:
@@ -288,6 +294,13 @@ class K3refItem(pytest.Item):
         from k3ref.gpu_check.report import result_record
 
         executor = self.config.stash[STATE]["executor"]
+        crashed = Path(self.config.workerinput["k3ref_plan"]).with_name("crashed") if hasattr(
+            self.config, "workerinput") else None
+        if crashed is not None and crashed.is_file() and self.nodeid in crashed.read_text().splitlines():
+            pytest.skip("not run again: this test ended a worker before (its result is that crash)")
+        log = _WORKER_LOG.get("log")
+        if log is not None:  # where this test's own output starts in the worker's log
+            log.write(f"--- k3ref test {self.nodeid} ---\n".encode())
         capman = self.config.pluginmanager.getplugin("capturemanager")
         if capman is not None and _role(self.config) == "worker":
             # Capture off while the kernel runs: what it prints as it dies goes to the log.
@@ -479,24 +492,27 @@ def _junit(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadscope with two repairs of pytest-xdist 3.1's: a test that crashed its worker
-    is not run again (its scope went back to the queue with it), and a replacement worker that
-    is still collecting is not given work (3.1 raised KeyError when two workers died close
-    together)."""
+    """--dist loadscope with two repairs of pytest-xdist's (3.1 to 3.8): a test that crashed its
+    worker is not run again (its scope goes back to the queue with it undone, and another
+    worker would run it), and a replacement worker that is still collecting is not given work
+    (3.1 raised KeyError when two workers died close together)."""
     if _role(config) != "isolated" or config.option.dist != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    crashed = config.stash[STATE]["workdir"] / "crashed"
+
     class GroupScheduling(LoadScopeScheduling):
         def remove_node(self, node):
-            crashitem = super().remove_node(node)
-            if crashitem:
-                for scope, unit in list(self.workqueue.items()):
-                    if crashitem in unit:
-                        unit[crashitem] = True
-                        if all(unit.values()):
-                            del self.workqueue[scope]
-            return crashitem
+            # The test a dead worker was running goes back to the queue with its scope, and
+            # xdist hands it to another worker before it returns: name it first in a file the
+            # workers read before a test (K3refItem.runtest), so that it is not run again.
+            pending = [nodeid for unit in self.assigned_work.get(node, {}).values()
+                       for nodeid, done in unit.items() if not done]
+            if pending:
+                with open(crashed, "a") as f:
+                    f.write(pending[0] + "\n")
+            return super().remove_node(node)
 
         def _reschedule(self, node):
             if node in self.registered_collections:
@@ -518,13 +534,24 @@ def pytest_handlecrashitem(crashitem, report, sched):
         return
     from k3ref.gpu_check.report import crash_excerpt, crash_reason
 
+    entry = next((e for e in (config.stash.get(PLAN, None) or {}).get("tests", ()) if e["nodeid"] == crashitem), None)
+
     workdir = state.get("workdir")
     worker = getattr(getattr(report, "node", None), "gateway", None)
     log = Path(workdir) / f"{worker.id}.stderr" if workdir and worker is not None else None
     text = log.read_bytes()[-64 * 1024:].decode(errors="replace") if log and log.is_file() else ""
-    text = text.rpartition("=== k3ref worker ")[2].partition("\n")[2] if "=== k3ref worker " in text else text
+    header, _, text = text.rpartition("=== k3ref worker ")[2].partition("\n") if "=== k3ref worker " in text \
+        else ("", "", text)
+    pid = header.rpartition(" pid ")[2].split(" ")[0] if " pid " in header else None
+    # What this test's run printed: the log after the marker the worker wrote when it began.
+    mark = f"--- k3ref test {crashitem} ---\n"
+    text = text.rpartition(mark)[2] if mark in text else text
     report.longrepr = crash_reason(text, state["opts"].check_timeout if state.get("opts") else None) + (
         "\nthe worker's stderr:\n" + crash_excerpt(text) if text.strip() else "")
+    if entry is not None:  # a worker that died had loaded (or was loading) this kernel
+        state.setdefault("crashes", {}).setdefault(entry["adapter"], set()).add(pid or f"unknown {crashitem}")
+    if entry is not None and entry.get("xfail"):  # a known limitation that crashes is still that limitation
+        report.outcome, report.wasxfail = "skipped", entry["xfail"]
 
 
 def _record_of(report):
@@ -545,7 +572,8 @@ def pytest_sessionfinish(session, exitstatus):
         return
     from k3ref.gpu_check import report as R
 
-    run = R.from_pytest(plan, state["reports"], state.get("collected"), time.time() - state["t0"])
+    run = R.from_pytest(plan, state["reports"], state.get("collected"), time.time() - state["t0"],
+                        crashes=state.get("crashes"))
     state["run"] = run
     failed = not run["passed"]
     if state["opts"].report:
@@ -561,10 +589,12 @@ def pytest_sessionfinish(session, exitstatus):
     if workdir:
         import shutil
 
-        if state.get("log_dir_before") is None:
-            os.environ.pop(LOG_DIR_VARIABLE, None)
-        else:
-            os.environ[LOG_DIR_VARIABLE] = state["log_dir_before"]
+        for variable, before in ((LOG_DIR_VARIABLE, state.get("log_dir_before")),
+                                 ("PYTHONPATH", state.get("pythonpath_before"))):
+            if before is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = before
 
         shutil.rmtree(workdir, ignore_errors=True) if not os.environ.get("K3REF_DEBUG_KEEP") else None
 

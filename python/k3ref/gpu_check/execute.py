@@ -6,6 +6,7 @@ is guarded: an exception, a SystemExit or any other BaseException but KeyboardIn
 becomes that check's error with its traceback. A crash, a hang or an exit of the process is
 the plugin's (pytest-xdist replaces the worker, pytest-timeout bounds the time).
 """
+import os
 import time
 import traceback
 
@@ -67,6 +68,7 @@ class Executor:
                 except Exception as e:
                     info["version"] = f"version() raised {type(e).__name__}"
         info["import_s"] = time.perf_counter() - t0
+        info["pid"] = os.getpid()  # the controller counts the processes that loaded a kernel by it
         info["timing"] = dict(status)
         self.loaded[a.name] = info
         return info

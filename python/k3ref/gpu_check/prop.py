@@ -39,7 +39,7 @@ GENERATOR_VERSION = "k3gc.prop/1"
 
 # --------------------------------------------------------------------------- reference
 
-from .references import LONG_CASE_ELEMENTS, compute_reference, module_reference  # noqa: E402,F401
+from .references import LONG_CASE_ELEMENTS, _module, compute_reference, module_reference  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------- judging

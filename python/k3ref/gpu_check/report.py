@@ -154,7 +154,7 @@ def summary(rows, results, kernels, device, seconds, passed, failures, n_goldens
         "seconds": round(seconds, 2),
         "tests": len(rows),
         "results": len(results),
-        "executed": sum(r.status != "skip" for r in results),
+        "executed": sum(r.status != "skip" and not (r.extra or {}).get("no_result") for r in results),
         "passed": verdicts.count("pass"),
         "failed": verdicts.count("fail"),
         "skipped": verdicts.count("skip"),
@@ -232,15 +232,21 @@ def result_record(r):
 
 
 def _result_of(d):
+    """The CheckResult of a record (result_record's inverse: non-finite numbers, which JSON
+    carries as strings, are numbers again; reasons and names stay text)."""
     from .protocol import CheckResult
 
     def restore(o):
         if isinstance(o, str) and o in ("nan", "inf", "-inf"):
             return float(o)
+        if isinstance(o, list):
+            return [restore(x) for x in o]
+        if isinstance(o, dict):
+            return {k: (v if k in ("reason", "traceback", "stderr_tail") else restore(v)) for k, v in o.items()}
         return o
 
     d = dict(d)
-    for key in ("ratio",):
+    for key in ("ratio", "metrics", "windows", "seconds", "extra"):
         d[key] = restore(d.get(key))
     return CheckResult(**d)
 
@@ -260,12 +266,14 @@ class _Row:
         self.adapter = _A
 
 
-def _timing_of(results, loaded):
+def _timing_of(results, loaded, crashed=()):
     t = {"children_started": 0, "startup_and_import_s": 0.0, "compile_s": 0.0, "compiles": 0, "autotune_s": 0.0,
          "configs_benchmarked": 0, "check_s": 0.0, "checks_run": 0, "wall_s": 0.0, "triton": None,
          "compile_timing": "", "autotune_timing": ""}
+    # The processes that loaded it: those that sent a record of their load, and those that died
+    # with it (a crash sends none), each counted once by its process id.
+    t["children_started"] = len({str(info.get("pid")) for info in loaded} | {str(p) for p in crashed})
     for info in loaded:
-        t["children_started"] += 1
         t["startup_and_import_s"] += info.get("import_s", 0.0)
         status = info.get("timing") or {}
         t["triton"], t["compile_timing"], t["autotune_timing"] = (status.get("triton"), status.get("compile", ""),
@@ -285,7 +293,7 @@ def _timing_of(results, loaded):
     return t
 
 
-def from_pytest(plan, reports, collected, seconds, versions_=None):
+def from_pytest(plan, reports, collected, seconds, versions_=None, crashes=None):
     """The run as the report shows it, from the plan and pytest's reports of its tests
     (reports: node id -> [TestReport], each call report carrying the worker's record in
     `report.k3ref`). A collected test with no result, or a run in which no check executed,
@@ -320,7 +328,8 @@ def from_pytest(plan, reports, collected, seconds, versions_=None):
             rs = [CheckResult(e["adapter"], e["check"], e["case"], "skip", _skip_reason(skipped[0]))]
         else:
             rs = [CheckResult(e["adapter"], e["check"], e["case"], "error", "no result: the test did not run to the "
-                              "end (the run was stopped, or its worker could not be replaced)", extra={"crash": True})]
+                              "end (the run was stopped, or its worker could not be replaced)",
+                              extra={"crash": True, "no_result": True})]
         if failed:
             verdict = "fail"
             reason = record["reason"] if record and record["verdict"] == "fail" else (
@@ -339,7 +348,7 @@ def from_pytest(plan, reports, collected, seconds, versions_=None):
         rows.append((row, verdict, reason, rs))
         results += rs
     failures = [f"FAIL {t.id}: {reason}" for t, v, reason, _ in rows if v == "fail"]
-    if sum(r.status != "skip" for r in results) == 0:
+    if sum(r.status != "skip" and not r.extra.get("no_result") for r in results) == 0:
         failures.append("FAIL: no check was executed (every test was skipped or nothing was collected)")
     kernels = {}
     for name, facts in plan["adapters"].items():
@@ -349,7 +358,9 @@ def from_pytest(plan, reports, collected, seconds, versions_=None):
                                                   "asked_for")},
                          "available": first.get("available"), "unavailable_reason": first.get("reason") or "",
                          "version": first.get("version", ""),
-                         "timing": _timing_of([r for r in results if r.adapter == name], loaded) if loaded else None}
+                         "timing": _timing_of([r for r in results if r.adapter == name], loaded,
+                                              (crashes or {}).get(name, set())) if loaded or (crashes or {}).get(name)
+                         else None}
     passed = not failures
     s = summary(rows, results, kernels, plan["device"], seconds, passed, failures, plan["n_goldens"],
                 golden_dir=plan.get("golden_dir"), versions_=versions_)

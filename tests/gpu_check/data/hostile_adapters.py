@@ -1,7 +1,7 @@
 """Kernels that leave their check in every way but returning, for test_isolation.py: the
 example PyTorch kernel with one misdeed each (`adapters()`: abort, segfault, exit0 =
 os._exit(0) inside the kernel, sysexit = SystemExit inside the kernel, hang, alloc50g = a 50 GB
-allocation), committed on the golden case kda_t100 only (T = 100, K = 64). K3REF_HOSTILE_IMPORT
+allocation, nonfinite = an o of +inf), committed on the golden case kda_t100 only (T = 100, K = 64). K3REF_HOSTILE_IMPORT
 = exit | hang makes the module itself exit or hang while it is imported."""
 import ctypes
 import os
@@ -12,9 +12,11 @@ if os.environ.get("K3REF_HOSTILE_IMPORT") == "exit":
 if os.environ.get("K3REF_HOSTILE_IMPORT") == "hang":
     time.sleep(3600)
 
+import torch  # noqa: E402
+
 from k3ref.gpu_check.adapters import TorchKernelAdapter  # noqa: E402
 
-MISDEEDS = ("abort", "segfault", "exit0", "sysexit", "hang", "alloc50g")
+MISDEEDS = ("abort", "segfault", "exit0", "sysexit", "hang", "alloc50g", "nonfinite")
 
 
 class Hostile(TorchKernelAdapter):
@@ -36,9 +38,10 @@ class Hostile(TorchKernelAdapter):
             if self.misdeed == "hang":
                 time.sleep(3600)
             if self.misdeed == "alloc50g":
-                import torch
-
                 torch.empty(50 * 2**30, dtype=torch.uint8).fill_(1)
+            if self.misdeed == "nonfinite":
+                o, final = super().run(inputs, params, out)
+                return torch.full_like(o, float("inf")), final
         return super().run(inputs, params, out)
 
 
