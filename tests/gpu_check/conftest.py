@@ -74,7 +74,7 @@ def gpu_check_here():
             pytest.fail("the harness's pytest-xdist workers start with the sys.path this interpreter started with "
                         "(xdist), without pytest.ini's pythonpath: they cannot import k3ref.pytest_plugin unless "
                         f"PYTHONPATH names {ROOT / 'python'} (meson's gpu_check_env does); see "
-                        "test_fail_closed.py::test_workers_import_the_package_from_this_process_s_path")
+                        "test_fail_closed.py::test_a_run_inside_a_pytest_session_finds_the_package_on_its_pythonpath")
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = cli.main([str(a) for a in args])
