@@ -1,6 +1,6 @@
 """Host-side test of gpu_check's backward check (k3ref/gpu_check/backward.py) on a CPU PyTorch.
 
-PyTorch's autograd through gpu_check's fp64 reference forward (k3ref/gpu_check/reference.py, which
+PyTorch's autograd through gpu_check's fp64 reference forward (k3ref/gpu_check/torch_model.py, which
 knows nothing about gradients) gives a third derivation of every gradient golden, after
 k3ref's adjoint recurrence and the complex-step cross-check: each must agree to 4.8e-14
 relative RMS (4x the measured worst). It also exercises the scoring that the GPU run reports
@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from k3ref import goldens  # noqa: E402
-from k3ref.gpu_check import backward, reference  # noqa: E402
+from k3ref.gpu_check import backward  # noqa: E402
+from k3ref.gpu_check import torch_model as reference  # noqa: E402  (the PyTorch fp64 recurrence)
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = goldens.load_suite(ROOT / "goldens", ops=("kda.backward",))

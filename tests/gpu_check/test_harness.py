@@ -16,7 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from k3ref import goldens  # noqa: E402
-from k3ref.gpu_check import adapters, checks, metrics, reference, report  # noqa: E402
+from k3ref.gpu_check import adapters, checks, metrics, report  # noqa: E402
+from k3ref.gpu_check import torch_model as reference  # noqa: E402  (the PyTorch fp64 recurrence)
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent",))
