@@ -1,5 +1,5 @@
 """Adapters that misbehave on purpose, for the tests of the harness's isolation and verdicts
-(fail_closed_test.py). Each is a KdaAdapter around the PyTorch fp64 recurrence rounded to
+(test_fail_closed.py, test_harness.py). Each is a KdaAdapter around the PyTorch fp64 recurrence rounded to
 bf16 (a correct kernel), with one behaviour changed."""
 import ctypes
 import os

@@ -7,7 +7,9 @@ with exactly P x HV x K x (K + V) fp64 elements gathered per rank and phase; eac
 mutants is caught (kill rate 100 %); a rank that raises or hangs is an error, never a pass;
 a bf16 kernel under a precision contract is judged by it. Run:
 
-    K3REF_CORE_PATH=BUILD/python PYTHONPATH=python /usr/bin/python3 -m pytest -q tests/gpu_check/test_cp.py
+    K3REF_CORE_PATH=BUILD/python /usr/bin/python3 -m pytest -q tests/gpu_check/test_cp.py
+
+(the package comes from the source tree through tests/gpu_check/pytest.ini's pythonpath)
 """
 import json
 import os
@@ -21,7 +23,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python"))
 
 from k3ref import goldens  # noqa: E402
 from k3ref.gpu_check import cp_check as C  # noqa: E402

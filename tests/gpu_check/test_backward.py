@@ -1,26 +1,24 @@
-#!/usr/bin/env python3
 """Host-side test of gpu_check's backward check (k3ref/gpu_check/backward.py) on a CPU PyTorch.
 
-PyTorch's autograd through gpu_check's fp64 reference forward (k3ref/gpu_check/reference.py, which
+PyTorch's autograd through gpu_check's fp64 reference forward (k3ref/gpu_check/torch_model.py, which
 knows nothing about gradients) gives a third derivation of every gradient golden, after
 k3ref's adjoint recurrence and the complex-step cross-check: each must agree to 4.8e-14
 relative RMS (4x the measured worst). It also exercises the scoring that the GPU run reports
 (FLA's err_ratio, the bf16 floor, thresholds) and shows it fails a wrong gradient.
-Usage: backward_test.py SOURCE_ROOT (exit 77 = skipped: no torch).
+Skipped without torch.
 """
-import sys
 from pathlib import Path
 
-root = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
-sys.path.insert(0, str(root / "python"))
-try:
-    import torch
-except ImportError:
-    print("skipped: PyTorch is not importable")
-    sys.exit(77)
+import pytest
 
-from k3ref.gpu_check import backward, reference  # noqa: E402
+torch = pytest.importorskip("torch")
+
 from k3ref import goldens  # noqa: E402
+from k3ref.gpu_check import backward  # noqa: E402
+from k3ref.gpu_check import torch_model as reference  # noqa: E402  (the PyTorch fp64 recurrence)
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = goldens.load_suite(ROOT / "goldens", ops=("kda.backward",))
 
 
 class ReferenceAdapter:
@@ -30,11 +28,10 @@ class ReferenceAdapter:
         return reference.kda_forward(inputs, params)
 
 
-def main():
-    cases = goldens.load_suite(root / "goldens", ops=("kda.backward",))
-    assert len(cases) >= 14, f"expected the 14 gradient goldens, found {len(cases)}"
+def test_autograd_through_the_reference_agrees_with_every_gradient_golden():
+    assert len(CASES) >= 14, f"expected the 14 gradient goldens, found {len(CASES)}"
     worst, checked = 0.0, 0
-    for case in cases:
+    for case in CASES:
         grads = backward.run_single(case, ReferenceAdapter(), torch.device("cpu"), input_dtype=torch.float64)
         for name in backward.THRESHOLDS:
             if name not in case.tensors:
@@ -45,17 +42,17 @@ def main():
             checked += 1
             # was 1e-12: measured worst 1.20e-14 over 14 goldens (90 gradient tensors; date 2026-12-01); bound 4x
             assert s["err_ratio"] <= 4.8e-14, f"{case.name} {name}: autograd vs golden {s['err_ratio']:.3e}"
+    assert checked >= 90, checked  # every gradient tensor of the 14 goldens was compared
+    print(f"{len(CASES)} gradient goldens, {checked} gradient tensors: torch autograd through the fp64 "
+          f"reference agrees to {worst:.2e} relative RMS at worst")
+
+
+def test_the_scoring_fails_a_wrong_gradient_and_a_nan():
     # The scoring fails a gradient that is wrong by more than the threshold, passes a
     # bf16-rounded correct one, and flags a NaN.
-    want = cases[0].tensors["dq"]
+    want = CASES[0].tensors["dq"]
     assert backward.score("dq", want.to(torch.bfloat16), want)["passed"]
     assert not backward.score("dq", want * 1.02, want)["passed"]
     nan = want.clone()
     nan.view(-1)[0] = float("nan")
     assert not backward.score("dq", nan, want)["passed"]
-    print(f"{len(cases)} gradient goldens, {checked} gradient tensors: torch autograd through the fp64 "
-          f"reference agrees to {worst:.2e} relative RMS at worst")
-
-
-if __name__ == "__main__":
-    main()

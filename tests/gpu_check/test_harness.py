@@ -1,0 +1,239 @@
+"""Host-side tests of the gpu_check harness (no GPU): golden reader, metrics and policies,
+the PyTorch fp64 reference against the committed goldens, the checks on a correct and a
+deliberately non-causal CPU kernel, and the reports of a run (HTML, JSON, pytest's JUnit).
+Skipped without torch."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from k3ref import goldens  # noqa: E402
+from k3ref.gpu_check import adapters, checks, metrics, report  # noqa: E402
+from k3ref.gpu_check import torch_model as reference  # noqa: E402  (the PyTorch fp64 recurrence)
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent",))
+
+
+# --------------------------------------------------------------------------- metrics
+
+def test_round_to_bf16_matches_torch_and_floor_of_exact_values_is_zero():
+    x = torch.randn(10000, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    # Round-to-nearest-even to 8 significant bits done on the bits of the double: add
+    # 2^44 - 1 plus the kept lsb (bit 45) and clear the 45 dropped bits (normal range, no
+    # overflow at these magnitudes). Not x.to(bfloat16): torch 1.13 on the CPU goes
+    # through fp32, a double rounding that differs on ties of the second step.
+    bits = x.view(torch.int64)
+    lsb = (bits >> 45) & 1
+    rne = ((bits + (1 << 44) - 1 + lsb) & ~((1 << 45) - 1)).view(torch.float64)
+    assert torch.equal(metrics.round_to(x, torch.bfloat16), rne)
+    assert torch.equal(rne.to(torch.bfloat16).double(), rne)  # rne values are bf16 numbers
+    exact = x.to(torch.bfloat16)
+    m = metrics.compare(exact, exact.double(), torch.bfloat16)
+    assert m.floor_rel_rms == 0.0
+    assert m.rel_rms == 0.0
+
+
+def test_ulps_and_indices():
+    # ref = 1.0: bf16 spacing at 1 is 2^-7, so 1 + 2^-7 is one ulp away; 3.0 (spacing 2^-6)
+    # off by 2^-5 is two ulps. The largest absolute error is at index 2.
+    ref = torch.tensor([1.0, 1.0, 3.0], dtype=torch.float64)
+    cand = torch.tensor([1.0, 1.0 + 2**-7, 3.0 + 2**-5], dtype=torch.float64)
+    m = metrics.compare(cand, ref, torch.bfloat16, atol=2**-6)
+    assert m.max_ulp == 2.0
+    assert m.max_ulp_index == 2
+    assert m.max_abs_index == 2
+    assert m.first_offending == 2
+    # rel RMS = sqrt((2^-14 + 2^-10) / 11)
+    # was assertAlmostEqual(places=15): measured exactly equal (2026-12-01)
+    assert m.rel_rms == math.sqrt((2**-14 + 2**-10) / 11)
+
+
+def test_nonfinite_mismatch_fails_every_policy():
+    ref = torch.ones(5, dtype=torch.float64)
+    cand = ref.clone()
+    cand[3] = float("nan")
+    m = metrics.compare(cand, ref, torch.float32)
+    assert m.first_nonfinite_mismatch == 3
+    assert m.candidate_nan == 1
+    for p in ("exact", "floor:1000", "rel-rms:1"):
+        assert not metrics.judge(m, metrics.parse_policy(p))[0], p
+
+
+def test_policies():
+    assert metrics.parse_policy("chunk").bound == 4.0
+    assert metrics.parse_policy("floor:2.5").kind == "floor"
+
+
+@pytest.mark.parametrize("bad", ["floor:-1", "floor:x", "nope"])
+def test_bad_policies_are_refused(bad):
+    with pytest.raises(ValueError):
+        metrics.parse_policy(bad)
+
+
+def test_windows():
+    # [1, T=4, 2] with window 2: errors only in tokens 2 and 3.
+    ref = torch.ones(1, 4, 2, dtype=torch.float64)
+    cand = ref.clone()
+    cand[0, 2:] = 1.5
+    m = metrics.compare(cand, ref, torch.float64, window_shape=(2, 4, 2))
+    assert m.window_rel_rms == [0.0, 0.5]
+
+
+# --------------------------------------------------------------------------- timing
+
+FAKE_TRITON = {
+    "triton/__init__.py": "__version__ = '0.fake'\nfrom .compiler import compile\n",
+    "triton/compiler/__init__.py": "from .compiler import compile\n",
+    "triton/compiler/compiler.py": "import time\ndef compile(src, **kw):\n    time.sleep(0.05)\n    return src\n",
+    "triton/runtime/__init__.py": "",
+    "triton/runtime/jit.py": ("from ..compiler import compile\n"
+                              "class JITFunction:\n    def run(self, src):\n        return compile(src)\n"),
+    "triton/runtime/autotuner.py": ("import time\nfrom . import jit\n"
+                                    "class Autotuner:\n    def _bench(self, config):\n"
+                                    "        jit.JITFunction().run(config)\n        time.sleep(0.03)\n"),
+}
+
+
+def test_compile_and_autotune_hooks_split_the_time(tmp_path):
+    # A stand-in of Triton's module layout: compile() takes 50 ms, one autotune benchmark
+    # compiles its configuration and then runs 30 ms. Two plain compiles and three
+    # benchmarks: 5 compiles (0.25 s) and 0.09 s of benchmarking, compilation excluded.
+    for rel, text in FAKE_TRITON.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    script = ("from k3ref.gpu_check import timing\n"
+              "status = timing.install()\n"
+              "from triton.runtime.jit import JITFunction\nfrom triton.runtime.autotuner import Autotuner\n"
+              "JITFunction().run(1); JITFunction().run(2)\n"
+              "[Autotuner()._bench(c) for c in range(3)]\n"
+              "import json; print(json.dumps([status, timing.COUNTERS.snapshot()]))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "python")]))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    status, c = json.loads(out.stdout)
+    assert status["triton"] == "0.fake"
+    assert "triton.runtime.jit.compile" in status["compile"]
+    assert "Autotuner._bench" in status["autotune"]
+    assert (c["compiles"], c["configs_benchmarked"]) == (5, 3)
+    assert c["compile_s"] >= 0.25
+    assert c["autotune_s"] >= 0.09
+    # Counting the 3 compiles inside (0.15 s) would give at least 0.24 s.
+    assert c["autotune_s"] < 0.22
+
+
+# --------------------------------------------------------------------------- reference and checks
+
+def test_torch_reference_matches_every_golden():
+    assert len(CASES) > 0
+    for case in CASES:
+        o, final = reference.kda_forward(case.inputs, case.params)
+        m = metrics.compare(o, case.expected["o"], torch.float64)
+        mf = metrics.compare(final, case.expected["final_state"], torch.float64)
+        # were 1e-13: measured worst 4.28e-16 (o) and 3.10e-16 (final_state) over 30 goldens
+        # (date 2026-12-01); bounds 4x (3.97x, 3.87x)
+        assert m.rel_rms < 1.7e-15, case.name
+        assert mf.rel_rms < 1.2e-15, case.name
+
+
+def test_correct_kernel_passes_and_leaky_kernel_is_caught():
+    few = [c for c in CASES if c.name in ("kda_t100", "kda_varlen")]
+    good = checks.run_all([adapters.TorchKernelAdapter()], few, "cpu")
+    bad = checks.run_all([adapters.TorchKernelAdapter(future_leak=True)], few, "cpu")
+    assert all(r.status == "pass" for r in good), [(r.check, r.reason) for r in good if r.status != "pass"]
+    by_check = {r.check: r.status for r in bad if r.check != "golden"}
+    assert by_check["causality"] == "fail"
+    assert all(r.status == "fail" for r in bad if r.check == "golden")
+    # A golden check of a kernel that only rounds the exact result is at the floor.
+    ratios = [r.ratio for r in good if r.check == "golden"]
+    # was |ratio - 1| < 1e-9: measured exactly 1.0 on both goldens (2026-12-01)
+    assert ratios and all(x == 1.0 for x in ratios), ratios
+
+
+def test_unavailable_kernel_is_skipped_with_reason():
+    class Missing(adapters.KdaAdapter):
+        name = "missing"
+
+        def load(self):
+            raise ImportError("no module named missing_kernel")
+
+    res = checks.run_all([Missing()], CASES[:1], "cpu")
+    assert [r.status for r in res] == ["skip"]
+    assert "missing_kernel" in res[0].reason
+
+
+# --------------------------------------------------------------------------- the reports of a run
+
+LEAKY_RUN = ("run", "--no-builtin", "--adapter", "test_adapters:Leaky", "--cases", "kda_all_states",
+             "--checks", "golden,causality", "--device", "cpu", "--no-warmup")
+LEAKY_IDS = {"test.leaky-kda_all_states-golden", "test.leaky-generic_k100-causality"}
+
+
+def test_reports(tmp_path, gpu_check_here):
+    # The reports of a run of a leaky kernel (test_adapters.Leaky reads q one token ahead and
+    # is a kernel: its failures are the run's): the JUnit file (pytest's) counts every test
+    # and carries the versions, the JSON holds every result, and the HTML opens with the
+    # verdict, then the table, then each failure with its worst element (by batch, token,
+    # head, channel) and its plot.
+    out = tmp_path / "r"
+    r = gpu_check_here(*LEAKY_RUN, "--out", out)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    summary = rep["summary"]
+    assert summary["verdict"] == "FAIL"
+    assert (summary["tests"], summary["executed"], summary["failed"]) == (2, 2, 2), summary
+    assert len(summary["failures"]) == 2, summary["failures"]
+    assert {f.partition(":")[0] for f in summary["failures"]} == {f"FAIL {t}" for t in LEAKY_IDS}
+    assert summary["kernels"]["test.leaky"]["timing"]["checks_run"] == 2
+    assert "absent" in summary["kernels"]["test.leaky"]["timing"]["compile_timing"]  # no Triton here
+    for key in ("python", "torch", "triton", "cuda_driver", "k3ref", "golden_suite", "policy_table"):
+        assert key in summary["versions"], key
+    # What the verdict was judged against: the suite's generator and manifest digest, the table's digest.
+    assert re.search(r"generator version \d+, MANIFEST.json sha256 [0-9a-f]{64}", summary["versions"]["golden_suite"]), summary["versions"]["golden_suite"]
+    assert re.search(r"policies.json: sha256 [0-9a-f]{64}", summary["versions"]["policy_table"]), summary["versions"]["policy_table"]
+    assert re.search(r", (git [0-9a-f]{40}|files sha256:[0-9a-f]{12})", summary["versions"]["k3ref"]), summary["versions"]["k3ref"]
+    # JUnit carries them too (global properties k3ref.<key>) ...
+    root = ET.parse(out / "report.xml").getroot()
+    (suite,) = root.findall("testsuite")
+    props = {p.get("name"): p.get("value") for p in suite.findall("properties/property")}
+    for key in ("policy_table", "golden_suite", "k3ref", "torch", "python"):
+        assert props[f"k3ref.{key}"] == summary["versions"][key], key
+    # ... and has one case per test, judged as the run judges it (both tests fail here).
+    assert (int(suite.get("tests")), int(suite.get("failures")), int(suite.get("errors"))) == (2, 2, 0)
+    cases = suite.findall("testcase")
+    assert {c.get("name") for c in cases} == LEAKY_IDS
+    assert {c.get("classname") for c in cases} == {"k3ref.test.leaky"}
+    assert all(c.find("failure") is not None for c in cases)
+    assert len(rep["results"]) == summary["results"] == 2
+    html = (out / "report.html").read_text()
+    order = [html.index(x) for x in ("<h1 class='fail'>FAIL</h1>", "kernels x checks",
+                                    "failures and known limitations", "worst element of o: index")]
+    assert order == sorted(order)
+    assert '{&quot;batch&quot;: 0, &quot;token&quot;: ' in html
+    assert '"summary"' not in html  # the raw JSON is its own file
+    plots = list((out / "plots").glob("*.png"))
+    assert len(plots) == 1  # the golden failure has a plot; causality has no windows
+    assert f"plots/{plots[0].name}" in html
+
+
+def test_reports_without_matplotlib(tmp_path, gpu_check_here, monkeypatch):
+    # Without matplotlib the report says so, at the top and where the plot would be (the
+    # report is written by the pytest process: here, in-process).
+    monkeypatch.setattr(report, "_matplotlib",
+                        lambda: (None, "not importable (ImportError: No module named 'matplotlib')"))
+    out = tmp_path / "r"
+    r = gpu_check_here(*LEAKY_RUN, "--no-isolation", "--out", out)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads((out / "report.json").read_text())["summary"]["failed"] == 2
+    html = (out / "report.html").read_text()
+    assert html.index("<b>Plots were left out:</b> matplotlib is not importable") < html.index("kernels x checks")
+    assert "plot left out: matplotlib is not importable" in html
+    assert not (out / "plots").exists()
