@@ -325,21 +325,12 @@ def test_a_crash_s_reason_names_the_frame_where_it_died(crashing_run):
     assert "innermost frame: File " in segv and "ctypes" in segv and segv.endswith(" in string_at"), segv
 
 
-@pytest.mark.xfail(strict=True, reason="runner defect: a worker that loaded the kernel and then died leaves no "
-                                       "record, so the kernel's timing counts 2 processes (start-up and import of "
-                                       "the crashed ones lost) where 4 loaded it")
 def test_every_worker_that_loaded_the_kernel_is_counted(crashing_run):
     r, rep, by_case, d = crashing_run
     # One worker for the group, plus one after each of the three deaths.
     assert rep["summary"]["kernels"]["test.crashing"]["timing"]["children_started"] == 4
 
 
-@pytest.mark.xfail(strict=True, reason="runner defect: pytest-xdist gives its workers the sys.path this "
-                                       "interpreter had when xdist's plugin was imported (xdist.plugin._sys_path), "
-                                       "and they import -p k3ref.pytest_plugin before the plugin hands them this "
-                                       "process's sys.path: a run from inside a pytest session that found k3ref "
-                                       "through its pythonpath ini option gets 'No module named k3ref' in every "
-                                       "worker and 'no result' for every test")
 def test_a_run_inside_a_pytest_session_finds_the_package_on_its_pythonpath(tmp_path, run_pytest):
     # A project's own test suite that runs the harness (as these tests do), with k3ref on
     # pytest.ini's pythonpath and not on PYTHONPATH.
