@@ -504,15 +504,21 @@ def pytest_xdist_make_scheduler(config, log):
 
     class GroupScheduling(LoadScopeScheduling):
         def remove_node(self, node):
-            # The test a dead worker was running goes back to the queue with its scope, and
-            # xdist hands it to another worker before it returns: name it first in a file the
-            # workers read before a test (K3refItem.runtest), so that it is not run again.
-            pending = [nodeid for unit in self.assigned_work.get(node, {}).values()
-                       for nodeid, done in unit.items() if not done]
-            if pending:
-                with open(crashed, "a") as f:
-                    f.write(pending[0] + "\n")
-            return super().remove_node(node)
+            # The test a dead worker was running would go back to the queue with its scope,
+            # undone, and another worker would run it: it is marked done first (its result is
+            # the crash) and named as the crashed test. It is also written to a file the workers
+            # read before a test (K3refItem.runtest), should another version hand it out anyway.
+            work = self.assigned_work.get(node, {})
+            crashitem = next((nodeid for unit in work.values() for nodeid, done in unit.items() if not done), None)
+            if crashitem is None:
+                return super().remove_node(node)
+            with open(crashed, "a") as f:
+                f.write(crashitem + "\n")
+            for unit in work.values():
+                if crashitem in unit:
+                    unit[crashitem] = True
+            super().remove_node(node)  # queues the rest of its work again
+            return crashitem
 
         def _reschedule(self, node):
             if node in self.registered_collections:
