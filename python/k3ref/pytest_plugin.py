@@ -237,6 +237,17 @@ def pytest_configure_node(node):
     if state is not None and state.get("workdir"):
         node.workerinput["k3ref_plan"] = str(state["workdir"] / "plan.json")
         node.workerinput["k3ref_sys_path"] = [p for p in sys.path if p]  # as the planning child had it
+        # pytest-xdist starts each worker with the sys.path it froze when it was imported
+        # (xdist.plugin._sys_path; PYTHONPATH does not survive that), and the worker imports
+        # this plugin before any hook of it runs: this package's root goes into that list.
+        try:
+            import xdist.plugin
+
+            root = str(Path(__file__).resolve().parents[1])
+            if root not in xdist.plugin._sys_path:
+                xdist.plugin._sys_path.insert(0, root)
+        except (ImportError, AttributeError):
+            pass
 
 
 def pytest_configure(config):

@@ -230,8 +230,11 @@ def test_reports_without_matplotlib(tmp_path, gpu_check_here, monkeypatch):
     monkeypatch.setattr(report, "_matplotlib",
                         lambda: (None, "not importable (ImportError: No module named 'matplotlib')"))
     out = tmp_path / "r"
-    r = gpu_check_here(*LEAKY_RUN, "--no-isolation", "--out", out)
-    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    from k3ref.gpu_check import cli
+
+    # The plugin in this process (`run --no-isolation` would start it as a child).
+    args = cli.parser().parse_args([str(a) for a in (*LEAKY_RUN, "--no-isolation", "--out", out)])
+    assert pytest.main(cli.pytest_args(args)) == 1
     assert json.loads((out / "report.json").read_text())["summary"]["failed"] == 2
     html = (out / "report.html").read_text()
     assert html.index("<b>Plots were left out:</b> matplotlib is not importable") < html.index("kernels x checks")

@@ -90,3 +90,11 @@ def test_a_known_limitation_that_crashes_is_an_xfail_and_runs_once(tmp_path):
     summary = json.loads((tmp_path / "r" / "report.json").read_text())["summary"]
     assert summary["xfailed"] == 1 and summary["failed"] == 0 and summary["verdict"] == "PASS"
     assert proc.stdout.count("node down") + proc.stderr.count("node down") == 1  # one crash: not run again
+
+
+def test_without_isolation_an_exit_in_adapter_code_is_no_pass(tmp_path):
+    """`run --no-isolation` runs the adapters in the pytest process; an os._exit(0) there ends
+    it with status 0 and no report, which the front end reads as a failure."""
+    proc = run(tmp_path / "r", "--only", "hostile.exit0", "--no-isolation")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "wrote no report" in proc.stderr

@@ -125,7 +125,21 @@ def run_command(args):
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
-    rc = int(pytest.main(pytest_args(args)))
+    if not args.no_isolation or args.list:
+        return EXIT_CODES.get(int(pytest.main(pytest_args(args))), 1)
+    # --no-isolation: the adapters run in the pytest process, where an exit of theirs would end
+    # this one too. That process is a child here, and its verdict stands only with the report
+    # it wrote: an exit 0 without one (os._exit in adapter code) is a failure.
+    import subprocess
+    import time
+
+    started = time.time()
+    rc = subprocess.run([sys.executable, "-m", "pytest", *pytest_args(args)]).returncode
+    report = out / "report.json"
+    if rc == 0 and not (report.is_file() and report.stat().st_mtime >= started):
+        print(f"{sys.argv[0]} run: FAIL: the run ended with exit 0 but wrote no report {report} (adapter code ended "
+              f"the process?): nothing is vouched for", file=sys.stderr)
+        return 1
     return EXIT_CODES.get(rc, 1)
 
 
