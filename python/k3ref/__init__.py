@@ -25,8 +25,16 @@ Bad arguments raise TypeError or ValueError with a one-line message naming the a
 This module imports neither torch nor the compiled part until a reference is called, so
 k3ref._safetensors (NumPy only) serves scripts without torch.
 """
+from __future__ import annotations
+
 import importlib
 import os
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Sequence
+
+if TYPE_CHECKING:  # annotations only: `import k3ref` imports neither torch nor NumPy
+    import numpy as np
+    import torch
+    from numpy.typing import NDArray
 
 __version__ = "0.1.0"
 
@@ -36,7 +44,7 @@ __version__ = "0.1.0"
 # (name -> allowed names or type), PRECISIONS, CHUNK_FORMS, BACKWARD_METHODS, KCP_MERGES and
 # KDA_CONTRACTS are derived from it (module __getattr__ below). tests/python checks this table
 # against the command's --help.
-_KDA_OPTION_TYPES = {
+_KDA_OPTION_TYPES: dict[str, type | None] = {
     "gate": None,
     "gate_base": None,
     "lower_bound": float,
@@ -52,10 +60,10 @@ _KDA_OPTION_TYPES = {
 # Module attributes that are the allowed names of one vocabulary option.
 _NAME_TUPLES = {"PRECISIONS": "precision", "CHUNK_FORMS": "chunk_form", "BACKWARD_METHODS": "method",
                 "KCP_MERGES": "merge", "KDA_CONTRACTS": "contract"}
-_vocabulary_cache = None
+_vocabulary_cache: dict[str, dict[str, Any]] | None = None
 
 
-def option_vocabulary():
+def option_vocabulary() -> dict[str, dict[str, Any]]:
     """{option: {"values": (allowed names...), "default": name or None, "about": {name: meaning}}}
     for every named-value option of the references (gate, gate_base, beta, state_layout,
     precision, chunk_form, method, merge, contract): the library's one table of them."""
@@ -65,13 +73,13 @@ def option_vocabulary():
     return _vocabulary_cache
 
 
-def tier_descriptions():
+def tier_descriptions() -> dict[str, str]:
     """{tier name: description}: every arithmetic tier of the library (the precision option
     offers PRECISIONS of them) and the reference precision its goldens record."""
     return dict(_compiled().tiers())
 
 
-def _names(option):
+def _names(option: str) -> tuple[str, ...]:
     return option_vocabulary()[option]["values"]
 
 
@@ -79,10 +87,10 @@ KDA_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "
 KDA_COTANGENTS = ("d_o", "d_final_state")
 
 _INDEX_INPUTS = ("cu_seqlens", "splits")
-_core_module = None
+_core_module: Any = None
 
 
-def _compiled():
+def _compiled() -> Any:
     """The compiled half (k3ref._core), imported on first use. A source checkout's tests point
     K3REF_CORE_PATH at the build directory that holds it."""
     global _core_module
@@ -99,16 +107,16 @@ def _compiled():
     return _core_module
 
 
-def _torch():
+def _torch() -> Any:
     import torch
     return torch
 
 
-def _fail(fn, exc, message):
+def _fail(fn: str, exc: type[Exception], message: str) -> NoReturn:
     raise exc(f"k3ref.{fn}: {message}")
 
 
-def _as_float64(fn, name, x):
+def _as_float64(fn: str, name: str, x: Any) -> NDArray[np.float64]:
     """A C-contiguous float64 NumPy copy of one floating-point tensor (exact: every float dtype
     widens exactly to float64)."""
     torch = _torch()
@@ -122,7 +130,7 @@ def _as_float64(fn, name, x):
     return np.ascontiguousarray(x.detach().to(device="cpu", dtype=torch.float64).numpy())
 
 
-def _as_index(fn, name, x):
+def _as_index(fn: str, name: str, x: Any) -> list[int]:
     """A list of ints from an integer tensor, an integer array or a sequence of ints."""
     torch = _torch()
     if isinstance(x, torch.Tensor):
@@ -143,7 +151,7 @@ def _as_index(fn, name, x):
     return out
 
 
-def _tensors(fn, inputs, allowed, required):
+def _tensors(fn: str, inputs: Any, allowed: Sequence[str], required: Sequence[str]) -> dict[str, NDArray[Any]]:
     """Checks the mapping of input tensors and converts it for k3ref._core."""
     import numpy as np
     if not hasattr(inputs, "keys") or not hasattr(inputs, "__getitem__"):
@@ -155,7 +163,7 @@ def _tensors(fn, inputs, allowed, required):
     for name in required:
         if name not in inputs or inputs[name] is None:
             _fail(fn, ValueError, f"missing input tensor '{name}'")
-    out = {}
+    out: dict[str, NDArray[Any]] = {}
     for name in allowed:
         if name not in inputs or inputs[name] is None:
             continue
@@ -166,7 +174,7 @@ def _tensors(fn, inputs, allowed, required):
     return out
 
 
-def _choice(fn, name, value, choices=None):
+def _choice(fn: str, name: str, value: Any, choices: Sequence[str] | None = None) -> str:
     """`value` checked against the allowed names of option `name` (the vocabulary's unless given)."""
     choices = _names(name) if choices is None else choices
     if not isinstance(value, str) or value not in choices:
@@ -174,7 +182,7 @@ def _choice(fn, name, value, choices=None):
     return value
 
 
-def _number(fn, name, value, optional=True):
+def _number(fn: str, name: str, value: Any, optional: bool = True) -> float | None:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -194,7 +202,7 @@ def _number(fn, name, value, optional=True):
     return value
 
 
-def _flag(fn, name, value):
+def _flag(fn: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         _fail(fn, TypeError, f"option '{name}' must be True or False, not {value!r}")
     return value
@@ -205,7 +213,7 @@ def _flag(fn, name, value):
 MAX_COUNT = 2**31 - 1
 
 
-def _count(fn, name, value, minimum, maximum=MAX_COUNT):
+def _count(fn: str, name: str, value: Any, minimum: int, maximum: int = MAX_COUNT) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         _fail(fn, TypeError, f"option '{name}' must be an integer, not {type(value).__name__} ({value!r})")
     value = int(value.__index__())
@@ -216,8 +224,8 @@ def _count(fn, name, value, minimum, maximum=MAX_COUNT):
     return value
 
 
-def _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, all_states, no_final_state,
-                 threads):
+def _kda_options(fn: str, gate: Any, gate_base: Any, lower_bound: Any, beta: Any, l2norm: Any, scale: Any,
+                 state_layout: Any, all_states: Any, no_final_state: Any, threads: Any) -> dict[str, Any]:
     """The `k3ref kda` options, checked once, as k3ref._core reads them."""
     return {
         "gate": _choice(fn, "gate", gate),
@@ -243,7 +251,7 @@ def _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_la
 # binary K/M/G/T suffix; default None: half the machine's physical memory, the command's
 # default) the call is refused with a one-line ValueError naming the function and the budget.
 
-def _memory_budget(fn, value):
+def _memory_budget(fn: str, value: Any) -> int:
     core = _compiled()
     if value is None:
         return int(core.default_memory_budget())
@@ -261,20 +269,21 @@ def _memory_budget(fn, value):
     return value
 
 
-def _gib(n):
+def _gib(n: float) -> str:
     if n >= 1 << 30:
         return f"{n / (1 << 30):.2f} GiB"
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n:.0f} bytes"
 
 
-def _numel(a):
+def _numel(a: Any) -> int:
     n = 1
     for d in a.shape:
         n *= int(d)
     return n
 
 
-def _check_memory(fn, t, opt, precision, budget, *, chunk_size=0, stages=False, backward=False, ranks=0):
+def _check_memory(fn: str, t: Mapping[str, Any], opt: Mapping[str, Any], precision: str, budget: int, *,
+                  chunk_size: int = 0, stages: bool = False, backward: bool = False, ranks: int = 0) -> None:
     """Refuses (ValueError, one line) a KDA-family call whose estimated working memory is past
     the budget; the shapes it cannot read are left to the library, which names them."""
     q, v = t.get("q"), t.get("v")
@@ -306,7 +315,7 @@ def _check_memory(fn, t, opt, precision, budget, *, chunk_size=0, stages=False, 
                               "memory, as `k3ref kda --memory-budget`)")
 
 
-def _call(fn, core_fn, *args):
+def _call(fn: str, core_fn: Callable[..., Any], *args: Any) -> dict[str, torch.Tensor]:
     """Calls k3ref._core; its errors (the library's InvalidArgument) become one-line ValueErrors."""
     torch = _torch()
     try:
@@ -316,9 +325,10 @@ def _call(fn, core_fn, *args):
     return {name: torch.from_numpy(a) for name, a in out.items()}
 
 
-def kda(inputs, *, gate="log_decay", gate_base="e", lower_bound=None, beta="as_given", l2norm=False, scale=None,
-        state_layout="k_first", all_states=False, no_final_state=False, precision="double", threads=None,
-        memory_budget=None):
+def kda(inputs: Mapping[str, Any], *, gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None,
+        beta: str = "as_given", l2norm: bool = False, scale: float | None = None, state_layout: str = "k_first",
+        all_states: bool = False, no_final_state: bool = False, precision: str = "double", threads: int | None = None,
+        memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
     """The KDA recurrence (what `k3ref kda` computes). inputs: q, k [B, T, H, K], v [B, T, HV, V],
     g [B, T, HV, K], beta [B, T, HV], optional initial_state [N, HV, K, V] (V-first with
     state_layout="v_first"), A_log [HV], dt_bias [HV, K], cu_seqlens [N + 1] (B = 1).
@@ -334,9 +344,11 @@ def kda(inputs, *, gate="log_decay", gate_base="e", lower_bound=None, beta="as_g
     return _call(fn, _compiled().kda_recurrent, t, opt, precision)
 
 
-def kda_chunkwise(inputs, *, chunk_form="flashkda", chunk_size=0, sub_chunk=16, stages=False, gate="log_decay",
-                  gate_base="e", lower_bound=None, beta="as_given", l2norm=False, scale=None, state_layout="k_first",
-                  no_final_state=False, precision="double", threads=None, memory_budget=None):
+def kda_chunkwise(inputs: Mapping[str, Any], *, chunk_form: str = "flashkda", chunk_size: int = 0, sub_chunk: int = 16,
+                  stages: bool = False, gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None,
+                  beta: str = "as_given", l2norm: bool = False, scale: float | None = None,
+                  state_layout: str = "k_first", no_final_state: bool = False, precision: str = "double",
+                  threads: int | None = None, memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
     """The KDA forward by a chunkwise (UT transform) form: chunk_form "flashkda" (inverse-decay
     form, chunk 16 by default) or "fla" (FLA's sub-chunked form, chunk 64; sub_chunk rows per
     sub-chunk). chunk_size 0 takes the form's own. Returns o and final_state; with stages=True
@@ -358,9 +370,11 @@ def kda_chunkwise(inputs, *, chunk_form="flashkda", chunk_size=0, sub_chunk=16, 
                  stages, precision)
 
 
-def kda_contract(inputs, contract, *, exact=False, sites=None, gate="log_decay", gate_base="e", lower_bound=None,
-                 beta="as_given", l2norm=False, scale=None, state_layout="k_first", no_final_state=False,
-                 threads=None, memory_budget=None):
+def kda_contract(inputs: Mapping[str, Any], contract: str, *, exact: bool = False, sites: Mapping[str, str] | None = None,
+                 gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None, beta: str = "as_given",
+                 l2norm: bool = False, scale: float | None = None, state_layout: str = "k_first",
+                 no_final_state: bool = False, threads: int | None = None,
+                 memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
     """The precision contract of a real KDA kernel evaluated on the inputs it received
     (docs/contracts.md): "fla_recurrent", "fla_chunk", "fla_chunk_safe_gate" or "flashkda".
     Options as for kda. Returns o and final_state (float64), the values the kernel's declared
@@ -381,7 +395,7 @@ def kda_contract(inputs, contract, *, exact=False, sites=None, gate="log_decay",
                  _flag(fn, "exact", exact), dict(sites or {}))
 
 
-def kda_contract_sites(contract):
+def kda_contract_sites(contract: str) -> dict[str, str]:
     """{rounding site: precision} of a kernel contract (docs/contracts.md)."""
     fn = "kda_contract_sites"
     try:
@@ -390,9 +404,11 @@ def kda_contract_sites(contract):
         raise ValueError(f"k3ref.{fn}: {str(e).splitlines()[0]}") from None
 
 
-def kda_backward(inputs, cotangents=None, *, method="adjoint", chunk_size=0, gate="log_decay", gate_base="e",
-                 lower_bound=None, beta="as_given", l2norm=False, scale=None, state_layout="k_first",
-                 precision="double", threads=None, memory_budget=None):
+def kda_backward(inputs: Mapping[str, Any], cotangents: Mapping[str, Any] | None = None, *, method: str = "adjoint",
+                 chunk_size: int = 0, gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None,
+                 beta: str = "as_given", l2norm: bool = False, scale: float | None = None,
+                 state_layout: str = "k_first", precision: str = "double", threads: int | None = None,
+                 memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
     """Gradients of the KDA forward for the loss sum(o * d_o) + sum(final_state * d_final_state).
     cotangents: d_o [B, T, HV, V] and optional d_final_state; they may also sit in `inputs`
     (as in the kda.backward goldens). method "adjoint" (the adjoint recurrence) or "chunkwise"
@@ -413,7 +429,7 @@ def kda_backward(inputs, cotangents=None, *, method="adjoint", chunk_size=0, gat
     return _call(fn, _compiled().kda_backward, t, c, opt, method, chunk_size, precision)
 
 
-def _split_cotangents(fn, inputs, cotangents):
+def _split_cotangents(fn: str, inputs: Any, cotangents: Any) -> tuple[dict[str, Any], Any]:
     if not hasattr(inputs, "keys"):
         _fail(fn, TypeError, f"inputs must be a mapping of tensor names to tensors, not {type(inputs).__name__}")
     inputs = dict(inputs)
@@ -425,7 +441,7 @@ def _split_cotangents(fn, inputs, cotangents):
     return inputs, cotangents
 
 
-def _splits(fn, inputs, splits):
+def _splits(fn: str, inputs: Any, splits: Any) -> tuple[Any, list[int]]:
     inputs = dict(inputs) if hasattr(inputs, "keys") else inputs
     if hasattr(inputs, "keys") and "splits" in inputs:
         if splits is not None:
@@ -436,9 +452,12 @@ def _splits(fn, inputs, splits):
     return inputs, _as_index(fn, "splits", splits)
 
 
-def kcp_forward(inputs, splits=None, *, merge="origin_rank", gate="log_decay", gate_base="e", lower_bound=None,
-                beta="as_given", l2norm=False, scale=None, state_layout="k_first", all_states=False,
-                no_final_state=False, precision="double", threads=None, memory_budget=None):
+def kcp_forward(inputs: Mapping[str, Any], splits: torch.Tensor | Sequence[int] | None = None, *,
+                merge: str = "origin_rank", gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None,
+                beta: str = "as_given", l2norm: bool = False, scale: float | None = None,
+                state_layout: str = "k_first", all_states: bool = False, no_final_state: bool = False,
+                precision: str = "double", threads: int | None = None,
+                memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
     """Context-parallel KDA over P simulated ranks (docs/kcp.md): splits [P + 1] are the ranks'
     token boundaries (0 .. T; also accepted as inputs["splits"]), inputs as for kda with B = 1
     and cu_seqlens. merge: how gathered fragments become entering states ("origin_rank" is
@@ -454,9 +473,12 @@ def kcp_forward(inputs, splits=None, *, merge="origin_rank", gate="log_decay", g
     return _call(fn, _compiled().kcp_forward, t, opt, s, _choice(fn, "merge", merge), precision)
 
 
-def kcp_backward(inputs, cotangents=None, splits=None, *, merge="origin_rank", gate="log_decay", gate_base="e",
-                 lower_bound=None, beta="as_given", l2norm=False, scale=None, state_layout="k_first",
-                 precision="double", threads=None, memory_budget=None):
+def kcp_backward(inputs: Mapping[str, Any], cotangents: Mapping[str, Any] | None = None,
+                 splits: torch.Tensor | Sequence[int] | None = None, *, merge: str = "origin_rank",
+                 gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None, beta: str = "as_given",
+                 l2norm: bool = False, scale: float | None = None, state_layout: str = "k_first",
+                 precision: str = "double", threads: int | None = None,
+                 memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
     """The context-parallel backward: each rank's adjoint over its slice from the state it
     entered with and the state gradient arriving from the next rank. Returns the gathered
     gradients (as kda_backward) and, stacked per rank, cp_entering_states and
@@ -473,7 +495,8 @@ def kcp_backward(inputs, cotangents=None, splits=None, *, merge="origin_rank", g
     return _call(fn, _compiled().kcp_backward, t, c, opt, s, _choice(fn, "merge", merge), precision)
 
 
-def attnres(inputs, *, eps=1e-6, block_size=None, two_phase=False, precision="double", memory_budget=None):
+def attnres(inputs: Mapping[str, Any], *, eps: float = 1e-6, block_size: int | None = None, two_phase: bool = False,
+            precision: str = "double", memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
     """Attention Residuals with teacher forcing (docs/attnres.md). inputs: values [L+1, T, d],
     queries and norm_weights [L+1, d]. block_size None: full AttnRes; otherwise block AttnRes
     (two_phase: the two-phase inference form). Returns h [L+1, T, d], alpha, and for blocks
@@ -498,7 +521,8 @@ def attnres(inputs, *, eps=1e-6, block_size=None, two_phase=False, precision="do
                  block_size, _flag(fn, "two_phase", two_phase), precision)
 
 
-def qb_solver(inputs, *, k, iterations, beta0=None):
+def qb_solver(inputs: Mapping[str, Any], *, k: int, iterations: int,
+              beta0: torch.Tensor | NDArray[Any] | None = None) -> dict[str, torch.Tensor]:
     """The Quantile Balancing alternating solver (docs/qb.md), in double: exact on dyadic
     scores. inputs: scores [m, n]. Returns per iteration alpha [T, m], beta [T, n], selection
     [T, m, k] (int32, best first, k3ref's tie rule) and loads [T, n] (int64)."""
@@ -509,7 +533,8 @@ def qb_solver(inputs, *, k, iterations, beta0=None):
                  b0)
 
 
-def save(path, tensors, metadata=None):
+def save(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor | NDArray[Any]],
+         metadata: Mapping[str, str] | None = None) -> None:
     """Writes a safetensors file ({name: torch tensor or NumPy array} in order, str metadata)
     that `k3ref kda --in`, `k3ref compare` and the readers take: k3ref._safetensors.save."""
     from ._safetensors import save as _save
@@ -517,7 +542,7 @@ def save(path, tensors, metadata=None):
     _save(path, tensors, metadata)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # Submodules on first use (`k3ref.goldens`, `k3ref.testing`, ...), and the vocabulary's name
     # tuples from the compiled part on first use, so `import k3ref` stays light.
     if name in ("goldens", "testing", "policy", "gpu_check"):

@@ -19,15 +19,21 @@ k3ref._safetensors (the project's own reader); both give the same tensors. The g
 directory: the `directory` argument, else $K3REF_GOLDENS, else the checkout's goldens/ when
 k3ref runs from a source tree, else the suite installed with the package.
 """
+from __future__ import annotations
+
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Container, Mapping, NoReturn
 
 import numpy as np
 import torch
 
 from . import _safetensors
+
+if TYPE_CHECKING:
+    from .policy import PolicyTable, Rule
 
 # The golden schema this module reads (docs/golden-format.md, "Schema").
 SCHEMA = "2"
@@ -39,7 +45,7 @@ REFERENCE_OPS = ("kda.recurrent", "kda.chunkwise_fla", "kda.chunkwise_flashkda",
 BACKWARD_GOLDEN_CHUNK_SIZE = 64
 
 
-def directory(path=None):
+def directory(path: str | os.PathLike[str] | None = None) -> Path:
     """The golden directory: `path`, else $K3REF_GOLDENS, else the checkout's goldens/ when
     the package runs from a source tree, else the suite installed with the package
     (k3ref/data/goldens)."""
@@ -55,7 +61,7 @@ def directory(path=None):
                             "(an installed k3ref ships one in k3ref/data/goldens; this one does not)")
 
 
-def _has_safetensors():
+def _has_safetensors() -> bool:
     try:
         import safetensors.torch  # noqa: F401
         return True
@@ -63,7 +69,7 @@ def _has_safetensors():
         return False
 
 
-def _torch_of(raw):
+def _torch_of(raw: Any) -> torch.Tensor:
     """A torch tensor (a copy) with the stored dtype where torch has it."""
     if raw.dtype == "BF16":
         return torch.from_numpy(_safetensors.bf16_bits(raw).view(np.int16).copy()).view(torch.bfloat16)
@@ -76,7 +82,7 @@ def _torch_of(raw):
     return torch.from_numpy(_safetensors.to_numpy(raw))
 
 
-def read_tensors(path, reader="auto"):
+def read_tensors(path: str | os.PathLike[str], reader: str = "auto") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file as torch tensors. reader: "auto" (the
     safetensors package when installed, else k3ref's), "safetensors" or "k3ref"."""
     if reader not in ("auto", "safetensors", "k3ref"):
@@ -93,12 +99,12 @@ def read_tensors(path, reader="auto"):
     return {name: _torch_of(t) for name, t in f.tensors.items()}, dict(f.metadata)
 
 
-def expand_outputs(spec):
+def expand_outputs(spec: str) -> list[str]:
     from .policy import expand_outputs as expand
     return expand(spec)
 
 
-def kda_options(params):
+def kda_options(params: Mapping[str, Any]) -> dict[str, Any]:
     """The k3ref.kda / kda_contract keyword arguments of a KDA parameter object (a golden's
     params, a prop case, an adapter's params): the golden schema's names mapped once onto the
     module's option names (`qk_l2norm` -> `l2norm`); a key absent takes the option's default."""
@@ -113,41 +119,41 @@ class GoldenCase:
     name: str
     op: str
     path: Path
-    params: dict
-    tensors: dict                  # every tensor of the file, in file order
-    outputs: list                  # the names of k3ref.outputs, expanded, in order
-    metadata: dict = field(default_factory=dict)
-    input_names: list = field(default_factory=list)    # k3ref.inputs
-    layout_names: list = field(default_factory=list)   # k3ref.layout
-    recommended_policies: dict = field(default_factory=dict)  # k3ref.policies: {output: policy}
+    params: dict[str, Any]
+    tensors: dict[str, torch.Tensor]  # every tensor of the file, in file order
+    outputs: list[str]                # the names of k3ref.outputs, expanded, in order
+    metadata: dict[str, str] = field(default_factory=dict)
+    input_names: list[str] = field(default_factory=list)    # k3ref.inputs
+    layout_names: list[str] = field(default_factory=list)   # k3ref.layout
+    recommended_policies: dict[str, str] = field(default_factory=dict)  # k3ref.policies: {output: policy}
 
     @property
-    def inputs(self):
+    def inputs(self) -> dict[str, torch.Tensor]:
         """The tensors the operator takes (the file's k3ref.inputs), in file order."""
         return {n: self.tensors[n] for n in self.input_names}
 
     @property
-    def layout(self):
+    def layout(self) -> dict[str, torch.Tensor]:
         """Index tensors describing the layout (the file's k3ref.layout): chunk_starts, ..."""
         return {n: self.tensors[n] for n in self.layout_names}
 
     @property
-    def expected(self):
+    def expected(self) -> dict[str, torch.Tensor]:
         """The expected outputs, in the file's output order."""
         return {n: self.tensors[n] for n in self.outputs if n in self.tensors}
 
     @property
-    def reference_precision(self):
+    def reference_precision(self) -> str:
         return self.metadata.get("k3ref.reference_precision", "")
 
     @property
-    def kda_params(self):
+    def kda_params(self) -> dict[str, Any]:
         """The KDA parameters: the case's one parameter object (the KDA keys sit beside the
         family's own)."""
         return self.params
 
     @property
-    def options(self):
+    def options(self) -> dict[str, Any]:
         """Keyword arguments of the matching k3ref reference (the `k3ref kda` option names)."""
         op = self.op
         if op.startswith("kda.") or op.startswith("kcp."):
@@ -166,14 +172,14 @@ class GoldenCase:
             return dict(k=self.params["k"], iterations=self.params["iterations"])
         return {}
 
-    def policies(self, table=None):
+    def policies(self, table: PolicyTable | str | os.PathLike[str] | None = None) -> dict[str, str]:
         """{policy name: what it is for} of the table's named policies that cover this operator
         (the parametric ones, "exact", "floor:<m>", "rel-rms:<r>", cover every operator)."""
         from . import policy as _policy
         t = table if isinstance(table, _policy.PolicyTable) else _policy.load_table(table)
         return {name: t.about.get(name, "") for name in t.policy_names() if self.op in t.operators_of(name)}
 
-    def tolerances(self, policy=None, table=None):
+    def tolerances(self, policy: str | None = None, table: PolicyTable | str | os.PathLike[str] | None = None) -> dict[str, Rule]:
         """{output: k3ref.policy.Rule}: the metric, floor dtype and bound that `policy` sets for
         each expected output of this operator (the policy table, docs/tolerances.md); without
         a policy, each output's recommended policy (the file's k3ref.policies)."""
@@ -182,7 +188,7 @@ class GoldenCase:
         if policy is not None:
             rules = t.rules(policy, self.op)
             return {n: rules[n] for n in self.outputs if n in rules}
-        out = {}
+        out: dict[str, Rule] = {}
         for n in self.outputs:
             if n not in self.recommended_policies:
                 raise ValueError(f"k3ref.goldens: case '{self.name}' recommends no policy for output '{n}'")
@@ -196,7 +202,7 @@ _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 
 
-def check_case_name(name, where="k3ref.goldens"):
+def check_case_name(name: object, where: str = "k3ref.goldens") -> str:
     """`name` if it is a valid case name, else ValueError (one line)."""
     if (not isinstance(name, str) or not name or len(name) > 200 or name in (".", "..")
             or not set(name) <= _NAME_CHARS):
@@ -209,15 +215,15 @@ MAX_MANIFEST_VALUES = 1 << 20  # the C++ reader's max_manifest_values (src/golde
 _HEX = frozenset("0123456789abcdef")
 
 
-def _is_plain(text):
+def _is_plain(text: object) -> bool:
     return isinstance(text, str) and bool(text) and len(text) <= 200 and text not in (".", "..") and set(text) <= _NAME_CHARS
 
 
-def _is_unsigned(value):
+def _is_unsigned(value: Any) -> bool:
     return type(value) is int and 0 <= value < 1 << 64
 
 
-def manifest(directory_=None):
+def manifest(directory_: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
     """The parsed MANIFEST.json of a golden directory, or None when the directory has none.
     Read under k3ref._bounded's rules and checked field by field as the C++ reader checks it
     (golden::parse_manifest: format, suite, generator_version, schema, subset, and each case's
@@ -231,10 +237,10 @@ def manifest(directory_=None):
     data = load_json(path, "golden manifest", limit=MAX_MANIFEST_BYTES, max_values=MAX_MANIFEST_VALUES,
                      plain_keys=False)  # (params are the generator's, any key: as golden::parse_manifest)
 
-    def fail(where, what):
+    def fail(where: str, what: str) -> NoReturn:
         raise ValueError(f"golden manifest {path}: {where}{': ' if where else ''}{what}")
 
-    def string(obj, key, where):
+    def string(obj: Mapping[str, Any], key: str, where: str) -> str:
         if not isinstance(obj.get(key), str):
             fail(where, f"field '{key}' missing or not a string")
         return obj[key]
@@ -253,7 +259,7 @@ def manifest(directory_=None):
     cases = data.get("cases")
     if not isinstance(cases, list):
         fail("", "field 'cases' missing or not an array")
-    names = set()
+    names: set[str] = set()
     for i, c in enumerate(cases):
         where = f"case #{i}"
         if not isinstance(c, dict):
@@ -279,7 +285,7 @@ def manifest(directory_=None):
     return data
 
 
-def sha256_of_file(path):
+def sha256_of_file(path: str | os.PathLike[str]) -> str:
     """Lower-case hexadecimal sha256 of a file, read in 1 MiB pieces."""
     import hashlib
 
@@ -290,7 +296,8 @@ def sha256_of_file(path):
     return h.hexdigest()
 
 
-def load_case(name_or_path, directory_=None, *, reader="auto", verify=True):
+def load_case(name_or_path: str | os.PathLike[str], directory_: str | os.PathLike[str] | None = None, *,
+              reader: str = "auto", verify: bool = True) -> GoldenCase:
     """One golden case: a path to a .safetensors file, or a case name in the golden directory.
 
     verify (default True): a case loaded by name from a directory with a MANIFEST.json must be
@@ -298,7 +305,7 @@ def load_case(name_or_path, directory_=None, *, reader="auto", verify=True):
     golden is an error naming the file); verify=False skips the digest. A name must be a case
     name (no path, see check_case_name)."""
     p = Path(name_or_path)
-    listed = None
+    listed: Any = None
     if not p.suffix == ".safetensors":
         check_case_name(str(name_or_path))
         d = directory(directory_)
@@ -332,7 +339,7 @@ def load_case(name_or_path, directory_=None, *, reader="auto", verify=True):
                       layout_names=lists["layout"], recommended_policies=policies)
 
 
-def case_names(directory_=None, ops=None):
+def case_names(directory_: str | os.PathLike[str] | None = None, ops: Container[str] | None = None) -> list[str]:
     """Names of the cases in the directory's MANIFEST.json, in its order (optionally only
     operators in `ops`); without a manifest, of every .safetensors file, by name."""
     d = directory(directory_)
@@ -342,7 +349,8 @@ def case_names(directory_=None, ops=None):
     return [c["name"] for c in m["cases"] if ops is None or c.get("op") in ops]
 
 
-def load_suite(directory_=None, ops=None, *, reader="auto"):
+def load_suite(directory_: str | os.PathLike[str] | None = None, ops: Container[str] | None = None, *,
+               reader: str = "auto") -> list[GoldenCase]:
     """Every case of the manifest (optionally only operators in `ops`), in its order, each
     checked against the manifest's sha256; a
     directory without MANIFEST.json (e.g. failures written by k3ref.gpu_check prop): every
@@ -354,14 +362,14 @@ def load_suite(directory_=None, ops=None, *, reader="auto"):
     return [c for c in cases if ops is None or c.op in ops]
 
 
-def reference(case, precision="mp256", threads=None):
+def reference(case: GoldenCase, precision: str = "mp256", threads: int | None = None) -> dict[str, torch.Tensor]:
     """k3ref's outputs for the case's inputs, for every expected output this package
     computes (all of them except qb.online's), in float64 (integer outputs in the golden's
     dtype). At "mp256", the goldens' tier, the KDA, kcp and AttnRes outputs equal the
     goldens bit for bit; qb.solver runs in double, exact on the goldens' dyadic scores."""
     import k3ref
     op, opt = case.op, case.options
-    kw = {} if threads is None else {"threads": threads}
+    kw: dict[str, Any] = {} if threads is None else {"threads": threads}
     if op == "kda.recurrent":
         out = k3ref.kda(case.inputs, precision=precision, **opt, **kw)
     elif op.startswith("kda.chunkwise_"):

@@ -37,11 +37,15 @@ The figures are those of k3ref::check::compare: relative RMS error over finite p
 = relative RMS of rounding the golden to the floor dtype, max abs error and its index
 (the first maximum), max distance in ulps of the floor dtype.
 """
+from __future__ import annotations
+
 import json
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -78,7 +82,7 @@ class Rule:
     source: str = ""          # where the rule came from: "policies.chunk.kda.backward.dq" or "floor:2"
 
 
-def table_path():
+def table_path() -> Path:
     """The table shipped with k3ref: next to this file in an installed package, else the
     checkout's policy/policies.json (python/k3ref/policy.py -> policy/policies.json)."""
     here = Path(__file__).resolve().parent
@@ -89,13 +93,13 @@ def table_path():
                             f"{here.parent.parent / 'policy' / 'policies.json'}")
 
 
-def _positive(value, where):
+def _positive(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
         raise PolicyTableError(f"{where}: must be a positive number")
     return float(value)
 
 
-def _only_keys(obj, allowed, where):
+def _only_keys(obj: Any, allowed: Iterable[str], where: str) -> None:
     if not isinstance(obj, dict):
         raise PolicyTableError(f"{where}: must be an object")
     extra = sorted(set(obj) - set(allowed))
@@ -108,7 +112,7 @@ class PolicyTable:
     a malformed table fails at load time, naming its entry, not in the middle of a judgement.
     The checks, their order and their messages are the C++ reader's (policy_table.cc)."""
 
-    def __init__(self, data, path="<table>"):
+    def __init__(self, data: Any, path: str | os.PathLike[str] = "<table>") -> None:
         self.path = str(path)
         where = self.path
         _only_keys(data, ("format", "version", "about", "operators", "policies"), where)
@@ -123,7 +127,7 @@ class PolicyTable:
         operators = data.get("operators", {})
         if not isinstance(operators, dict):
             raise PolicyTableError(f"{where}: 'operators' must be an object")
-        self.operators = {}
+        self.operators: dict[str, dict[str, Any]] = {}
         for op, entry in operators.items():
             w = f"{where}: operators.{op}"
             _only_keys(entry, ("inputs", "outputs", "about"), w)
@@ -132,7 +136,7 @@ class PolicyTable:
                 raise PolicyTableError(f"{w}.inputs: must be an array of names")
             if not isinstance(entry.get("outputs"), dict) or not entry["outputs"]:
                 raise PolicyTableError(f"{w}: no outputs")
-            outputs = {}
+            outputs: dict[str, tuple[str, str]] = {}
             for name, spec in entry["outputs"].items():
                 wo = f"{w}.outputs.{name}"
                 _only_keys(spec, ("role", "dtype", "about"), wo)
@@ -145,8 +149,8 @@ class PolicyTable:
         policies = data.get("policies", {})
         if not isinstance(policies, dict):
             raise PolicyTableError(f"{where}: 'policies' must be an object")
-        self._rules = {}  # (policy, op) -> {tensor: Rule}
-        self.about = {}
+        self._rules: dict[tuple[str, str], dict[str, Rule]] = {}  # (policy, op) -> {tensor: Rule}
+        self.about: dict[str, str] = {}
         for name, pol in policies.items():
             w = f"{where}: policies.{name}"
             _only_keys(pol, ("about", "rules"), w)
@@ -162,7 +166,7 @@ class PolicyTable:
                 outputs = self.operators[op]["outputs"]
                 # Allowed keys listed as the C++ reader lists them (outputs by name, then roles).
                 _only_keys(by_key, sorted(outputs) + list(ROLES), f"{w}.rules.{op}")
-                resolved = {}
+                resolved: dict[str, Rule] = {}
                 for tensor, (role, dtype) in outputs.items():
                     key = tensor if tensor in by_key else role
                     if key not in by_key:
@@ -173,7 +177,7 @@ class PolicyTable:
                 self._rules[(name, op)] = resolved
 
     @classmethod
-    def load(cls, path=None):
+    def load(cls, path: str | os.PathLike[str] | None = None) -> PolicyTable:
         path = Path(path) if path is not None else table_path()
         from ._bounded import load_json
 
@@ -183,13 +187,13 @@ class PolicyTable:
             raise PolicyTableError(str(e)) from None
         return cls(data, path)
 
-    def policy_names(self):
+    def policy_names(self) -> list[str]:
         return sorted(self.about)
 
-    def operators_of(self, policy):
+    def operators_of(self, policy: str) -> list[str]:
         return sorted(op for p, op in self._rules if p == policy)
 
-    def rules(self, policy, op):
+    def rules(self, policy: str, op: str) -> dict[str, Rule]:
         """{tensor: Rule} for every output of `op` under `policy`. Raises KeyError with a
         one-line reason when the operator or policy is unknown or the policy does not cover it."""
         if op not in self.operators:
@@ -198,7 +202,7 @@ class PolicyTable:
         param = parse_parametric(policy)
         if param is not None:
             metric, value = param
-            out = {}
+            out: dict[str, Rule] = {}
             for tensor, (_, dtype) in self.operators[op]["outputs"].items():
                 if dtype == "int" or metric == "exact":
                     out[tensor] = Rule("exact", dtype, source=policy)
@@ -215,18 +219,18 @@ class PolicyTable:
         raise KeyError(f"unknown tolerance policy '{policy}' (known: exact, floor:<m>, rel-rms:<r>, "
                        f"{', '.join(self.policy_names())})")
 
-    def role(self, op, tensor):
+    def role(self, op: str, tensor: str) -> str:
         return self.operators[op]["outputs"][tensor][0]
 
 
-def _string(obj, key, where):
+def _string(obj: Mapping[str, Any], key: str, where: str) -> str:
     value = obj.get(key)
     if not isinstance(value, str):
         raise PolicyTableError(f"{where}: '{key}' must be a string")
     return value
 
 
-def _rule_from(spec, dtype, source, where):
+def _rule_from(spec: Any, dtype: str, source: str, where: str) -> Rule:
     _only_keys(spec, ("metric", "multiple", "bound", "ulps", "floor_dtype", "about"), where)
     metric = _string(spec, "metric", where)
     if metric not in METRICS:
@@ -240,11 +244,11 @@ def _rule_from(spec, dtype, source, where):
     for k in ("multiple", "bound", "ulps"):
         if k in spec and k != need:
             raise PolicyTableError(f"{where}: '{k}' does not apply to metric '{metric}'")
-    kw = {need: _positive(spec.get(need), f"{where}.{need}")} if need else {}
+    kw: dict[str, Any] = {need: _positive(spec.get(need), f"{where}.{need}")} if need else {}
     return Rule(metric, floor_dtype, source=source, **kw)
 
 
-def parse_parametric(name):
+def parse_parametric(name: str) -> tuple[str, float] | None:
     """(metric, value) of 'exact', 'floor:<m>', 'rel-rms:<r>'; None for any other name.
     Raises KeyError on a parametric prefix with a bad number."""
     if name == "exact":
@@ -260,10 +264,10 @@ def parse_parametric(name):
     return None
 
 
-_DEFAULT = None
+_DEFAULT: PolicyTable | None = None
 
 
-def load_table(path=None):
+def load_table(path: str | os.PathLike[str] | None = None) -> PolicyTable:
     """The table at `path`; the shipped one (loaded once) by default."""
     global _DEFAULT
     if path is not None:
@@ -277,10 +281,11 @@ MAX_OUTPUT_NAMES = 131_072
 MAX_OUTPUT_NAME_BYTES = 16 << 20
 
 
-def expand_outputs(spec):
+def expand_outputs(spec: str) -> list[str]:
     """Names of a golden's `k3ref.outputs`: comma-separated, where an item may hold brace
     groups, each expanded in order: "{qb,sign}_{bias,loads}" -> qb_bias, qb_loads, sign_bias,
     sign_loads. Raises ValueError on unbalanced or nested braces."""
+    items: list[str]
     items, depth, cur = [], 0, ""
     for ch in spec:
         if ch == "{":
@@ -299,10 +304,11 @@ def expand_outputs(spec):
     if depth != 0:
         raise ValueError(f"k3ref.outputs '{spec}': unbalanced braces")
     items.append(cur)
+    names: list[str]
     names, name_bytes = [], 0
     shown = spec if len(spec) <= 200 else spec[:200] + f"... ({len(spec)} characters)"
 
-    def bounded(count, size):
+    def bounded(count: int, size: int) -> None:
         # The C++ limits (check::expand_outputs): "{a,b}" x 40 is 2^40 names, and 2^17 names of
         # 100 KB each are 13 GB; both are refused before they are built.
         if len(names) + count > MAX_OUTPUT_NAMES:
@@ -335,7 +341,7 @@ def expand_outputs(spec):
 
 # ------------------------------------------------------------------------------- the figures
 
-def _spacing(ref, dtype):
+def _spacing(ref: torch.Tensor, dtype: str) -> torch.Tensor:
     mant, emin, esub = FLOAT_DTYPES[dtype]
     mag = ref.abs()
     _, exponent = torch.frexp(mag)  # mag = f * 2^exponent, f in [0.5, 1)
@@ -343,7 +349,7 @@ def _spacing(ref, dtype):
     return torch.where(mag >= 2.0 ** emin, normal, torch.full_like(mag, 2.0 ** esub))
 
 
-def _round_to(ref, dtype):
+def _round_to(ref: torch.Tensor, dtype: str) -> torch.Tensor:
     mant, emin, _ = FLOAT_DTYPES[dtype]
     s = _spacing(ref, dtype)
     out = torch.round(ref / s) * s  # half to even; ref / s is exact
@@ -352,7 +358,7 @@ def _round_to(ref, dtype):
     return torch.where(out.abs() > max_finite, out.sign() * math.inf, out)
 
 
-def _ordered_sum(x):
+def _ordered_sum(x: torch.Tensor) -> float:
     # Index order, as k3ref::check::compare sums (CPU cumsum is a sequential loop): the
     # figures then equal the C++ ones bit for bit. On a GPU the order is the device's.
     if x.numel() == 0:
@@ -360,7 +366,7 @@ def _ordered_sum(x):
     return float(x.sum()) if x.is_cuda else float(x.cumsum(0)[-1])
 
 
-def _first_max(values, valid):
+def _first_max(values: torch.Tensor, valid: torch.Tensor) -> tuple[float, int]:
     masked = torch.where(valid, values, torch.full_like(values, -1.0))
     top = float(masked.max())
     return top, int((masked == top).nonzero()[0, 0])
@@ -383,7 +389,7 @@ class TensorResult:
     rel_rms: float = 0.0
     max_abs: float = 0.0
     max_abs_index: int = -1
-    worst_index: list = field(default_factory=list)  # max_abs_index per axis of the golden's shape
+    worst_index: list[int] = field(default_factory=list)  # max_abs_index per axis of the golden's shape
     candidate_value: float = 0.0
     golden_value: float = 0.0
     max_ulp: float = 0.0
@@ -393,10 +399,10 @@ class TensorResult:
     candidate_inf: int = 0
     first_nonfinite_mismatch: int = -1
     candidate_dtype: str = ""
-    shape: list = field(default_factory=list)
+    shape: list[int] = field(default_factory=list)
     reason: str = ""
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
 
 
@@ -406,24 +412,24 @@ class Verdict:
     policy: str
     exit_code: int
     reason: str
-    results: list
+    results: list[TensorResult]
     table: str = ""
 
     @property
-    def passed(self):
+    def passed(self) -> bool:
         return self.exit_code == EXIT_PASS
 
     @property
-    def verdict(self):
+    def verdict(self) -> str:
         return ("pass", "fail", "unusable")[self.exit_code]
 
-    def __getitem__(self, tensor):
+    def __getitem__(self, tensor: str) -> TensorResult:
         for r in self.results:
             if r.tensor == tensor:
                 return r
         raise KeyError(tensor)
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return {"op": self.op, "policy": self.policy, "policy_table_version": TABLE_VERSION,
                 "verdict": self.verdict, "exit_code": self.exit_code, "reason": self.reason,
                 "tensors": [r.to_dict() for r in self.results]}
@@ -434,11 +440,11 @@ _TORCH_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16"
                 torch.bool: "BOOL"}
 
 
-def _e(x):
+def _e(x: float) -> str:
     return f"{x:.3e}"
 
 
-def _measure(res, x, r, rule):
+def _measure(res: Any, x: torch.Tensor, r: torch.Tensor, rule: Rule) -> torch.Tensor:
     """Fills the figures of res (candidate x, golden r: flat float64 on one device)."""
     fmt = rule.floor_dtype if rule.floor_dtype in FLOAT_DTYPES else "fp64"
     res.count = x.numel()
@@ -482,7 +488,7 @@ def _measure(res, x, r, rule):
     return both
 
 
-def _apply_rule(res, x, r, rule):
+def _apply_rule(res: Any, x: torch.Tensor, r: torch.Tensor, rule: Rule) -> None:
     both = _measure(res, x, r, rule)
     res.metric, res.floor_dtype, res.rule = rule.metric, rule.floor_dtype, rule.source
     # The ratio to the floor where there is one (a golden exact in the floor dtype has none).
@@ -526,13 +532,13 @@ def _apply_rule(res, x, r, rule):
     res.reason = why
 
 
-def _name_list(names):
+def _name_list(names: Iterable[str]) -> str:
     """A list of names for a one-line message: the first 8, then how many there are in all."""
     names = list(names)
     return ", ".join(names) if len(names) <= 8 else ", ".join(names[:8]) + f", ... ({len(names)} in all)"
 
 
-def _unravel(index, shape):
+def _unravel(index: int, shape: Sequence[int]) -> list[int]:
     out = []
     for extent in reversed(shape):
         out.append(index % extent if extent else 0)
@@ -540,7 +546,9 @@ def _unravel(index, shape):
     return out[::-1]
 
 
-def judge(expected, candidate, op, policy="floor:2", *, tensors=None, known=(), table=None):
+def judge(expected: Mapping[str, Any], candidate: Mapping[str, Any], op: str, policy: str = "floor:2", *,
+          tensors: Iterable[str] | None = None, known: Iterable[str] = (),
+          table: PolicyTable | str | os.PathLike[str] | None = None) -> Verdict:
     """Judges every golden output of one case under `policy` (see the module docstring)."""
     if not isinstance(policy, str) or not isinstance(op, str):
         return Verdict(str(op), str(policy), EXIT_UNUSABLE, f"policy and op must be names (str), not "
@@ -555,9 +563,11 @@ def judge(expected, candidate, op, policy="floor:2", *, tensors=None, known=(), 
     except KeyError as e:
         return Verdict(op, policy, EXIT_UNUSABLE, e.args[0], [], table.path)
     outputs = list(expected)
+    results: list[TensorResult]
+    first: dict[int, str]
     results, first = [], {}
 
-    def note(code, line):
+    def note(code: int, line: str) -> None:
         first.setdefault(code, line)
 
     for name in outputs:
@@ -634,7 +644,7 @@ def judge(expected, candidate, op, policy="floor:2", *, tensors=None, known=(), 
     return Verdict(op, policy, EXIT_PASS, f"{judged} tensor(s) pass under policy '{policy}'", results, table.path)
 
 
-def judge_case(case, candidate, policy="floor:2", **kw):
+def judge_case(case: Any, candidate: Mapping[str, Any], policy: str = "floor:2", **kw: Any) -> Verdict:
     """judge() for a golden case object with .op, .expected ({name: tensor}, golden order)
     and .tensors (every tensor of the file)."""
     known = [n for n in getattr(case, "tensors", {}) if n not in case.expected]

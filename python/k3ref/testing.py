@@ -11,14 +11,19 @@ the call unusable. On failure an AssertionError names, per failing tensor, the f
 its bound, the worst element by its (batch, token, head, channel) index with both values,
 and the reason. An unknown policy or operator raises ValueError.
 """
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
 import torch
 
 from . import policy as _policy
 from .policy import _unravel
 
 # Axis names of each tensor by its golden name (docs/conventions.md layouts).
-_TOKEN = ("batch", "token", "head", "channel")
-_AXES = {
+_TOKEN: tuple[str, ...] = ("batch", "token", "head", "channel")
+_AXES: dict[str, tuple[str, ...]] = {
     "beta": ("batch", "token", "head"), "dbeta": ("batch", "token", "head"),
     "final_state": ("sequence", "head", "k", "v"), "initial_state": ("sequence", "head", "k", "v"),
     "d_initial_state": ("sequence", "head", "k", "v"), "d_final_state": ("sequence", "head", "k", "v"),
@@ -34,7 +39,7 @@ _AXES = {
 }
 
 
-def axis_names(tensor, rank, state_layout="k_first"):
+def axis_names(tensor: str, rank: int, state_layout: str = "k_first") -> tuple[str, ...]:
     names = _AXES.get(tensor)
     if names is None and rank == 4:
         names = _TOKEN
@@ -45,13 +50,13 @@ def axis_names(tensor, rank, state_layout="k_first"):
     return names
 
 
-def format_index(tensor, index, state_layout="k_first"):
+def format_index(tensor: str, index: Sequence[int], state_layout: str = "k_first") -> str:
     """"(batch 0, token 12, head 1, channel 7)" for a per-axis index of a named tensor."""
     names = axis_names(tensor, len(index), state_layout)
     return "(" + ", ".join(f"{n} {i}" for n, i in zip(names, index)) + ")"
 
 
-def _line(r, layout):
+def _line(r: _policy.TensorResult, layout: str) -> str:
     """One failing tensor: its reason (the policy judge's), the figure and bound, the worst element."""
     line = f"{r.tensor}: {r.reason or r.status}"
     if r.status in ("missing", "unknown", "error"):
@@ -71,7 +76,7 @@ def _line(r, layout):
 RETURN_ORDER = ("o", "final_state")
 
 
-def _recommended_policy(case):
+def _recommended_policy(case: Any) -> str:
     """The one policy a golden case recommends for its outputs ("floor:2" for plain tensors)."""
     named = set((getattr(case, "recommended_policies", None) or {}).values())
     if not named:
@@ -82,8 +87,10 @@ def _recommended_policy(case):
     return named.pop()
 
 
-def assert_kda_close(actual, expected_or_case, policy="recommended", *, op=None, tensors=None, name="o", msg=None,
-                     table=None):
+def assert_kda_close(actual: torch.Tensor | Mapping[str, Any] | tuple[Any, ...] | list[Any],
+                     expected_or_case: Any, policy: str = "recommended", *, op: str | None = None,
+                     tensors: Iterable[str] | None = None, name: str = "o", msg: str | None = None,
+                     table: _policy.PolicyTable | str | os.PathLike[str] | None = None) -> _policy.Verdict:
     """Judges `actual` against a golden and raises AssertionError unless every judged
     tensor passes.
 
