@@ -1,4 +1,4 @@
-"""The adapter protocol, and the built-in adapters (one per kernel).
+"""The built-in KDA adapters (one per kernel) and the KDA adapter base, on the protocol of protocol.py.
 
 Every operator family (KDA, AttnRes, QB, the serving paths) is checked through one protocol,
 the class `Adapter`. An adapter states:
@@ -22,13 +22,13 @@ the class `Adapter`. An adapter states:
 Registration needs no source edit: an entry point of group `k3ref.adapters`, `--adapter
 mypkg.mod:MyKernel` on the command line (`python3 -m k3ref.gpu_check run`, `pytest
 --k3ref-adapter`), or `k3ref_adapters = [...]` in a project's conftest.py (registry.py). The
-built-in adapters below are registered the same way (`builtin_adapters`, the package's own
+built-in adapters below are registered the same way (`registry.builtin_adapters`, the package's own
 entry point). Third-party kernels are found through environment variables (set by the
 command-line options of the same name): K3REF_FLA_PATH, K3REF_FLASHKDA_PATH, K3REF_LIGER_PATH,
 K3REF_TORCHTITAN_PATH, and K3GC_LIB for libk3gc.so.
 
-Adapters are pickled into the child process that runs their checks (isolation.py): keep
-their state picklable before load() (module-level classes and functions, no lambdas).
+Adapters are built anew in every process that runs their checks (a pytest-xdist worker), from
+the same specs the plan read: construct one without importing its kernel (that is load()'s work).
 """
 import hashlib
 import importlib

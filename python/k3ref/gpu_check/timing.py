@@ -1,6 +1,6 @@
 """Where a kernel's time goes: import, Triton compilation, autotune benchmarking, checking.
 
-Best effort, in the process that runs the kernel (isolation.py's child). Before the adapter
+Best effort, in the process that runs the kernel (a pytest-xdist worker). Before the adapter
 is loaded, `install()` wraps Triton's compiler entry (`triton.compiler.compile`, the function
 `JITFunction.run` calls for a new specialisation; a load from Triton's disk cache goes through
 it too and costs little) and the autotuner's benchmark of one configuration
