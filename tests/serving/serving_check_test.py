@@ -3,7 +3,7 @@
 serving kernel: the correct kernel passes every check on every serving golden, and each
 mutation (accepted count off by one, a write to an unnamed slot, the K/V layout swap, a
 checkpoint one token late, verify writing the committed slot, an empty sequence's final state
-not its initial state) fails at least one check: the kill rate must be 100 %. Usage: serving_check_test.py SOURCE_ROOT. Exit 77: no torch."""
+not its initial state) fails at least one check: the kill rate must be 100 %. Usage: serving_check_test.py SOURCE_ROOT. Exit 77: no torch, or no k3ref._core."""
 import sys
 import time
 from pathlib import Path
@@ -14,6 +14,13 @@ try:
     import torch  # noqa: F401
 except ImportError:
     print("torch not importable: skipped")
+    sys.exit(77)
+import k3ref  # noqa: E402
+
+try:
+    k3ref._compiled()
+except ImportError as e:  # the references the serving checks are judged against (references.py)
+    print(f"k3ref._core not importable ({e}): skipped")
     sys.exit(77)
 
 from k3ref.gpu_check import serving_check as sc  # noqa: E402
