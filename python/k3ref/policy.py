@@ -285,6 +285,12 @@ def expand_outputs(spec: str) -> list[str]:
     """Names of a golden's `k3ref.outputs`: comma-separated, where an item may hold brace
     groups, each expanded in order: "{qb,sign}_{bias,loads}" -> qb_bias, qb_loads, sign_bias,
     sign_loads. Raises ValueError on unbalanced or nested braces."""
+    shown = spec if len(spec) <= 200 else spec[:200] + f"... ({len(spec)} characters)"
+    # Every character but a separator or a brace is in some name at least once: a pattern
+    # longer than the byte limit is refused before the character-by-character scan below.
+    if len(spec) - spec.count(",") - spec.count("{") - spec.count("}") > MAX_OUTPUT_NAME_BYTES:
+        raise ValueError(f"k3ref.outputs '{shown}': expands to more than {MAX_OUTPUT_NAME_BYTES} bytes of names "
+                         "(the limit)")
     items: list[str]
     items, depth, cur = [], 0, ""
     for ch in spec:
@@ -306,7 +312,6 @@ def expand_outputs(spec: str) -> list[str]:
     items.append(cur)
     names: list[str]
     names, name_bytes = [], 0
-    shown = spec if len(spec) <= 200 else spec[:200] + f"... ({len(spec)} characters)"
 
     def bounded(count: int, size: int) -> None:
         # The C++ limits (check::expand_outputs): "{a,b}" x 40 is 2^40 names, and 2^17 names of
