@@ -20,6 +20,11 @@ pytest.importorskip("torch")
 pytest.importorskip("xdist")
 
 ROOT = Path(__file__).resolve().parents[2]
+from k3ref.gpu_check.references import _module  # noqa: E402
+
+# The runs judge against k3ref's compiled references (the CP cases, the carried-state error):
+# an instrumented build does not build k3ref._core.
+pytestmark = pytest.mark.skipif(_module() is None, reason="k3ref._core not built (K3REF_CORE_PATH)")
 ADAPTERS = Path(__file__).with_name("data") / "dtype_adapters.py"
 
 
