@@ -98,3 +98,14 @@ def test_without_isolation_an_exit_in_adapter_code_is_no_pass(tmp_path):
     proc = run(tmp_path / "r", "--only", "hostile.exit0", "--no-isolation")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "wrote no report" in proc.stderr
+
+
+def test_prop_with_a_kernel_that_exits_0_is_no_pass(tmp_path):
+    """`prop` runs the kernel in a child; an exit 0 of the kernel leaves no verdict: exit 1."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.run([sys.executable, "-m", "k3ref.gpu_check", "prop", "--kernel", "hostile.exit_always",
+                           "--adapter", f"{HOSTILE}:ExitAlways", "--examples", "3", "--device", "cpu", "--no-warmup",
+                           "--out", str(tmp_path / "p")], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=str(ROOT))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "recorded no verdict" in proc.stderr

@@ -143,6 +143,44 @@ def run_command(args):
     return EXIT_CODES.get(rc, 1)
 
 
+PROP_VERDICT_VARIABLE = "K3REF_PROP_VERDICT"
+
+
+def prop_in_child(argv):
+    """`prop` runs the kernel, adapter code, in a child: its exit code stands only with the
+    verdict the child writes as `prop` returns, so an exit 0 of adapter code (os._exit) is no
+    pass. The child's output is passed through line by line."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="k3ref_prop_") as d:
+        verdict = Path(d) / "verdict"
+        env = dict(os.environ, **{PROP_VERDICT_VARIABLE: str(verdict)})
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([package_root] + [p for p in sys.path if p and os.path.isdir(p)]))
+        proc = subprocess.Popen([sys.executable, "-m", "k3ref.gpu_check", *argv], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, errors="replace")
+        def drain():
+            for line in proc.stderr:
+                sys.stderr.write(line)
+
+        import threading
+
+        t = threading.Thread(target=drain, daemon=True)
+        t.start()
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        proc.wait()
+        t.join()
+        written = verdict.read_text().strip() if verdict.is_file() else None
+    if proc.returncode == 0 and written != "0":
+        print("python3 -m k3ref.gpu_check prop: FAIL: the run ended with exit 0 but recorded no verdict (adapter code ended the "
+              "process?): nothing is vouched for", file=sys.stderr)
+        return 1
+    return proc.returncode
+
+
 def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
@@ -153,10 +191,14 @@ def main(argv=None):
             apply_kernel_options(args)
             return warmup.command(args)
         if args.cmd == "prop":
+            if os.environ.get(PROP_VERDICT_VARIABLE) is None:
+                return prop_in_child(argv if argv is not None else sys.argv[1:])
             from . import prop
 
             apply_kernel_options(args)
-            return prop.main(args)
+            rc = prop.main(args)
+            Path(os.environ[PROP_VERDICT_VARIABLE]).write_text(str(rc))  # reached only by returning
+            return rc
         return run_command(args)
     except (UsageError, AdapterSpecError) as e:
         print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)

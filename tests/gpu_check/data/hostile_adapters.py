@@ -47,3 +47,14 @@ class Hostile(TorchKernelAdapter):
 
 def adapters():
     return [Hostile(m) for m in MISDEEDS] + [Hostile()]
+
+
+class ExitAlways(TorchKernelAdapter):
+    """os._exit(0) on its first call: for `prop`, which runs the kernel on drawn cases."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "hostile.exit_always"
+
+    def run(self, inputs, params, out=None):
+        os._exit(0)
