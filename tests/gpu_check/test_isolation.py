@@ -87,8 +87,11 @@ def test_a_known_limitation_that_crashes_is_an_xfail_and_runs_once(tmp_path):
     proc = run(tmp_path / "r", "--only", "hostile.abort,hostile.none", "--known-limitations", str(limits),
                "--check-jobs", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "r" / "report.json").read_text())["summary"]
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    summary = data["summary"]
     assert summary["xfailed"] == 1 and summary["failed"] == 0 and summary["verdict"] == "PASS"
+    crashed = next(r for r in data["results"] if r["adapter"] == "hostile.abort" and r["case"] == "kda_t100")
+    assert "Fatal Python error: Aborted" in crashed["reason"], crashed["reason"]  # the crash, not "no result"
     assert proc.stdout.count("node down") + proc.stderr.count("node down") == 1  # one crash: not run again
 
 

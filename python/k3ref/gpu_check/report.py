@@ -320,8 +320,8 @@ def from_pytest(plan, reports, collected, seconds, versions_=None, crashes=None)
             rs = [_result_of(d) for d in record["results"]]
             if record.get("loaded") is not None:
                 loaded_by.setdefault(e["adapter"], {})[json.dumps(record["loaded"], sort_keys=True)] = record["loaded"]
-        elif failed:  # the worker died (or setup failed): pytest's report says why
-            text = str(failed[0].longrepr)
+        elif failed or (xfailed and record is None):  # the worker died (or setup failed): pytest's report says why
+            text = str((failed or xfailed)[0].longrepr)
             rs = [CheckResult(e["adapter"], e["check"], e["case"], "error", text.splitlines()[0][:600] if text else
                               "failed without a result", extra={"crash": True, "stderr_tail": text[-3000:]})]
         elif skipped:
