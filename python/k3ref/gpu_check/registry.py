@@ -177,4 +177,4 @@ def kernel_by_name(name, extra=()):
     for a in known:
         if a.name == name:
             return a
-    raise ValueError(f"no kernel named '{name}'; known: {', '.join(a.name for a in known)}")
+    raise ValueError(f"no kernel named '{name}'; known: {', '.join(dict.fromkeys(a.name for a in known))}")
