@@ -305,10 +305,6 @@ class K3refItem(pytest.Item):
         from k3ref.gpu_check.report import result_record
 
         executor = self.config.stash[STATE]["executor"]
-        crashed = Path(self.config.workerinput["k3ref_plan"]).with_name("crashed") if hasattr(
-            self.config, "workerinput") else None
-        if crashed is not None and crashed.is_file() and self.nodeid in crashed.read_text().splitlines():
-            pytest.skip("not run again: this test ended a worker before (its result is that crash)")
         log = _WORKER_LOG.get("log")
         if log is not None:  # where this test's own output starts in the worker's log
             log.write(f"--- k3ref test {self.nodeid} ---\n".encode())
@@ -511,20 +507,15 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    crashed = config.stash[STATE]["workdir"] / "crashed"
-
     class GroupScheduling(LoadScopeScheduling):
         def remove_node(self, node):
             # The test a dead worker was running would go back to the queue with its scope,
             # undone, and another worker would run it: it is marked done first (its result is
-            # the crash) and named as the crashed test. It is also written to a file the workers
-            # read before a test (K3refItem.runtest), should another version hand it out anyway.
+            # the crash) and named as the crashed test.
             work = self.assigned_work.get(node, {})
             crashitem = next((nodeid for unit in work.values() for nodeid, done in unit.items() if not done), None)
             if crashitem is None:
                 return super().remove_node(node)
-            with open(crashed, "a") as f:
-                f.write(crashitem + "\n")
             for unit in work.values():
                 if crashitem in unit:
                     unit[crashitem] = True

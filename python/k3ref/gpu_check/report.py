@@ -409,32 +409,23 @@ def plot_failure(plt, res, path):
     extra = res.extra if isinstance(res.extra, dict) else {}
     rows = extra.get("final_state_rows")
     if extra.get("worst_tensor") == "final_state" and rows:
-        fig, ax = plt.subplots(figsize=(6, 2.8))
-        flat = [x for seq in rows for x in seq]
-        heads = len(rows[0]) if rows else 1
-        ax.semilogy(range(len(flat)), [max(x, 1e-18) for x in flat], marker="o", linestyle="none",
-                    label="rel RMS of the final state per (sequence, head)")
-        if extra.get("final_state_floor"):
-            ax.axhline(extra["final_state_floor"], color="grey", linestyle="--", label="bf16 floor (whole tensor)")
-        ax.set_xlabel(f"sequence x {heads} + value head")
-        ax.set_ylabel("relative RMS error")
-        ax.set_title(f"{res.adapter} {res.case}: final_state", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        return path
-    if not res.windows:
+        ys = [x for seq in rows for x in seq]
+        xs, style = list(range(len(ys))), dict(marker="o", linestyle="none")
+        label, floor = "rel RMS of the final state per (sequence, head)", extra.get("final_state_floor")
+        xlabel, tensor = f"sequence x {len(rows[0])} + value head", "final_state"
+    elif res.windows:
+        ys, xs, style = res.windows, [i * res.window_tokens for i in range(len(res.windows))], dict(marker=".")
+        label, floor = "rel RMS of o per window", (res.metrics or {}).get("floor_rel_rms")
+        xlabel, tensor = f"token (windows of {res.window_tokens})", "o"
+    else:
         return None
     fig, ax = plt.subplots(figsize=(6, 2.8))
-    xs = [i * res.window_tokens for i in range(len(res.windows))]
-    ax.semilogy(xs, [max(w, 1e-18) for w in res.windows], marker=".", label="rel RMS of o per window")
-    floor = (res.metrics or {}).get("floor_rel_rms")
+    ax.semilogy(xs, [max(y, 1e-18) for y in ys], label=label, **style)
     if floor:
         ax.axhline(floor, color="grey", linestyle="--", label="bf16 floor (whole tensor)")
-    ax.set_xlabel(f"token (windows of {res.window_tokens})")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("relative RMS error")
-    ax.set_title(f"{res.adapter} {res.case}: o", fontsize=9)
+    ax.set_title(f"{res.adapter} {res.case}: {tensor}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
