@@ -554,7 +554,7 @@ class TestCommandLine:
 
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             ap.parse_args(["run", "--autotune-configs", "some"])
-        assert ap.parse_args(["prop", "--kernel", "x"]).outside_share == 0.02
+        assert ap.parse_args(["prop", "--kernel", "x"]).outside_share == 0.004
         saved = os.environ.pop(warmup.CACHE_VARIABLE, None)
         try:
             assert warmup.cache_dir() == Path("~/.cache/k3ref").expanduser()
