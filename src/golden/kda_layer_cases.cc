@@ -338,9 +338,9 @@ std::vector<Case> layer_default_cases() {
 
 Family family_kda_layer() {
   return {"kda_layer",
-          {{"layer.kda", generate_layer, golden_float_precision(), {"fla-test"}},
-           {"layer.kda_decode", generate_layer, golden_float_precision(), {"fla-test"}},
-           {"layer.kda_verify", generate_layer, golden_float_precision(), {"fla-test"}}},
+          {{"layer.kda", generate_layer, golden_float_precision(), {"kda-layer"}},
+           {"layer.kda_decode", generate_layer, golden_float_precision(), {"kda-layer"}},
+           {"layer.kda_verify", generate_layer, golden_float_precision(), {"kda-layer"}}},
           layer_default_cases};
 }
 

@@ -12,6 +12,10 @@ that the goldens catch each:
     gate_not_repeated          value head hv reads the gate and beta of value head hv // (HV / H),
                                as if they were per q/k head (not repeated per value head)
     gate_before_norm           the output gate applied before the RMSNorm instead of after
+
+`rounding` (a function of an array) models a kernel's precision: it is applied where a bf16
+layer kernel rounds (every projection, the convolution's output, the recurrence's output,
+the norm's output, y); the recurrence and the norm themselves stay in float64.
 """
 import numpy as np
 
@@ -27,8 +31,9 @@ def silu(x):
 
 
 class Layer:
-    def __init__(self, t, p, mutant=None):
+    def __init__(self, t, p, mutant=None, rounding=None):
         assert mutant is None or mutant in MUTANTS, mutant
+        self.round = rounding or (lambda x: x)
         self.w = {n: wide(t[n]) for n in WEIGHTS if n in t}
         self.p, self.mutant = p, mutant
         self.H, self.HV, self.K, self.V, self.W = p["H"], p["HV"], p["K"], p["V"], p["conv_size"]
@@ -37,7 +42,7 @@ class Layer:
 
     def lin(self, x, name, bias=None):
         y = x @ self.w[name].T
-        return y + self.w[bias] if bias and bias in self.w else y
+        return self.round(y + self.w[bias] if bias and bias in self.w else y)
 
     def conv(self, x, state):
         """One document's conv inputs x [L, C] from its entering window state [C, W - 1]:
@@ -55,7 +60,7 @@ class Layer:
         window = np.concatenate([state, x.T], axis=1)  # [C, W - 1 + L], oldest first
         y = np.stack([bias + (weight * window[:, t : t + self.W]).sum(1) for t in range(L)]) if L else np.zeros((0, self.C))
         tape = np.stack([window[:, t + 1 : t + 1 + self.M] for t in range(L)]) if L else np.zeros((0, self.C, self.M))
-        return (y if self.p["activation"] == "none" else silu(y)), tape
+        return self.round(y if self.p["activation"] == "none" else silu(y)), tape
 
     def document(self, x, S0, conv0):
         """One document x [L, D] from recurrent state S0 [HV, K, V] (K-first) and conv window
@@ -80,6 +85,7 @@ class Layer:
         q, k, v, decay, b, scale = stages(t, kp)
         o, states = np.zeros((L, HV, V)), np.zeros((L, HV, K, V))
         final = run(q[0], k[0], v[0], decay[0], b[0], scale, S0, range(L), o, states)
+        o = self.round(o)
         if self.p["output_norm"]:
             z = None
             if "g_b" in self.w:
@@ -92,7 +98,7 @@ class Layer:
                 o = o * self.w["norm_weight"]
             if self.mutant != "gate_before_norm" and z is not None:
                 o = o * sigmoid(z)
-        y = o.reshape(L, HV * V) @ self.w["o_proj"].T
+        y = self.round(self.round(o).reshape(L, HV * V) @ self.w["o_proj"].T)
         conv_final = conv_tape[-1] if L else conv0
         return y, final, states, conv_final, conv_tape
 
@@ -176,7 +182,7 @@ class Layer:
         return out
 
 
-def layer_outputs(t, p, op, mutant=None):
+def layer_outputs(t, p, op, mutant=None, rounding=None):
     """The outputs of a layer golden's operator `op` from its tensors t and parameters p."""
-    layer = Layer(t, p, mutant)
+    layer = Layer(t, p, mutant, rounding)
     return layer.forward(t) if op == "layer.kda" else layer.pooled(t, op)
