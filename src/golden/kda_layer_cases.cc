@@ -12,7 +12,7 @@
 #include <cmath>
 #include <string>
 
-#include "golden/catalogue.h"
+#include "golden/kda_family.h"
 #include "k3ref/layer/kda_layer.h"
 
 namespace k3ref::golden {
@@ -219,12 +219,10 @@ io::SafetensorsFile generate_pooled(const Case& c, const LayerParams& l, num::Ra
     f.tensors.emplace_back("y", io::from_f64(round_to_double(y), DType::F64));
     outputs = "y";
   } else {
-    const auto rows = p.at("state_indices").get<std::vector<std::vector<std::int64_t>>>();
-    std::vector<std::int64_t> flat_idx;
-    for (const auto& r : rows) flat_idx.insert(flat_idx.end(), r.begin(), r.end());
-    const Tensor<std::int64_t> idx({static_cast<std::int64_t>(rows.size()), static_cast<std::int64_t>(rows.at(0).size())}, flat_idx);
-    const auto accepted = p.at("num_accepted").get<std::vector<std::int64_t>>();
-    const auto writes = p.at("writes") == "in_place" ? serving::StateWrites::in_place : serving::StateWrites::per_token_output;
+    const VerifyTables tables = verify_tables(p);
+    const Tensor<std::int64_t>& idx = tables.state_indices;
+    const std::vector<std::int64_t>& accepted = tables.num_accepted;
+    const auto writes = tables.in_place ? serving::StateWrites::in_place : serving::StateWrites::per_token_output;
     f.tensors.emplace_back("state_indices", io::from_i64(idx, DType::I64));
     f.tensors.emplace_back("num_accepted", io::from_i64(ints(accepted), DType::I64));
     const auto out = layer::kda_layer_verify(up<G>(x), lift_weights(w), layer_options(l), gpool, gconv, cu, idx, accepted, writes);

@@ -65,6 +65,17 @@ Options<Q> exact_layer_options(const LayerSizes& s) {
   return o;
 }
 
+struct ExactLayer {
+  LayerSizes s;
+  Weights<Q> w;
+  Options<Q> opt;
+};
+
+ExactLayer random_exact_layer() {
+  const LayerSizes s = random_layer_sizes();
+  return ExactLayer{s, random_exact_weights(s), exact_layer_options(s)};
+}
+
 // x W^T (+ b), written here from nn.Linear's definition.
 template <class S>
 Tensor<S> matmul_t(const Tensor<S>& x, const Tensor<S>& w, const std::optional<Tensor<S>>& b = std::nullopt) {
@@ -182,9 +193,7 @@ LayerState<Q> random_exact_layer_state(const LayerSizes& s, std::int64_t N) {
 
 TEST(KdaLayer, ExactLayerEqualsTheCompositionOfTheOperatorReferences) {
   test::check_property([] {
-    const LayerSizes s = random_layer_sizes();
-    const Weights<Q> w = random_exact_weights(s);
-    const Options<Q> opt = exact_layer_options(s);
+    const auto [s, w, opt] = random_exact_layer();
     const auto cu = test::random_documents(3, 4);
     const std::int64_t N = static_cast<std::int64_t>(cu.size()) - 1;
     const Tensor<Q> x = random_tensor({cu.back(), s.D}, -2, 2);
@@ -246,9 +255,7 @@ TEST(KdaLayer, FullLayerIsTheCompositionBitwiseInDoubleAndAt256Bits) {
 // a time by decode over the pools (slots named out of order), == the prefill of the whole.
 TEST(KdaLayer, DecodeAfterPrefillEqualsThePrefillOfTheWhole) {
   test::check_property([] {
-    const LayerSizes s = random_layer_sizes();
-    const Weights<Q> w = random_exact_weights(s);
-    const Options<Q> opt = exact_layer_options(s);
+    const auto [s, w, opt] = random_exact_layer();
     const std::int64_t N = *rc::gen::inRange<std::int64_t>(1, 4), L = *rc::gen::inRange<std::int64_t>(1, 4);
     const std::int64_t steps = *rc::gen::inRange<std::int64_t>(1, 3);
     std::vector<std::int64_t> cu{0}, cu_first{0};
@@ -301,9 +308,7 @@ TEST(KdaLayer, DecodeAfterPrefillEqualsThePrefillOfTheWhole) {
 // same states; a padded lane (-1) reads and writes nothing and outputs zero.
 TEST(KdaLayer, VerifyThenRollbackEqualsSequentialDecodeOfTheAcceptedTokens) {
   test::check_property([] {
-    const LayerSizes s = random_layer_sizes();
-    const Weights<Q> w = random_exact_weights(s);
-    const Options<Q> opt = exact_layer_options(s);
+    const auto [s, w, opt] = random_exact_layer();
     const std::int64_t N = *rc::gen::inRange<std::int64_t>(1, 4), L = *rc::gen::inRange<std::int64_t>(1, 4);
     const std::int64_t C = 2 * s.H * s.K + s.HV * s.V, slots = N * (L + 1), M = s.W - 1;
     const std::int64_t padded = *rc::gen::inRange<std::int64_t>(0, N);  // this lane is padding
@@ -401,9 +406,7 @@ TEST(KdaLayer, ConvTapeRowsAreThePrefixesFinalStates) {
 // cu_seqlens: each row's kept tokens are one document, zero output at the padding.
 TEST(KdaLayer, CuSeqlensWinOverAnAllOnesMaskAndAPaddingMaskDropsTokens) {
   test::check_property([] {
-    const LayerSizes s = random_layer_sizes();
-    const Weights<Q> w = random_exact_weights(s);
-    const Options<Q> opt = exact_layer_options(s);
+    const auto [s, w, opt] = random_exact_layer();
     const auto cu = test::random_documents(3, 4);
     const std::int64_t T = cu.back();
     const Tensor<Q> x = random_tensor({1, T, s.D}, -2, 2);
