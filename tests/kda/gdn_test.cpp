@@ -91,7 +91,7 @@ TEST(Gdn, EveryFormEqualsTheScalarGateDefinitionAndKdaWithTheGateBroadcast) {
         for (std::int64_t hv = 0; hv < HV; ++hv)
           for (std::int64_t i = 0; i < K; ++i) kin.g(b, t, hv, i) = c.in.g(b, t, hv);
     const auto kda_out = kda::recurrent_forward(kin, c.opt);
-    const auto gdn_out = recurrent_forward(c.in, c.opt);
+    const auto gdn_out = gdn::recurrent_forward(c.in, c.opt);
     RC_ASSERT(gdn_out.o == o);
     RC_ASSERT(*gdn_out.final_state == final_state);
     RC_ASSERT(kda_out.o == o);
@@ -101,7 +101,7 @@ TEST(Gdn, EveryFormEqualsTheScalarGateDefinitionAndKdaWithTheGateBroadcast) {
       copt.form = form;
       copt.chunk_size = form == kda::ChunkForm::fla ? 4 : 2;
       copt.sub_chunk = 2;
-      const auto chunk = chunkwise_forward(c.in, c.opt, copt);
+      const auto chunk = gdn::chunkwise_forward(c.in, c.opt, copt);
       RC_ASSERT(chunk.out.o == o);
       RC_ASSERT(*chunk.out.final_state == final_state);
     }

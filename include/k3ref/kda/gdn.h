@@ -22,18 +22,14 @@
 
 namespace k3ref::gdn {
 
+// GDN's inputs are KDA's fields with the gate and dt_bias one per value head: q, k [B, T,
+// H, K], v [B, T, HV, V], g [B, T, HV] (meaning set by kda::Options::gate: the log decay, the
+// decay itself, or GDN's raw a for the softplus gate), beta [B, T, HV], initial_state
+// [N, HV, K, V] (or V-first), A_log [HV], dt_bias [HV], cu_seqlens. The same struct, so
+// that what works on KDA's fields (lifting, token ranges, files) works on GDN's; to_kda
+// refuses KDA-shaped gates.
 template <class S>
-struct Inputs {
-  Tensor<S> q;     // [B, T, H, K]
-  Tensor<S> k;     // [B, T, H, K]
-  Tensor<S> v;     // [B, T, HV, V]
-  Tensor<S> g;     // [B, T, HV], one gate per value head; meaning set by kda::Options::gate
-  Tensor<S> beta;  // [B, T, HV]
-  std::optional<Tensor<S>> initial_state;  // [N, HV, K, V] (or V-first)
-  std::optional<Tensor<S>> A_log;          // [HV]
-  std::optional<Tensor<S>> dt_bias;        // [HV], one bias per value head
-  std::optional<std::vector<std::int64_t>> cu_seqlens;
-};
+using Inputs = kda::Inputs<S>;
 
 // [..., n] to [..., n, K]: each element repeated K times along a new last axis.
 template <class S>
@@ -56,8 +52,8 @@ kda::Inputs<S> to_kda(const Inputs<S>& in) {
     throw InvalidArgument("gdn: argument 'dt_bias': expected one bias per value head [HV], got " +
                           shape_to_string(in.dt_bias->shape()));
   const std::int64_t K = in.q.dim(3);
-  kda::Inputs<S> r{in.q, in.k, in.v, broadcast_over_k(in.g, K), in.beta, in.initial_state, in.A_log, std::nullopt,
-                   in.cu_seqlens};
+  kda::Inputs<S> r = in;
+  r.g = broadcast_over_k(in.g, K);
   if (in.dt_bias) r.dt_bias = broadcast_over_k(*in.dt_bias, K);
   return r;
 }
