@@ -14,6 +14,7 @@
 #include <string>
 
 #include "golden/kda_family.h"
+#include "golden/pool_tensors.h"
 #include "k3ref/kda/gdn.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/serving/cached_replay.h"
@@ -130,15 +131,6 @@ void add_packed_inputs(io::SafetensorsFile& f, const kda::Inputs<double>& in, bo
   f.tensors.emplace_back("A_log", io::from_f64(*in.A_log, DType::F32));
   f.tensors.emplace_back("dt_bias", io::from_f64(*in.dt_bias, DType::F32));
   if (in.cu_seqlens) f.tensors.emplace_back("cu_seqlens", io::from_i64(ints(*in.cu_seqlens), DType::I64));
-}
-
-void add_pool_tensors(io::SafetensorsFile& f, const serving::StatePool<double>& pool) {
-  const auto& L = pool.layout;
-  f.tensors.emplace_back("pool", io::from_f64(flat(pool.buffer), DType::F32));
-  // [slots, slot stride, offset, 1 if V-first], as the serving goldens store it.
-  f.tensors.emplace_back("pool_geometry", io::from_i64(ints({L.slots, L.slot_stride, L.offset,
-                                                              L.layout == kda::StateLayout::v_first ? 1 : 0}),
-                                                        DType::I64));
 }
 
 io::SafetensorsFile generate_decode(const Case& c) {

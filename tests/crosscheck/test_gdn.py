@@ -7,14 +7,14 @@ packed mixed_qkv rows are split by the layout [q heads | k heads | v heads]; the
 addressed from its stored geometry; the replay decode rebuilds each row's state from its
 checkpoint and ring entries (exp of the later gates' sum on each d k^T), runs the token, and
 appends to the ring or, at write position L - 1, folds the state into the checkpoint. Only
-the file reader and rel_rms, sigmoid and softplus come from the NumPy oracle (tests/oracle/);
-nothing is shared with the C++ generator.
+the file reader, the comparison (compare_outputs), sigmoid and softplus come from the NumPy
+oracle (tests/oracle/); nothing is shared with the C++ generator.
 """
 import pytest
 
 np = pytest.importorskip("numpy")
 
-from oracle import rel_rms, sigmoid, softplus, wide  # noqa: E402  (the one NumPy oracle)
+from oracle import compare_outputs, sigmoid, softplus, wide  # noqa: E402  (the one NumPy oracle)
 
 # Bound on the relative RMS difference: measured worst 2.63e-16 over 11 goldens
 # (date 2026-12-02); bound 4x (4.2x).
@@ -187,12 +187,4 @@ def test_gdn(case, golden, checks):
         ours = replay_case(tensors, p, checks)
     else:
         ours = forward_case(tensors, p)
-    for name in meta["k3ref.outputs"].split(","):
-        ref, mine = tensors[name], ours[name]
-        if not checks.expect(ref.shape == mine.shape, f"tensor '{name}': shape {list(ref.shape)}, recomputed {list(mine.shape)}"):
-            continue
-        rel = rel_rms(mine, ref)
-        checks.figure(rel)
-        checks.expect(rel <= TOLERANCE and np.isfinite(mine).all(),
-                      f"tensor '{name}': relative RMS difference {rel:.3e} > {TOLERANCE}")
-    checks.verify()
+    compare_outputs(tensors, meta, ours, checks, TOLERANCE)
