@@ -27,10 +27,6 @@ using nlohmann::json;
 using num::Format;
 using G = num::golden_float;
 
-// What the pool's padding (between and around slots) holds: a kernel that reads it produces
-// outputs no tolerance accepts.
-const double padding_value = std::ldexp(1.0, 100);
-
 // GDN's inputs drawn in a fixed order (q, k, v, g, beta, initial_state, A_log, dt_bias) and
 // rounded to the goldens' storage (bf16 values, the state bf16-exact in F32, fp32 A_log and
 // dt_bias): KDA's draw with the gate and dt_bias one per value head.
@@ -94,7 +90,7 @@ io::SafetensorsFile generate_forward(const Case& c) {
 }
 
 // A pool of `slots` slots with the given stride padding and offset in the case's layout:
-// bf16-exact states in [-1, 1], padding_value elsewhere.
+// bf16-exact states in [-1, 1], pool_padding elsewhere.
 serving::StatePool<double> draw_gdn_pool(const json& p, std::int64_t HV, std::int64_t K, std::int64_t V,
                                          num::Random& rng) {
   const json& pj = p.at("pool");
@@ -102,7 +98,7 @@ serving::StatePool<double> draw_gdn_pool(const json& p, std::int64_t HV, std::in
       serving::dense_pool_layout(pj.at("slots"), HV, K, V, kda::state_layouts.parse(p.at("state_layout").get<std::string>()));
   L.slot_stride += pj.at("stride_padding").get<std::int64_t>();
   L.offset = pj.at("offset");
-  auto pool = serving::StatePool<double>::zeros(L, padding_value);
+  auto pool = serving::StatePool<double>::zeros(L, pool_padding);
   for (std::int64_t s = 0; s < L.slots; ++s)
     serving::write_slot(pool, s, draw_uniform_rounded(rng, {HV, K, V}, -1, 1, Format::bf16));
   return pool;

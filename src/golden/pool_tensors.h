@@ -1,5 +1,5 @@
 // How the pool-based golden families (serving, gdn) store a state pool: the whole buffer as
-// `pool` (F32, padding included) and its geometry as `pool_geometry`.
+// `pool` (F32, padding included) and its geometry as `pool_geometry`; what the padding holds.
 #pragma once
 
 #include <vector>
@@ -8,6 +8,10 @@
 #include "k3ref/serving/pool.h"
 
 namespace k3ref::golden {
+
+// What a golden pool's padding (between and around slots) holds: a kernel that reads it
+// produces outputs no tolerance accepts.
+inline constexpr double pool_padding = 0x1p100;
 
 inline void add_pool_tensors(io::SafetensorsFile& f, const serving::StatePool<double>& pool) {
   const auto& L = pool.layout;

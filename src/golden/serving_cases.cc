@@ -28,8 +28,6 @@ using nlohmann::json;
 using num::Format;
 using G = num::golden_float;
 
-const double pool_padding = std::ldexp(1.0, 100);
-
 // What a serving case varies besides its tables.
 struct Shape5 {
   std::int64_t T = 0, H = 1, HV = 1, K = 8, V = 4;
