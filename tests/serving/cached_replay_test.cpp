@@ -10,6 +10,12 @@
 #include <functional>
 #include <numeric>
 
+#include <nlohmann/json.hpp>
+
+#include "k3ref/check/judgement.h"
+#include "k3ref/check/policy_table.h"
+#include "k3ref/io/safetensors.h"
+#include "k3ref/kda/gdn.h"
 #include "k3ref/serving/cached_replay.h"
 #include "k3ref/serving/checkpoint.h"
 
@@ -259,6 +265,88 @@ TEST(CachedReplay, LogDecayGatesAt256BitsAgreeWithTheRecurrence) {
   // Measured 4.2e-81 on the fixed seed (values of order 1); the bound is about 2^-256 relative.
   std::cout << "largest difference from the recurrence: " << static_cast<double>(worst) << "\n";
   EXPECT_LT(worst, HP(1e-78));
+}
+
+// The committed replay goldens judged as a kernel's outputs are judged (the "recurrent"
+// policy: 1.5x the bf16 floor per output): the reference run in double on each golden's
+// inputs passes; each deliberate defect fails at least one golden.
+struct ReplayGolden {
+  io::SafetensorsFile file;
+  std::string name;
+  Tensor<double> get(const std::string& n) const { return io::to_f64(file.at(n, name), n); }
+  std::vector<std::int64_t> ints(const std::string& n) const { return io::to_i64(file.at(n, name), n).values(); }
+};
+
+// The golden's outputs recomputed in double through cached_replay_decode with `fault`.
+std::map<std::string, Tensor<double>> replay_outputs(const ReplayGolden& g, ReplayFault fault) {
+  const auto p = nlohmann::json::parse(g.file.metadata.at("k3ref.params"));
+  const std::int64_t H = p.at("H"), HV = p.at("HV"), K = p.at("K"), V = p.at("V"), L = p.at("L");
+  const Tensor<double> mixed = g.get("mixed_qkv"), a = g.get("a"), b = g.get("b");
+  const std::int64_t N = mixed.dim(0);
+  gdn::Inputs<double> in = gdn::unpack_mixed_qkv(Tensor<double>({N, 1, mixed.dim(1)}, mixed.values()), {H, HV, K, V});
+  in.g = Tensor<double>({N, 1, HV}, a.values());
+  in.beta = Tensor<double>({N, 1, HV}, b.values());
+  in.A_log = g.get("A_log");
+  in.dt_bias = g.get("dt_bias");
+  kda::Options<double> opt = gdn::gated_options<double>();
+  opt.qk_l2norm = p.at("qk_l2norm");
+  opt.state_layout = kda::state_layouts.parse(p.at("state_layout").get<std::string>());
+  const auto geometry = g.ints("pool_geometry");
+  PoolLayout layout = dense_pool_layout(geometry[0], HV, K, V, opt.state_layout);
+  layout.slot_stride = geometry[1];
+  layout.offset = geometry[2];
+  const Tensor<double> g_cache = g.get("g_cache");
+  ReplayCache<double> cache{StatePool<double>{layout, g.get("pool").values()}, g.get("d_cache"), g.get("k_cache"),
+                            Tensor<double>({geometry[0], HV, L, 1}, g_cache.values()), ReplayGate::log_decay};
+  const Tensor<double> o =
+      cached_replay_decode(gdn::to_kda(in), opt, cache, g.ints("state_indices"), g.ints("write_pos"), fault);
+  return {{"o", Tensor<double>({N, HV, V}, o.values())},
+          {"pool_out", Tensor<double>({static_cast<std::int64_t>(cache.checkpoint.buffer.size())}, cache.checkpoint.buffer)},
+          {"d_cache_out", cache.d},
+          {"k_cache_out", cache.k},
+          {"g_cache_out", Tensor<double>(g_cache.shape(), cache.g.values())}};
+}
+
+check::CaseJudgement judge_replay(const ReplayGolden& g, const std::map<std::string, Tensor<double>>& ours) {
+  check::JudgeRequest q;
+  q.op = "gdn.replay_decode";
+  q.policy = "recurrent";
+  for (const auto& [name, raw] : g.file.tensors) {
+    const Tensor<double> t = io::to_f64(raw, name);
+    if (ours.count(name)) q.expected.push_back({name, check::NamedValues{t.shape(), t.values(), "F64", true}});
+    else q.known.push_back(name);
+  }
+  for (const auto& [name, t] : ours) q.candidate_names.push_back(name);
+  q.candidate = [&](const std::string& name) {
+    const Tensor<double>& t = ours.at(name);
+    return check::NamedValues{t.shape(), t.values(), "F64", true};
+  };
+  return check::judge_case(check::PolicyTable::builtin(), q);
+}
+
+TEST(CachedReplay, TheReplayGoldensPassTheReferenceAndCatchEachDefect) {
+  std::vector<ReplayGolden> goldens;
+  for (const char* name : {"gdn_replay_decode_v_first", "gdn_replay_decode_k_first_gva"})
+    goldens.push_back({io::read_safetensors(test::source_root() / "goldens" / (std::string(name) + ".safetensors")), name});
+  for (const auto& g : goldens) {
+    const auto j = judge_replay(g, replay_outputs(g, ReplayFault::none));
+    EXPECT_STREQ(j.verdict(), "pass") << g.name << ": " << j.reason;
+  }
+  for (const auto fault : {ReplayFault::stale_write_position, ReplayFault::flush_one_late, ReplayFault::replay_decay_dropped,
+                           ReplayFault::padded_row_written}) {
+    std::string failed;
+    for (const auto& g : goldens) {
+      const auto j = judge_replay(g, replay_outputs(g, fault));
+      if (std::string(j.verdict()) == "fail") {
+        failed += " " + g.name + " (";
+        for (const auto& t : j.tensors)
+          if (!t.passed) failed += t.tensor + " ";
+        failed += ")";
+      }
+    }
+    std::cout << "fault " << static_cast<int>(fault) << " fails:" << failed << "\n";
+    EXPECT_FALSE(failed.empty()) << "fault " << static_cast<int>(fault) << " passes every replay golden";
+  }
 }
 
 TEST(CachedReplay, RefusesMalformedTables) {
