@@ -1,6 +1,7 @@
 // GDN goldens (docs/gdn.md): GDN as KDA's scalar-gate case through the recurrence
 // ("gdn.recurrent"), FLA's chunkwise form ("gdn.chunkwise_fla"), the continuous-batching
-// decode over a state pool from the engines' packed inputs ("gdn.decode"), and the
+// decode and the speculative verify over a state pool from the engines' packed inputs
+// ("gdn.decode", "gdn.verify"), and the
 // cached-replay decode ("gdn.replay_decode", serving/cached_replay.h). Reference at
 // num::golden_bits bits, rounded once to F64.
 //
@@ -136,12 +137,25 @@ io::SafetensorsFile generate_decode(const Case& c) {
   const kda::Inputs<double> in = draw_gdn_inputs(kp, rng);
   const serving::StatePool<double> pool = draw_gdn_pool(p, kp.HV, kp.K, kp.V, rng);
   auto work = convert<G>(pool);
-  const auto slots = p.at("slot_of_sequence").get<std::vector<std::int64_t>>();
-  const Tensor<G> o = serving::continuous_batching_decode(gdn::to_kda(kda::lift<G>(in)), kda_golden_options(p), work, slots);
   io::SafetensorsFile f;
   add_packed_inputs(f, in, false);
   add_pool_tensors(f, pool);
-  f.tensors.emplace_back("slot_of_sequence", io::from_i64(ints(slots), DType::I64));
+  const kda::Inputs<G> run = gdn::to_kda(kda::lift<G>(in));
+  Tensor<G> o;
+  if (c.op == "gdn.decode") {
+    const auto slots = p.at("slot_of_sequence").get<std::vector<std::int64_t>>();
+    o = serving::continuous_batching_decode(run, kda_golden_options(p), work, slots);
+    f.tensors.emplace_back("slot_of_sequence", io::from_i64(ints(slots), DType::I64));
+  } else {  // gdn.verify, the states written in place
+    const auto rows = p.at("state_indices").get<std::vector<std::vector<std::int64_t>>>();
+    std::vector<std::int64_t> table;
+    for (const auto& r : rows) table.insert(table.end(), r.begin(), r.end());
+    const Tensor<std::int64_t> idx({static_cast<std::int64_t>(rows.size()), static_cast<std::int64_t>(rows.at(0).size())}, table);
+    const auto accepted = p.at("num_accepted").get<std::vector<std::int64_t>>();
+    o = serving::speculative_verify(run, kda_golden_options(p), work, idx, accepted, serving::StateWrites::in_place).o;
+    f.tensors.emplace_back("state_indices", io::from_i64(idx, DType::I64));
+    f.tensors.emplace_back("num_accepted", io::from_i64(ints(accepted), DType::I64));
+  }
   f.tensors.emplace_back("o", io::from_f64(to_double(o), DType::F64));
   f.tensors.emplace_back("pool_out", io::from_f64(to_double(flat(work.buffer)), DType::F64));
   f.metadata = metadata_of(c, golden_float_precision(), f, "o,pool_out", "pool_geometry");
@@ -188,7 +202,7 @@ io::SafetensorsFile generate_replay(const Case& c) {
 }
 
 io::SafetensorsFile generate_gdn(const Case& c) {
-  if (c.op == "gdn.decode") return generate_decode(c);
+  if (c.op == "gdn.decode" || c.op == "gdn.verify") return generate_decode(c);
   if (c.op == "gdn.replay_decode") return generate_replay(c);
   return generate_forward(c);
 }
@@ -262,6 +276,13 @@ std::vector<Case> gdn_default_cases() {
               [](KdaParams& p) { p.T = 7; p.H = 2; p.HV = 4; p.K = 12; p.V = 8; p.cu_seqlens = {0, 1, 1, 6, 7};
                                  p.state_layout = "v_first"; },
               {{"pool", pool(6, 5, 3)}, {"slot_of_sequence", {2, 0, 5, -1}}});
+  // Speculative verify, in place: a 3-token draft window per sequence, accepted counts 1, 2
+  // and L choosing the entering column, a window column -1 (that state not stored), V-first,
+  // HV = 2H, a padded stride.
+  add_serving("gdn_verify_accepted_1_2_L", "gdn.verify",
+              [](KdaParams& p) { p.T = 9; p.H = 1; p.HV = 2; p.K = 8; p.V = 12; p.cu_seqlens = {0, 3, 6, 9};
+                                 p.qk_l2norm = true; p.state_layout = "v_first"; },
+              {{"pool", pool(10, 3, 0)}, {"state_indices", {{3, 7, 0}, {1, 4, -1}, {8, 2, 9}}}, {"num_accepted", {1, 2, 3}}});
   // The replay decode: rows at write positions 0, a middle one and L - 1 (the flush), padded
   // rows (state index 0 and -1) among them, slots named out of order, one slot not named.
   // The engines' layout (V-first checkpoints, L2 norm in the kernel), then K-first with HV = 2H.
@@ -281,6 +302,7 @@ Family family_gdn() {
           {{"gdn.recurrent", generate_gdn, golden_float_precision(), {"recurrent", "chunk"}},
            {"gdn.chunkwise_fla", generate_gdn, golden_float_precision(), {"chunk"}},
            {"gdn.decode", generate_gdn, golden_float_precision(), {"recurrent"}},
+           {"gdn.verify", generate_gdn, golden_float_precision(), {"recurrent"}},
            {"gdn.replay_decode", generate_gdn, golden_float_precision(), {"recurrent"}}},
           gdn_default_cases};
 }

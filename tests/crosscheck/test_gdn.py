@@ -1,10 +1,11 @@
 """Independent cross-check of the committed GDN goldens (gdn.recurrent, gdn.chunkwise_fla,
-gdn.decode, gdn.replay_decode).
+gdn.decode, gdn.verify, gdn.replay_decode).
 
 Written from docs/gdn.md in NumPy (float64), with GDN's own scalar gate: the state of a head
 is scaled by one decay a_t (not a per-row diagonal), then the delta rule and the read. The
 packed mixed_qkv rows are split by the layout [q heads | k heads | v heads]; the pool is
-addressed from its stored geometry; the replay decode rebuilds each row's state from its
+addressed from its stored geometry (decode: back into the sequence's slot; verify: entering
+from column a - 1 of its row, the state after token j into column j); the replay decode rebuilds each row's state from its
 checkpoint and ring entries (exp of the later gates' sum on each d k^T), runs the token, and
 appends to the ring or, at write position L - 1, folds the state into the checkpoint. Only
 the file reader, the comparison (compare_outputs), sigmoid and softplus come from the NumPy
@@ -112,15 +113,25 @@ def decode_case(t, p, checks):
     q, k, v = unpacked(t["mixed_qkv"].astype(np.float64), H, HV, K, V)
     q, k, v, _, decay, beta, scale = gdn_stages(q, k, v, t["a"], t["b"], t, p)
     buffer = t["pool"].astype(np.float64).copy()
-    cu, slot_of = [int(x) for x in t["cu_seqlens"]], [int(x) for x in t["slot_of_sequence"]]
+    source = buffer.copy()  # every sequence reads the pool as it was
+    cu = [int(x) for x in t["cu_seqlens"]]
     o = np.zeros(v.shape)
     named = []
     for n in range(len(cu) - 1):
-        if cu[n] == cu[n + 1] or slot_of[n] == -1:
+        if "slot_of_sequence" in t:  # decode: enter from and write back into one slot
+            entering = int(t["slot_of_sequence"][n])
+            writes = [entering] * (cu[n + 1] - cu[n])
+        else:  # verify: enter from column a - 1, the state after token j into column j (-1: not stored)
+            entering = int(t["state_indices"][n, int(t["num_accepted"][n]) - 1])
+            writes = [int(x) for x in t["state_indices"][n, : cu[n + 1] - cu[n]]]
+        if cu[n] == cu[n + 1] or entering == -1:
             continue  # no tokens, or padding: nothing read or written, outputs zero
-        at = slot_indices(t["pool_geometry"], HV, K, V, slot_of[n])
-        buffer[at] = gdn_sequence(q[0], k[0], v[0], decay[0], beta[0], scale, buffer[at], range(cu[n], cu[n + 1]), o[0])
-        named.append(slot_of[n])
+        S = source[slot_indices(t["pool_geometry"], HV, K, V, entering)]
+        for j, token in enumerate(range(cu[n], cu[n + 1])):
+            S = gdn_sequence(q[0], k[0], v[0], decay[0], beta[0], scale, S, [token], o[0])
+            if writes[j] != -1:
+                buffer[slot_indices(t["pool_geometry"], HV, K, V, writes[j])] = S
+                named.append(writes[j])
     return {"o": o, "pool_out": pool_checks(t, buffer, named, HV, K, V, checks)}
 
 
@@ -163,7 +174,8 @@ def accept_op(op):
 
 
 def test_family_present(family_cases):
-    assert {c["op"] for c in family_cases} == {"gdn.recurrent", "gdn.chunkwise_fla", "gdn.decode", "gdn.replay_decode"}
+    assert {c["op"] for c in family_cases} == {"gdn.recurrent", "gdn.chunkwise_fla", "gdn.decode", "gdn.verify",
+                                               "gdn.replay_decode"}
 
 
 def test_replay_goldens_cover_every_write_position(family_cases):
@@ -181,7 +193,7 @@ def test_replay_goldens_cover_every_write_position(family_cases):
 def test_gdn(case, golden, checks):
     tensors, meta = golden
     p = case["params"]
-    if case["op"] == "gdn.decode":
+    if case["op"] in ("gdn.decode", "gdn.verify"):
         ours = decode_case(tensors, p, checks)
     elif case["op"] == "gdn.replay_decode":
         ours = replay_case(tensors, p, checks)
