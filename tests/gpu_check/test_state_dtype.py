@@ -62,9 +62,8 @@ def test_a_correct_kernel_with_bf16_output_and_state_passes_every_check(results)
 def test_a_kernel_that_rounds_its_state_every_token_fails_the_goldens_naming_the_state(results):
     goldens = [r for r in results["dtype.bf16_every_token"] if r["check"] == "golden" and r["status"] != "skip"]
     failed = [r for r in goldens if r["status"] == "fail"]
-    # Measured 39 of the 50 fail (2026-12-02; 15 of them of the 21 FlashKDA-like and safe-gate
-    # goldens, whose K = V = 128 states and strong decays carry more rounding), while the kernel
-    # carrying its state in bf16 between calls passes all 50.
+    # Measured: 39 of the 50 fail (2026-12-02; 15 of them among the 21 FlashKDA-like and
+    # safe-gate goldens), while the kernel carrying its state in bf16 between calls passes all 50.
     assert len(goldens) == 50 and len(failed) >= 39
     on_state = [r for r in failed if re.search(r"final_state: rel RMS \S+ >", r["reason"])]
     assert on_state and any(r["case"] == "kda_decay_zero" and r["extra"]["worst_tensor"] == "final_state"
