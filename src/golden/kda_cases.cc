@@ -223,10 +223,10 @@ std::vector<Case> kda_default_cases() {
   auto add_flashkda = [&](const std::string& name, auto&& configure) {
     add(name, [&](KdaParams& p) { flashkda(p); configure(p); });
   };
-  add_flashkda("kda_flashkda_t1", [](KdaParams& p) { p.T = 1; });
-  add_flashkda("kda_flashkda_t16_no_initial_state", [](KdaParams& p) { p.T = 16; p.initial_state = false; });
+  add_flashkda("kda_flashkda_one_token", [](KdaParams& p) { p.T = 1; });
+  add_flashkda("kda_flashkda_one_chunk_no_initial_state", [](KdaParams& p) { p.T = 16; p.initial_state = false; });
   // Chunks of 16: seven, the last one partial.
-  add_flashkda("kda_flashkda_t100", [](KdaParams& p) { p.T = 100; });
+  add_flashkda("kda_flashkda_seven_chunks", [](KdaParams& p) { p.T = 100; });
   add_flashkda("kda_flashkda_h2_t48", [](KdaParams& p) { p.T = 48; p.H = 2; p.HV = 2; });
   add_flashkda("kda_flashkda_b2_t24", [](KdaParams& p) { p.B = 2; p.T = 24; });
   add_flashkda("kda_flashkda_varlen_empty_one_token", [](KdaParams& p) { p.T = 40; p.cu_seqlens = {0, 0, 1, 17, 40}; });
