@@ -30,6 +30,7 @@
 #include "golden/suite.h"
 #include "golden/kda_family.h"
 #include "k3ref/io/file.h"
+#include "k3ref/io/kernel_domains.h"
 #include "k3ref/io/memory_budget.h"
 #include "k3ref/io/safetensors.h"
 #include "k3ref/kda/kda_io.h"
@@ -135,6 +136,7 @@ struct GoldenArgs {
   bool force = false;
   bool subset = false;  // verify: a subset suite (generate --only) is asked for
   std::string op;        // list: only cases of this operator (or operator prefix)
+  std::string kernel;    // list: only cases inside this built-in kernel's domain
   bool json = false;     // list: JSON instead of the table
 };
 
@@ -219,15 +221,41 @@ std::string list_cell(const nlohmann::json& params, const char* key) {
   return it->dump();
 }
 
+// The storage format of a golden's inputs as the kernel domains name it ("bf16").
+std::string input_format_name(DType d) {
+  switch (d) {
+    case DType::BF16: return "bf16";
+    case DType::F16: return "fp16";
+    case DType::F32: return "fp32";
+    case DType::F64: return "fp64";
+    default: return std::string(dtype_name(d));
+  }
+}
+
 int golden_list(const GoldenArgs& a) {
+  const io::KernelDomain* domain = nullptr;
+  if (!a.kernel.empty()) {
+    const auto& domains = io::KernelDomains::builtin();
+    domain = domains.find(a.kernel);
+    if (!domain) {
+      const auto known = domains.names();
+      std::fprintf(stderr, "k3ref golden list: --kernel %s\n",
+                   not_one_of(std::vector<std::string_view>(known.begin(), known.end()), a.kernel).c_str());
+      return exit_unusable;
+    }
+  }
+  const std::string input_format = input_format_name(golden::KdaInputStorage{}.values_dtype);
   std::vector<golden::Case> cases;
   std::set<std::string> ops;
+  std::size_t of_op = 0;
   for (auto& c : golden::suite(a.suite)) {
     ops.insert(c.op);
     // --op names one operator, or a prefix of several ("kda.chunkwise" lists both forms).
-    if (a.op.empty() || c.op == a.op || c.op.rfind(a.op, 0) == 0) cases.push_back(std::move(c));
+    if (!a.op.empty() && c.op != a.op && c.op.rfind(a.op, 0) != 0) continue;
+    ++of_op;
+    if (!domain || !domain->outside(c.op, c.params, input_format)) cases.push_back(std::move(c));
   }
-  if (cases.empty()) {
+  if (of_op == 0) {
     std::vector<std::string_view> names(ops.begin(), ops.end());
     std::fprintf(stderr, "k3ref golden list: --op %s\n", not_one_of(names, a.op).c_str());
     return exit_unusable;
@@ -249,8 +277,9 @@ int golden_list(const GoldenArgs& a) {
     const auto cu = c.params.find("cu_seqlens");
     std::printf(" %s\n", cu != c.params.end() && cu->is_array() ? cu->dump().c_str() : "-");
   }
-  std::printf("%zu of the %zu cases of suite '%s'%s (--json for every parameter)\n", cases.size(),
-              golden::suite(a.suite).size(), a.suite.c_str(), a.op.empty() ? "" : (" with operator " + a.op + "*").c_str());
+  std::printf("%zu of the %zu cases of suite '%s'%s%s (--json for every parameter)\n", cases.size(),
+              golden::suite(a.suite).size(), a.suite.c_str(), a.op.empty() ? "" : (" with operator " + a.op + "*").c_str(),
+              domain ? (" inside the domain of " + a.kernel).c_str() : "");
   return exit_ok;
 }
 
@@ -845,6 +874,8 @@ int run(int argc, const char* const* argv, bool execute) {
   CLI::App* lst = golden_cmd->add_subcommand("list", "List the cases of a suite: a table of their main parameters");
   lst->add_option("--suite", golden_args.suite, "Suite name")->capture_default_str();
   lst->add_option("--op", golden_args.op, "Only cases of this operator, or of operators starting with it (kda.chunkwise)");
+  lst->add_option("--kernel", golden_args.kernel,
+                  "Only cases inside this built-in kernel's domain (policy/kernel_domains.json)");
   lst->add_flag("--json", golden_args.json, "Every case's name, operator and parameters as JSON");
 
   KdaArgs kda_args;

@@ -213,6 +213,53 @@ std::vector<Case> kda_default_cases() {
                                                p.gate = "softplus"; p.g_lo = -4; p.g_hi = 4; p.A_log = true;
                                                p.dt_bias = true; p.beta = "sigmoid"; p.beta_lo = -4; p.beta_hi = 4;
                                                p.qk_l2norm = true; });
+  // Inside FlashKDA's domain (policy/kernel_domains.json): K = V = 128, one value head per
+  // query head, its base-2 lower-bound gate in kernel, sigmoid beta, q/k L2 norm. T and the
+  // heads stay small: a K = V = 128 state is 131 kB in F64.
+  auto flashkda = [](KdaParams& p) {
+    p.K = 128; p.V = 128; p.gate = "lower_bound"; p.gate_base = "2"; p.lower_bound = -5; p.g_lo = -4; p.g_hi = 4;
+    p.A_log = true; p.dt_bias = true; p.beta = "sigmoid"; p.beta_lo = -4; p.beta_hi = 4; p.qk_l2norm = true;
+  };
+  auto add_flashkda = [&](const std::string& name, auto&& configure) {
+    add(name, [&](KdaParams& p) { flashkda(p); configure(p); });
+  };
+  add_flashkda("kda_flashkda_one_token", [](KdaParams& p) { p.T = 1; });
+  add_flashkda("kda_flashkda_one_chunk_no_initial_state", [](KdaParams& p) { p.T = 16; p.initial_state = false; });
+  // Chunks of 16: seven, the last one partial.
+  add_flashkda("kda_flashkda_seven_chunks", [](KdaParams& p) { p.T = 100; });
+  add_flashkda("kda_flashkda_h2_t48", [](KdaParams& p) { p.T = 48; p.H = 2; p.HV = 2; });
+  add_flashkda("kda_flashkda_b2_t24", [](KdaParams& p) { p.B = 2; p.T = 24; });
+  add_flashkda("kda_flashkda_varlen_empty_one_token", [](KdaParams& p) { p.T = 40; p.cu_seqlens = {0, 0, 1, 17, 40}; });
+  add_flashkda("kda_flashkda_varlen_no_initial_state", [](KdaParams& p) { p.T = 50; p.initial_state = false;
+                                                                          p.cu_seqlens = {0, 1, 1, 33, 50}; });
+  add_flashkda("kda_flashkda_varlen_h2", [](KdaParams& p) { p.T = 36; p.H = 2; p.HV = 2; p.cu_seqlens = {0, 1, 36}; });
+  // Sequences that start and end inside chunks of 16, over several chunks.
+  add_flashkda("kda_flashkda_varlen_t130", [](KdaParams& p) { p.T = 130; p.cu_seqlens = {0, 15, 16, 50, 130}; });
+  add_flashkda("kda_flashkda_v_first", [](KdaParams& p) { p.T = 33; p.state_layout = "v_first"; });
+  add_flashkda("kda_flashkda_lower_bound_minus1", [](KdaParams& p) { p.T = 48; p.lower_bound = -1; });
+  // Raw gates in [2, 6]: the sigmoid near 1, decays near exp(-5) at every token.
+  add_flashkda("kda_flashkda_strong_decay", [](KdaParams& p) { p.T = 64; p.g_lo = 2; p.g_hi = 6; });
+  add_flashkda("kda_flashkda_no_A_log", [](KdaParams& p) { p.T = 40; p.A_log = false; });
+  add_flashkda("kda_flashkda_scale_half", [](KdaParams& p) { p.T = 30; p.scale = 0.5; });
+  // Inside the domain of FLA's safe gate: the lower-bound gate with -5 <= lower_bound < 0.
+  // Several heads, each with its own A_log and dt_bias (so gates that differ per head), GVA,
+  // varlen, chunks of 64 with a partial last one, and the gate saturated at its bound.
+  auto safe_gate = [](KdaParams& p) {
+    p.H = 2; p.HV = 2; p.K = 32; p.V = 32; p.gate = "lower_bound"; p.lower_bound = -5; p.g_lo = -4; p.g_hi = 4;
+    p.A_log = true; p.dt_bias = true;
+  };
+  auto add_safe_gate = [&](const std::string& name, auto&& configure) {
+    add(name, [&](KdaParams& p) { safe_gate(p); configure(p); });
+  };
+  add_safe_gate("kda_safe_gate_h4", [](KdaParams& p) { p.T = 70; p.H = 4; p.HV = 4; });
+  add_safe_gate("kda_safe_gate_gva_t130", [](KdaParams& p) { p.T = 130; p.HV = 4; p.K = 64; p.V = 64;
+                                                             p.beta = "sigmoid"; p.beta_lo = -4; p.beta_hi = 4;
+                                                             p.qk_l2norm = true; });
+  add_safe_gate("kda_safe_gate_varlen", [](KdaParams& p) { p.T = 100; p.cu_seqlens = {0, 0, 1, 65, 100}; });
+  add_safe_gate("kda_safe_gate_saturated", [](KdaParams& p) { p.T = 64; p.g_lo = 6; p.g_hi = 8; });
+  add_safe_gate("kda_safe_gate_minus_quarter", [](KdaParams& p) { p.T = 50; p.lower_bound = -0.25;
+                                                                  p.initial_state = false; p.state_layout = "v_first"; });
+  add_safe_gate("kda_safe_gate_b2_base2", [](KdaParams& p) { p.B = 2; p.T = 65; p.lower_bound = -3; p.gate_base = "2"; });
   return cases;
 }
 

@@ -259,6 +259,26 @@ TEST(Cli, GoldenListNamesEveryCase) {
   EXPECT_NE(unknown.out.find("kda.recurrent"), std::string::npos) << unknown.out;  // the operators there are
 }
 
+TEST(Cli, GoldenListKernelListsTheGoldensInsideItsDomain) {
+  // FlashKDA takes K = V = 128 only: its FlashKDA-like goldens, none of K = 32.
+  const CommandResult r = k3ref("golden list --kernel flashkda.fwd");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("kda_flashkda_varlen_empty_one_token"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("kda_varlen "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("inside the domain of flashkda.fwd"), std::string::npos) << r.out;
+  // --kernel with --op and --json: the cases both select.
+  const CommandResult json = k3ref("golden list --json --op kda.recurrent --kernel 'fla.chunk_kda[safe_gate]'");
+  ASSERT_EQ(json.code, 0) << json.out;
+  const auto listed = nlohmann::json::parse(json.out);
+  ASSERT_GE(listed.size(), 12u);
+  for (const auto& c : listed) EXPECT_EQ(c.at("params").at("gate"), "lower_bound") << c.dump();
+  // An unknown kernel: one line naming the known ones, exit 2.
+  const CommandResult unknown = k3ref("golden list --kernel nope");
+  EXPECT_EQ(unknown.code, 2);
+  EXPECT_NE(unknown.out.find("--kernel must be one of fla.chunk_kda, "), std::string::npos) << unknown.out;
+  EXPECT_NE(unknown.out.find("torch.fp64_bf16, not 'nope'"), std::string::npos) << unknown.out;
+}
+
 // ---- hostile arguments, paths and files (the corpus in tests/hostile/ runs many more)
 
 std::string slurp(const fs::path& path) {

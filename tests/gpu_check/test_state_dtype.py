@@ -3,7 +3,7 @@
 A correct kernel that returns o and its final state in bf16 (state_dtype = bf16) passes every
 check: the split check allows what carrying the state in bf16 costs the fp64 recurrence on
 the same inputs (computed, about 7.7e-3 of o here, 4.6x the nominal floor). A kernel whose
-running state is rounded to bf16 after every token fails the goldens (24 of 30 here), on the
+running state is rounded to bf16 after every token fails the goldens (39 of 50 here), on the
 final state where the decay is zero (kda_decay_zero: 6.8x), and the report names the tensor.
 `--policy` replaces every KDA adapter's policy.
 """
@@ -62,7 +62,9 @@ def test_a_correct_kernel_with_bf16_output_and_state_passes_every_check(results)
 def test_a_kernel_that_rounds_its_state_every_token_fails_the_goldens_naming_the_state(results):
     goldens = [r for r in results["dtype.bf16_every_token"] if r["check"] == "golden" and r["status"] != "skip"]
     failed = [r for r in goldens if r["status"] == "fail"]
-    assert len(goldens) == 30 and len(failed) >= 20
+    # Measured: 39 of the 50 fail (2026-12-02; 15 of them among the 21 FlashKDA-like and
+    # safe-gate goldens), while the kernel carrying its state in bf16 between calls passes all 50.
+    assert len(goldens) == 50 and len(failed) >= 39
     on_state = [r for r in failed if re.search(r"final_state: rel RMS \S+ >", r["reason"])]
     assert on_state and any(r["case"] == "kda_decay_zero" and r["extra"]["worst_tensor"] == "final_state"
                             for r in on_state)

@@ -7,12 +7,15 @@ the class `Adapter`. An adapter states:
   "serving", ...), `kind` ("kernel", "reference" or "mutant": a mutant is a kernel with a
   deliberate mistake that some check must catch);
 - what it supports: `checks` (the check names it is run with), `golden_ops` (the golden
-  operators whose cases it takes) and, per case, `case_unsupported(case)`: None, or the
-  reason the case is outside the kernel's scope (reported as a skip with that reason);
+  operators whose cases it takes), `domain` (the inputs and options it accepts, in the schema
+  of policy/kernel_domains.json, where the built-in kernels' domains are; None: everything)
+  and, per case, `case_unsupported(case)`: None, or the reason the case is outside the
+  kernel's domain (reported as `n/a (outside the kernel's domain: <reason>)`, not a failure);
 - how it runs: `load()` imports the kernel and raises when it is unavailable (the reason is
   kept and reported); `run_check(check, case, device)` runs one check on one case and
   returns a `checks.CheckResult`. KDA adapters implement only `run(inputs, params, out=None)`
-  (returning (o, final_state) in k3ref's conventions) and `unsupported(params, shapes)`;
+  (returning (o, final_state) in k3ref's conventions), and `unsupported(params, shapes)` for
+  what the domain cannot say (by default the domain);
   `KdaAdapter.run_check` supplies the golden and metamorphic checks;
 - its precision contract and policy: `contract` (one line: what the kernel computes in which
   precision, and what it rounds to), `output_dtype` (the format of its outputs, whose
@@ -39,7 +42,9 @@ from pathlib import Path
 
 import torch
 
+from .. import kernel_domains
 from . import lib, torch_model
+from .protocol import outside_domain
 from .protocol import KDA_METAMORPHIC, Adapter, BrokenAdapter, CheckResult, LoadableAdapter  # noqa: F401 (the protocol's names, here as before)
 from .protocol import shapes_of as _shapes
 
@@ -67,12 +72,15 @@ class KdaAdapter(Adapter):
     contract_multiple = None  # None: contracts.MULTIPLES[contract_name]
 
     def unsupported(self, params, shapes):
-        return None
+        """None, or why (params, shapes) is outside the kernel: by default its `domain`."""
+        return self.domain_reason(None, params, shapes)
 
     def case_unsupported(self, case):
         if case.op not in self.golden_ops:
             return f"takes {', '.join(self.golden_ops)}"
-        return self.unsupported(case.params, _shapes(case.inputs))
+        s = _shapes(case.inputs)
+        return outside_domain(self.domain_reason(case.op, case.params, s, kernel_domains.input_dtype_of(case.inputs))
+                              or self.unsupported(case.params, s))
 
     def cases(self, check, suite):
         if check == "golden":
@@ -289,6 +297,7 @@ class FlaAdapter(KdaAdapter):
         self.variant = variant
         self.safe_gate = safe_gate
         self.name = f"fla.{variant}" + ("[safe_gate]" if safe_gate else "")
+        self.domain = kernel_domains.builtin(self.name)
         if variant == "fused_recurrent_kda":
             self.policy = "recurrent"
             self.policy_reason = "fp32 recurrence on bf16 inputs: 1.0x the bf16 output floor measured on an H200"
@@ -312,17 +321,6 @@ class FlaAdapter(KdaAdapter):
     def version(self):
         return fla_version()
 
-    def unsupported(self, params, s):
-        if s["K"] > 256:
-            return "FLA KDA supports K <= 256"
-        if self.safe_gate:
-            lb = params.get("lower_bound")
-            if params.get("gate") != "lower_bound" or lb is None or not (-5 <= lb < 0):
-                return "safe_gate needs the lower-bound gate with -5 <= lower_bound < 0"
-        if params.get("gate") == "softplus" and not params.get("A_log"):
-            return "FLA's softplus gate needs A_log"
-        return None
-
     def run(self, inputs, params, out=None):
         kw = dict(fla_option_kwargs(inputs, params), output_final_state=True,
                   state_v_first=params.get("state_layout") == "v_first")
@@ -344,6 +342,7 @@ class FlashKdaAdapter(KdaAdapter):
     requires_cuda = True
 
     name = "flashkda.fwd"
+    domain = kernel_domains.builtin(name)
     policy = "flashkda"
     policy_reason = "chunk 16, fp16 Neumann inverse, bf16 state between chunks: 3.4x-3.5x measured"
     contract = "CUTLASS (sm_90); chunks of 16, fp16 Neumann-series inverse, bf16 state between chunks, bf16 output"
@@ -359,19 +358,6 @@ class FlashKdaAdapter(KdaAdapter):
 
     def version(self):
         return _module_version("flash_kda")
-
-    def unsupported(self, params, s):
-        if s["K"] != 128 or s["V"] != 128:
-            return "FlashKDA needs K = V = 128"
-        if s["H"] != s["HV"]:
-            return "FlashKDA has no GVA"
-        if params.get("gate") != "lower_bound" or not (-5 <= (params.get("lower_bound") or 0) <= 0):
-            return "FlashKDA computes the lower-bound gate in kernel, lower_bound in [-5, 0]"
-        if params.get("beta") != "sigmoid":
-            return "FlashKDA applies sigmoid to beta"
-        if not params.get("qk_l2norm"):
-            return "FlashKDA always L2-normalises q and k"
-        return None
 
     def run(self, inputs, params, out=None):
         q = inputs["q"]
@@ -409,6 +395,7 @@ class LibKernelAdapter(KdaAdapter):
         self.mutation = mutation
         self.mutation_name = lib.MUTATIONS[mutation]
         self.name = "k3gc.fp32" if mutation == 0 else f"mutant.{self.mutation_name}"
+        self.domain = kernel_domains.builtin("k3gc.fp32")  # a mutant has the domain of the kernel it mutates
         self.kind = "kernel" if mutation == 0 else "mutant"
         self.policy = "recurrent"
         self.policy_reason = "fp32 recurrence on bf16 inputs, bf16 output"
@@ -419,11 +406,6 @@ class LibKernelAdapter(KdaAdapter):
         _need_cuda()
         if not lib.available():
             raise RuntimeError(lib.load_error())
-
-    def unsupported(self, params, s):
-        if s["K"] > 128 or s["V"] > 128:
-            return "libk3gc supports K, V <= 128"
-        return None
 
     def run(self, inputs, params, out=None):
         return lib.kda_forward(inputs, params, precision=1, mutation=self.mutation, output_dtype=torch.bfloat16,
@@ -436,6 +418,7 @@ class LibReferenceAdapter(KdaAdapter):
     requires_cuda = True
 
     name = "k3gc.fp64_reference"
+    domain = kernel_domains.builtin(name)
     kind = "reference"
     policy = "rel-rms:1e-12"
     policy_reason = "fp64 arithmetic against 256-bit goldens: error of order 1e-15"
@@ -449,9 +432,6 @@ class LibReferenceAdapter(KdaAdapter):
         _need_cuda()
         if not lib.available():
             raise RuntimeError(lib.load_error())
-
-    def unsupported(self, params, s):
-        return "libk3gc supports K, V <= 128" if s["K"] > 128 or s["V"] > 128 else None
 
     def run(self, inputs, params, out=None):
         return lib.kda_forward(inputs, params, precision=0, output_dtype=torch.float64, state_dtype=torch.float64,
@@ -477,6 +457,7 @@ class TorchKernelAdapter(KdaAdapter):
             raise ValueError(f"unknown mutation {mutation}")
         self.device = device
         self.name = "torch.fp64_bf16" + (f"[{self.mutation}]" if self.mutation else "")
+        self.domain = kernel_domains.builtin("torch.fp64_bf16")
         self.kind = "mutant" if self.mutation else "kernel"
 
     def run(self, inputs, params, out=None):

@@ -249,8 +249,7 @@ def judge_golden(adapter, case, o, final, window_tokens=8):
 
 
 def golden_check(adapter, case, device, window_tokens=8):
-    s = _shapes(case.inputs)
-    why = adapter.unsupported(case.params, s)
+    why = adapter.case_unsupported(case)
     if why:
         return CheckResult(adapter.name, "golden", case.name, "skip", why)
 

@@ -1,7 +1,7 @@
 """The adapter protocol: what every check, adapter and front end of the harness agrees on.
 
 An adapter (a subclass of `Adapter`) states what it is (`name`, `family`, `kind`), what it
-supports (`checks`, `golden_ops`, `case_unsupported`), how it runs (`load`, `run_check`,
+supports (`checks`, `golden_ops`, `domain`, `case_unsupported`), how it runs (`load`, `run_check`,
 returning a `CheckResult`) and its precision contract and policy (adapters.py documents
 the fields in full). This module imports nothing else of the harness: the checks import it,
 the adapters import it and the checks, the registry imports the adapters, the front ends the
@@ -33,6 +33,11 @@ def shapes_of(inputs):
     return dict(B=B, T=T, H=H, K=K, HV=v.shape[2], V=v.shape[3])
 
 
+def outside_domain(why):
+    """The reason a report gives a case outside the kernel's domain (not a failure): None stays None."""
+    return None if why is None else f"n/a (outside the kernel's domain: {why})"
+
+
 KDA_METAMORPHIC = ("causality", "suffix", "varlen", "split", "determinism", "poisoned_memory", "inputs_unchanged")
 
 
@@ -50,6 +55,9 @@ class Adapter:
     output_dtype = torch.bfloat16   # the format of the outputs (o): their rounding floor
     state_dtype = torch.float32     # the format of the state it returns and takes back (final, initial)
     requires_cuda = False  # True: reported unavailable without a CUDA device, without loading it
+    # What the kernel accepts, in the schema of policy/kernel_domains.json (k3ref.kernel_domains,
+    # docs/kernel-domains.md): a dict or a KernelDomain; None accepts everything.
+    domain = None
 
     def __init__(self):
         self._loaded = None
@@ -95,9 +103,19 @@ class Adapter:
                 return "no CUDA device"
         return None
 
+    def domain_reason(self, op, params, shapes=None, input_dtype=None):
+        """None, or why a case (operator `op`, or None: not checked; golden params; shapes as
+        shapes_of gives them) is outside the kernel's declared `domain`."""
+        from .. import kernel_domains
+
+        domain = kernel_domains.domain_of(self.domain, self.name)
+        return domain.outside(op, params, shapes, input_dtype) if domain is not None else None
+
     def case_unsupported(self, case):
         """None, or why this golden case is outside the kernel's scope."""
-        return None if case.op in self.golden_ops else f"takes {', '.join(self.golden_ops) or 'no golden operator'}"
+        if case.op not in self.golden_ops:
+            return f"takes {', '.join(self.golden_ops) or 'no golden operator'}"
+        return outside_domain(self.domain_reason(case.op, case.params))
 
     def cases(self, check, suite):
         """(case id, case or None, None or the reason it is not supported) for each case of

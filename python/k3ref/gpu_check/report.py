@@ -536,7 +536,7 @@ def write_html(path, rows, results, summary):
                 unavailable = isinstance(worst[1].extra, dict) and worst[1].extra.get("unavailable")
                 # A kernel that could not load ran nothing: its cells are not applicable (the
                 # reason on hover), not skips that read like a pass.
-                txt = "n/a" if unavailable else "skip: " + worst[1].reason[:60]
+                txt = "n/a" if unavailable or worst[1].reason.startswith("n/a") else "skip: " + worst[1].reason[:60]
                 title = f" title='{html.escape(worst[1].reason, quote=True)}'"
             cell = html.escape(txt)
             if worst[0] in ("fail", "error", "xfail") and worst[2]:
