@@ -220,7 +220,7 @@ std::vector<Case> moe_default_cases() {
   cases.push_back(moe_case("latent_moe_m8_d16_l8_n8_k2", small));
   MoeCase online;  // QB state carried over 4 batches, a shared expert, two tied expert pairs
   online.batches = 4;
-  online.shared_f = 12;
+  online.shared_f = 8;  // one shared expert of the routed size, as K3 (torchtitan: num_shared_experts x f)
   online.duplicate_pairs = 2;
   cases.push_back(moe_case("latent_moe_b4_m16_d16_l8_n8_k2_shared_ties", online));
   MoeCase ties;  // affinities on 3 levels, a capacity of q: ties and dropped tokens
