@@ -137,7 +137,9 @@ def _stderr_line(text):
 
 
 def _plan_in_child(config, opts, path):
-    """Runs the planning child; returns the plan or raises UsageError (one line)."""
+    """Runs the planning child; returns (plan, child) or raises UsageError (one line). The
+    child writes the plan, says so (READY) and then runs the warm-up: this process goes on
+    with the plan while it compiles, and `child` (a _PlanningChild) is collected at the end."""
     from k3ref.gpu_check import plan as run_plan
 
     # The child imports what this process would: this package first, then this process's path.
@@ -151,36 +153,86 @@ def _plan_in_child(config, opts, path):
            "--k3ref-plan-out", str(path)]
     if "k3ref.pytest_plugin" not in " ".join(args):
         cmd += ["-p", "k3ref.pytest_plugin"]
-    timeout = opts.load_timeout + (opts.warmup_timeout if opts.warmup else 0.0)
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, cwd=str(config.invocation_params.dir), env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=err)
-        timer = threading.Timer(timeout, proc.kill)
-        timer.start()
+    if config.getoption("collectonly"):  # nothing will run: nothing to compile for
+        cmd += ["--k3ref-no-warmup"]
+    child = _PlanningChild(cmd, str(config.invocation_params.dir), env, opts.load_timeout + (
+        opts.warmup_timeout if opts.warmup else 0.0))
+    if not child.wait_ready():
+        child.close()
+        text = child.last_stderr
+        if child.timed_out:
+            raise UsageError(f"k3ref: planning the run (importing the adapters) took more than {child.timeout:g} s: "
+                             f"stopped (--k3ref-load-timeout)")
+        raise UsageError(f"{_stderr_line(text)}" if "ERROR: k3ref: " in text else
+                         f"k3ref: the planning child (importing the adapters) exited with status "
+                         f"{child.proc.returncode} without a plan: {_stderr_line(text)}")
+    try:
+        return run_plan.read(path), child
+    except ValueError as e:
+        child.close(kill=True)
+        raise UsageError(f"k3ref: {e}") from None
+
+
+READY = "ready"
+
+
+class _PlanningChild:
+    """The planning child process: its progress lines echoed here as they come, its stderr
+    kept in a file, a timer that stops it after `timeout` seconds."""
+
+    def __init__(self, cmd, cwd, env, timeout):
+        self.timeout, self.timed_out, self.last_stderr = timeout, False, ""
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=self.err)
+        self.ready, self.saw_ready = threading.Event(), False
+        self.timer = threading.Timer(timeout, self._kill_late)
+        self.timer.start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _kill_late(self):
+        self.timed_out = True
+        self.proc.kill()
+
+    def _read(self):
         try:
-            for raw in proc.stdout:  # its progress (shape plan, warm-up), not its collection listing
+            for raw in self.proc.stdout:  # its progress (shape plan, warm-up), not its collection listing
                 line = raw.decode(errors="replace")
                 if line.startswith(PROGRESS):
-                    print(line[len(PROGRESS):], end="", flush=True)
-            proc.wait()
+                    if line[len(PROGRESS):].strip() == READY:
+                        self.saw_ready = True
+                        self.ready.set()
+                    else:
+                        print(line[len(PROGRESS):], end="", flush=True)
         finally:
-            proc.stdout.close()
-            timed_out = not timer.is_alive() and proc.returncode is not None and proc.returncode < 0
-            timer.cancel()
-        rc = None if timed_out else proc.returncode
-        err.seek(0)
-        text = err.read()[-64 * 1024:].decode(errors="replace")
-    if rc is None:
-        raise UsageError(f"k3ref: planning the run (importing the adapters) took more than {timeout:g} s: stopped "
-                         f"(--k3ref-load-timeout)")
-    if not Path(path).is_file():
-        raise UsageError(f"{_stderr_line(text)}" if "ERROR: k3ref: " in text else
-                         f"k3ref: the planning child (importing the adapters) exited with status {rc} without a plan: "
-                         f"{_stderr_line(text)}")
-    try:
-        return run_plan.read(path)
-    except ValueError as e:
-        raise UsageError(f"k3ref: {e}") from None
+            self.proc.stdout.close()
+            self.proc.wait()
+            self.ready.set()
+
+    def wait_ready(self):
+        """True once the plan is written; False when the child ended (or was stopped) first."""
+        self.ready.wait()
+        return self.saw_ready
+
+    def stderr_text(self):
+        self.err.seek(0)
+        return self.err.read()[-64 * 1024:].decode(errors="replace")
+
+    def close(self, kill=False, timeout=None):
+        """Waits for the child (the warm-up's end) at most `timeout` seconds, or stops it."""
+        if kill:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.reader.join(timeout=5)
+        self.timer.cancel()
+        if not self.err.closed:
+            self.last_stderr = self.stderr_text()
+            self.err.close()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -214,7 +266,7 @@ def pytest_cmdline_main(config):
             os.environ["PYTHONPATH"] = os.pathsep.join(
                 dict.fromkeys([package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
             try:
-                plan = _plan_in_child(config, opts, workdir / "plan.json")
+                plan, config.stash[STATE]["planner"] = _plan_in_child(config, opts, workdir / "plan.json")
             except BaseException:
                 import shutil
 
@@ -361,6 +413,7 @@ def pytest_collection_modifyitems(session, config, items):
     state = config.stash[STATE]
     if role == "worker":
         plan = run_plan.read(config.workerinput["k3ref_plan"])
+        state["plan_speed"] = plan.get("speed")
         from k3ref.gpu_check.execute import Executor
 
         state["executor"] = Executor(run_plan.options_of(config), _conftest_specs(config))
@@ -370,13 +423,20 @@ def pytest_collection_modifyitems(session, config, items):
         try:
             # The planning child's progress lines are marked for the controller to echo.
             mark = PROGRESS if role == "planner" else ""
-            plan = run_plan.make(state["opts"], _conftest_specs(config),
-                                 progress=lambda text: print("\n".join(mark + line for line in str(text).splitlines()),
-                                                             flush=True))
+            progress = lambda text: print("\n".join(mark + line for line in str(text).splitlines()), flush=True)  # noqa: E731
+            plan, warm_up = run_plan.make(state["opts"], _conftest_specs(config), progress=progress)
         except selection.UsageError as e:
             raise UsageError(f"k3ref: {e}") from None
         if role == "planner":
-            run_plan.write(plan, config.getoption("k3ref_plan_out"))
+            out = Path(config.getoption("k3ref_plan_out"))
+            if warm_up is not None:
+                plan["speed"]["warmup_status"] = str(out.with_name("warmup_status.json"))
+            run_plan.write(plan, out)
+            progress(READY)  # the controller starts the workers; the warm-up runs beside them
+            if warm_up is not None:
+                warm_up(plan["speed"]["warmup_status"])
+        elif warm_up is not None:
+            warm_up()
         config.stash[PLAN] = plan
         if role == "in_process":
             from k3ref.gpu_check.execute import Executor
@@ -409,6 +469,15 @@ def pytest_runtest_protocol(item, nextitem):
     if isinstance(item, K3refItem) and _role(item.config) == "worker":
         state = item.config.stash[STATE]
         opts = state["executor"].opts
+        speed = state.get("plan_speed") or {}
+        if (speed.get("warmup_pending") or {}).get(item.entry["adapter"]) and speed.get("warmup_status") and \
+                item.entry["adapter"] not in state.setdefault("warmed", set()):
+            # Before the time limit starts: its shapes are being compiled by the warm-up.
+            from k3ref.gpu_check.plan import wait_for_warmup
+
+            waited, why = wait_for_warmup(speed["warmup_status"], item.entry["adapter"], opts.warmup_timeout)
+            state["warmed"].add(item.entry["adapter"])
+            print(f"k3ref: {item.entry['adapter']}: waited {waited:.1f} s for the warm-up ({why})", file=sys.stderr)
         limit = opts.check_timeout + (0.0 if state["executor"].is_loaded(item.entry["adapter"]) else opts.load_timeout)
         if item.entry.get("mutant") is not None:
             limit *= max(1, len(item.entry["mutant"]))
@@ -572,11 +641,12 @@ def _record_of(report):
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     role = _role(config)
-    if role not in ("isolated", "in_process") or config.getoption("collectonly"):
+    if role not in ("isolated", "in_process"):
         return
     state = config.stash[STATE]
     plan = config.stash.get(PLAN, None)
-    if plan is None:
+    _collect_warmup(state, plan, stop=bool(session.shouldstop or session.shouldfail or config.getoption("collectonly")))
+    if plan is None or config.getoption("collectonly"):
         return
     from k3ref.gpu_check import report as R
 
@@ -605,6 +675,31 @@ def pytest_sessionfinish(session, exitstatus):
                 os.environ[variable] = before
 
         shutil.rmtree(workdir, ignore_errors=True) if not os.environ.get("K3REF_DEBUG_KEEP") else None
+
+
+def _collect_warmup(state, plan, stop):
+    """The planning child's end: the warm-up it ran beside the checks, its record into the
+    plan's speed section (the report's). A session stopped early (-x, ^C) stops it."""
+    child = state.pop("planner", None)
+    if child is None:
+        return
+    child.close(kill=stop, timeout=state["opts"].warmup_timeout)
+    speed = (plan or {}).get("speed") or {}
+    if not speed.get("warmup_status"):
+        return
+    try:
+        status = json.loads(Path(speed["warmup_status"]).read_text())
+    except (OSError, ValueError):
+        status = {}
+    record = status.get("record")
+    if record is None:  # the warm-up did not end: the checks compiled what they needed, no verdict changes
+        reason = ("the run stopped before the warm-up ended" if stop else
+                  f"the warm-up did not end (planning child: exit {child.proc.returncode}): "
+                  f"{_stderr_line(child.last_stderr)}")
+        record = {"jobs": 0, "wall_s": 0.0, "errors": 1, "error": reason,
+                  "groups": [{"adapter": "-", "group": {}, "status": "error", "reason": reason}],
+                  "totals": {"compile_s": 0.0, "autotune_s": 0.0, "compiles": 0, "configs_benchmarked": 0}}
+    speed["warmup"] = record
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -218,6 +218,15 @@ std::vector<Case> kda_default_cases() {
 
 }  // namespace
 
+VerifyTables verify_tables(const nlohmann::json& p) {
+  const auto rows = p.at("state_indices").get<std::vector<std::vector<std::int64_t>>>();
+  std::vector<std::int64_t> flat;
+  for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+  return VerifyTables{
+      Tensor<std::int64_t>({static_cast<std::int64_t>(rows.size()), static_cast<std::int64_t>(rows.at(0).size())}, flat),
+      p.at("num_accepted").get<std::vector<std::int64_t>>(), p.at("writes") == "in_place"};
+}
+
 Case recurrence_case(const std::string& name, const std::string& who) {
   for (Case& c : kda_default_cases())
     if (c.name == name) return c;

@@ -67,6 +67,16 @@ Case recurrence_case(const std::string& name, const std::string& who);
 // The inputs recurrence case `c` stores, drawn in memory from its parameters and seed.
 kda::Inputs<double> recurrence_inputs(const Case& c);
 
+// The slot tables of a speculative-verify case (serving.verify, layer.kda_verify), read from
+// its parameters: state_indices [N, L] from the rows "state_indices", "num_accepted", and
+// "writes" ("in_place" or "per_token_output").
+struct VerifyTables {
+  Tensor<std::int64_t> state_indices;
+  std::vector<std::int64_t> num_accepted;
+  bool in_place = true;
+};
+VerifyTables verify_tables(const nlohmann::json& params);
+
 // Appends the inputs in their storage dtypes (by default the goldens': BF16; initial_state,
 // A_log, dt_bias F32; cu_seqlens always I64), in kda::input_names order.
 void add_kda_inputs(io::SafetensorsFile& file, const kda::Inputs<double>& in, const KdaInputStorage& storage = {});

@@ -117,12 +117,10 @@ io::SafetensorsFile generate_pool_case(const Case& c) {
     f.tensors.emplace_back("pool_out", io::from_f64(buffer_tensor(work.buffer), DType::F64));
     outputs = "o,pool_out";
   } else {
-    const auto rows = p.at("state_indices").get<std::vector<std::vector<std::int64_t>>>();
-    std::vector<std::int64_t> flat;
-    for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
-    const Tensor<std::int64_t> idx({static_cast<std::int64_t>(rows.size()), static_cast<std::int64_t>(rows.at(0).size())}, flat);
-    const auto accepted = p.at("num_accepted").get<std::vector<std::int64_t>>();
-    const auto writes = p.at("writes") == "in_place" ? serving::StateWrites::in_place : serving::StateWrites::per_token_output;
+    const VerifyTables tables = verify_tables(p);
+    const Tensor<std::int64_t>& idx = tables.state_indices;
+    const std::vector<std::int64_t>& accepted = tables.num_accepted;
+    const auto writes = tables.in_place ? serving::StateWrites::in_place : serving::StateWrites::per_token_output;
     f.tensors.emplace_back("state_indices", io::from_i64(idx, DType::I64));
     f.tensors.emplace_back("num_accepted", io::from_i64(ints(accepted), DType::I64));
     const auto out = serving::speculative_verify(in, opt, work, idx, accepted, writes);

@@ -464,13 +464,13 @@ class TestWarmup:
         crash, hang, fine = unit_of(a, 1, 16, 16), unit_of(a, 1, 32, 24), unit_of(a, 1, 32, 32)
         crash = (a, crash[1], crash[2] * 3)  # costliest: runs first
         hang = (a, hang[1], hang[2] * 2)     # then this one
-        rec = warmup.run_units([fine, hang, crash], "cpu", jobs=1, timeout=4.0)
+        rec = warmup.run_units([fine, hang, crash], "cpu", jobs=1, timeout=20.0)  # a fresh worker imports torch first: seconds on a loaded machine
         g_fine, g_hang, g_crash = rec["groups"]
         assert rec["errors"] == 2
         assert g_crash["status"] == "error"
         assert "warm-up worker exited with 3" in g_crash["reason"]
         assert g_hang["status"] == "error"
-        assert "killed after 4 s" in g_hang["reason"]
+        assert "killed after 20 s" in g_hang["reason"]
         assert g_fine["status"] == "ok", g_fine
         assert g_fine["worker_process"] == 3, "a new worker after the crash and after the hang"
 
@@ -554,7 +554,7 @@ class TestCommandLine:
 
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             ap.parse_args(["run", "--autotune-configs", "some"])
-        assert ap.parse_args(["prop", "--kernel", "x"]).outside_share == 0.02
+        assert ap.parse_args(["prop", "--kernel", "x"]).outside_share == 0.004
         saved = os.environ.pop(warmup.CACHE_VARIABLE, None)
         try:
             assert warmup.cache_dir() == Path("~/.cache/k3ref").expanduser()

@@ -52,6 +52,22 @@ def test_a_package_in_a_git_checkout_is_named_by_its_commit(tmp_path):
     assert adapters.source_identity(imported(repo, "kernel_git")) == f"git {head}"
 
 
+def test_a_package_in_an_ignored_folder_of_a_checkout_is_not_named_by_that_commit(tmp_path):
+    # what the H200 run showed: FLA copied into k3ref's ignored .thirdparty/ was reported as
+    # k3ref's own commit
+    repo = tmp_path / "outer"
+    repo.mkdir()
+    (repo / ".gitignore").write_text("/third/\n")
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, env=env)
+    subprocess.run(["git", "-C", str(repo), "add", "."], check=True, env=env)
+    subprocess.run(["git", "-C", str(repo), "commit", "-qm", "one"], check=True, env=env)
+    make_package(repo / "third", "kernel_copied")
+    adapters._SOURCE_IDENTITY.clear()
+    assert adapters.source_identity(imported(repo / "third", "kernel_copied")).startswith("files sha256:")
+
+
 def test_fla_dispatch_is_pinned_and_recorded(tmp_path, monkeypatch):
     monkeypatch.setenv("FLA_FLASH_KDA", "1")  # a backend another kernel would run
     root = tmp_path / "fla_tree"
@@ -68,3 +84,42 @@ def test_fla_dispatch_is_pinned_and_recorded(tmp_path, monkeypatch):
     line = adapters.fla_version()
     assert "FLA_DISABLE_BACKEND_DISPATCH=1, FLA_FLASH_KDA=0, FLA_TILELANG=0" in line
     assert "files sha256:" in line
+
+
+def fla_tree(root, package_init, kda_init):
+    fla = make_package(root, "fla", package_init)
+    (fla / "ops" / "kda").mkdir(parents=True)
+    (fla / "ops" / "__init__.py").write_text(package_init)
+    (fla / "modules").mkdir()
+    (fla / "modules" / "__init__.py").write_text(package_init)
+    (fla / "modules" / "l2norm.py").write_text("NORM = 'l2'\n")
+    (fla / "ops" / "kda" / "__init__.py").write_text(kda_init)
+    return root
+
+
+@pytest.fixture
+def clean_fla(monkeypatch):
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("FLA_FULL_IMPORT", raising=False)
+    yield
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        del sys.modules[name]
+
+
+def test_fla_kda_is_imported_without_the_packages_init(tmp_path, clean_fla):
+    # the packages' __init__ files import every op, layer and model: they must not run
+    root = fla_tree(tmp_path / "t", "__version__ = '9.9.9'\nraise RuntimeError('package __init__ ran')\n",
+                    "from fla.modules.l2norm import NORM\n")
+    mod = adapters.load_fla(str(root))
+    assert mod.NORM == "l2"
+    assert sys.modules["fla"].__version__ == "9.9.9"
+    line = adapters.fla_version()
+    assert line.startswith("fla 9.9.9 from ") and "imported without the packages' __init__" in line
+
+
+def test_fla_whose_ops_need_the_package_exports_is_imported_as_usual(tmp_path, clean_fla):
+    root = fla_tree(tmp_path / "t", "__version__ = '1.0'\nEXPORTED = 3\n", "from fla import EXPORTED\n")
+    assert adapters.load_fla(str(root)).EXPORTED == 3
+    assert "without the packages' __init__" not in adapters.fla_version()

@@ -33,6 +33,7 @@ the same specs the plan read: construct one without importing its kernel (that i
 import hashlib
 import importlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -113,9 +114,23 @@ def _need_cuda():
         raise RuntimeError("no CUDA device")
 
 
+def _tracked_by_git(where):
+    """Whether git tracks the files of `where` in the work tree holding it: a package copied
+    into an ignored folder of another checkout (k3ref's own .thirdparty/, measured on the H200:
+    FLA was reported as k3ref's commit) is not that checkout's source. False without git."""
+    try:
+        out = subprocess.run(["git", "-C", str(where), "ls-files", "--", "."], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
 def _git_commit(start):
-    """The commit checked out in the git work tree holding `start` (read from .git's files, no
-    git command), or None."""
+    """The commit checked out in the git work tree holding `start` (read from .git's files),
+    or None; None too when that work tree does not track `start`'s files (_tracked_by_git)."""
+    if not _tracked_by_git(start):
+        return None
     for d in [start, *start.parents][:6]:
         git = d / ".git"
         try:
@@ -183,17 +198,61 @@ def _module_version(name):
 FLA_DISPATCH = {"FLA_DISABLE_BACKEND_DISPATCH": "1", "FLA_FLASH_KDA": "0", "FLA_TILELANG": "0"}
 
 
+# The packages whose __init__ imports every FLA op, layer and model (transformers and
+# torch._dynamo with them): 22.7 s for `import fla.ops.kda` on the H200, 28-32 s in each of 16
+# processes started together. Their __init__ files only import and re-export, so fla.ops.kda
+# is imported with them as bare packages; FLA_FULL_IMPORT=1 (or a failure) imports as usual.
+FLA_BARE_PACKAGES = ("fla", "fla.ops", "fla.modules")
+
+
+def _import_fla_kda_bare():
+    import importlib.util
+    import types
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("no fla package on the path")
+    root = Path(list(spec.submodule_search_locations)[0])
+    version = ""
+    for line in (root / "__init__.py").read_text(errors="replace").splitlines():
+        if line.startswith("__version__"):
+            version = line.partition("=")[2].strip().strip("'\"")
+    made = []
+    try:
+        for name in FLA_BARE_PACKAGES:
+            d = root.joinpath(*name.split(".")[1:])
+            mod = types.ModuleType(name)
+            mod.__path__, mod.__file__, mod.__package__ = [str(d)], str(d / "__init__.py"), name
+            mod.__k3ref_bare__ = True  # recorded in the version line
+            sys.modules[name] = mod
+            made.append(name)
+            if "." in name:
+                setattr(sys.modules[name.rpartition(".")[0]], name.rpartition(".")[2], mod)
+        sys.modules["fla"].__version__ = version
+        return importlib.import_module("fla.ops.kda")
+    except Exception:
+        for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")]:
+            del sys.modules[name]
+        raise
+
+
 def load_fla(path):
     """Pins FLA_DISPATCH, puts `path` (a directory holding the fla package; None: the installed
-    one) first on sys.path, and imports fla.ops.kda."""
+    one) first on sys.path, and imports fla.ops.kda (FLA_BARE_PACKAGES)."""
     os.environ.update(FLA_DISPATCH)
     _add_path(path)
-    return importlib.import_module("fla.ops.kda")
+    if "fla.ops.kda" in sys.modules or os.environ.get("FLA_FULL_IMPORT") == "1" or "fla" in sys.modules:
+        return importlib.import_module("fla.ops.kda")
+    try:
+        return _import_fla_kda_bare()
+    except Exception:  # an FLA tree whose ops need its package's exports: the usual import
+        return importlib.import_module("fla.ops.kda")
 
 
 def fla_version():
     pins = ", ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in FLA_DISPATCH)
-    return f"{_module_version('fla')}; {pins}"
+    bare = getattr(sys.modules.get("fla"), "__k3ref_bare__", False)
+    return f"{_module_version('fla')}; {pins}" + ("; fla.ops.kda imported without the packages' __init__" if bare else "")
 
 
 def fla_option_kwargs(inputs, params):

@@ -10,6 +10,8 @@ run. Without isolation (`--k3ref-no-isolation`) the plan is made in the test pro
 import dataclasses
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 PLAN_VERSION = 1
@@ -146,9 +148,13 @@ def _entry(t):
 
 
 def make(opts, conftest_objects=(), progress=print):
-    """The plan of a run (a JSON-able dict): every test in the order it should run, each with
-    its node id, isolation group and known-limitation reason; the adapters' static facts; the
-    shape plan and the warm-up's record (the warm-up runs here unless opts.warmup is False)."""
+    """(plan, warm_up) of a run. The plan is a JSON-able dict: every test in the order it should
+    run, each with its node id, isolation group and known-limitation reason; the adapters'
+    static facts; the shape plan. warm_up(status=None) compiles the planned shapes (None when
+    nothing is left to compile: warm-up off, no run-time-compiled shape, or every unit warm in
+    the cache directory); the plan names the adapters it compiles for and how many units each
+    (speed.warmup_pending), and their tests come last, so the checks of the other kernels can
+    run while it compiles (docs/gpu_check.md)."""
     from . import collection, selection, shapes, warmup
 
     adapters, requested, suite = select_adapters(opts, conftest_objects)
@@ -165,15 +171,19 @@ def make(opts, conftest_objects=(), progress=print):
     s = speed["shape_plan"]
     progress(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
              f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS)")
+    warm_up = None
     if opts.warmup and shape_plan.shapes:
         selected = warmup.select(warmup.units(shape_plan, adapters), device,
                                  warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
-        record = warmup.run_selected(selected, device, jobs=opts.warmup_jobs, timeout=opts.warmup_timeout,
-                                     progress=progress)
-        speed["warmup"] = record
-        if any(g.get("status") not in ("skipped", "warm") for g in record["groups"]):
-            warmup.write_record(record, os.environ.get(warmup.CACHE_VARIABLE) or ".")
-        progress(warmup.table(record))
+        pending = {}
+        for unit in selected[0]:
+            pending[unit[0].name] = pending.get(unit[0].name, 0) + 1
+        speed["warmup_pending"] = pending
+        warm_up = _warm_up_of(selected, opts, device, speed, progress)
+        if not pending:  # nothing to compile: the record of the warm units, at once
+            warm_up()
+            warm_up = None
+        tests.sort(key=lambda t: t.adapter.name in pending)  # stable: the shape order within each part
     groups = {a.name: group_of(a) for a in adapters}
     entries = []
     for t in tests:
@@ -182,7 +192,7 @@ def make(opts, conftest_objects=(), progress=print):
             e["mutant"] = [_entry(x) for x in t.tests]
         e["nodeid"] = f"k3ref/{scope_name(e['group'])}::{t.id}"
         entries.append(e)
-    return {
+    plan = {
         "version": PLAN_VERSION, "device": device, "requested": sorted(requested), "n_goldens": len(suite),
         "golden_dir": str(opts.goldens or selection.default_goldens("--k3ref-goldens")),
         "adapters": {a.name: {"family": a.family, "kind": a.kind, "policy": a.policy, "policy_reason": a.policy_reason,
@@ -190,10 +200,76 @@ def make(opts, conftest_objects=(), progress=print):
                      for a in adapters},
         "tests": entries, "speed": speed,
     }
+    return plan, warm_up
+
+
+def _warm_up_of(selected, opts, device, speed, progress):
+    from . import warmup
+
+    def warm_up(status=None):
+        """Runs the warm-up; its record goes into speed['warmup'] (and DIR/warmup.json). With
+        `status` (a path), the units still pending per adapter are kept there, replaced
+        atomically after each unit, for the workers that wait on them (wait_for_warmup)."""
+        pending = dict(speed.get("warmup_pending") or {})
+        lock = threading.Lock()
+
+        def write_status(done=False, record=None):
+            if status is not None:
+                tmp = Path(f"{status}.tmp")
+                tmp.write_text(json.dumps({"pid": os.getpid(), "pending": pending, "done": done, "record": record},
+                                          default=str))
+                os.replace(tmp, status)
+
+        def on_unit_done(name):
+            with lock:
+                pending[name] = pending.get(name, 1) - 1
+                write_status()
+
+        write_status()
+        record = warmup.run_selected(selected, device, jobs=opts.warmup_jobs, timeout=opts.warmup_timeout,
+                                     progress=progress, on_unit_done=on_unit_done)
+        speed["warmup"] = record
+        if any(g.get("status") not in ("skipped", "warm") for g in record["groups"]):
+            warmup.write_record(record, os.environ.get(warmup.CACHE_VARIABLE) or ".")
+        progress(warmup.table(record))
+        with lock:
+            write_status(done=True, record=record)
+        return record
+
+    return warm_up
+
+
+def wait_for_warmup(status, adapter, limit, poll=0.2):
+    """Returns (seconds waited, why it stopped waiting) once the warm-up (status file of
+    warm_up) has no unit of `adapter` left, has ended, or its process is gone; or after `limit`
+    seconds. Never an error: a check whose shapes are not compiled compiles them itself."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            s = json.loads(Path(status).read_text())
+        except (OSError, ValueError):
+            s = None
+        if s is not None:
+            if s.get("done"):
+                return time.monotonic() - t0, "the warm-up ended"
+            if (s.get("pending") or {}).get(adapter, 0) <= 0:
+                return time.monotonic() - t0, "its units are compiled"
+            try:
+                os.kill(int(s["pid"]), 0)
+            except (ProcessLookupError, KeyError, TypeError, ValueError):
+                return time.monotonic() - t0, "the warm-up's process is gone"
+            except PermissionError:
+                pass
+        if time.monotonic() - t0 >= limit:
+            return time.monotonic() - t0, f"waited {limit:g} s (--k3ref-warmup-timeout)"
+        time.sleep(poll)
 
 
 def write(plan, path):
-    Path(path).write_text(json.dumps(plan))
+    """Atomically: a reader sees the whole plan or none."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(plan))
+    os.replace(tmp, path)
 
 
 def read(path):

@@ -668,8 +668,8 @@ def command(args):
 # --------------------------------------------------------------------------- prop
 
 def add_prop_options(p):
-    p.add_argument("--outside-share", type=float, default=0.02,
-                   help="share of draws outside the compiled shape buckets (default 0.02; 1: no buckets; kernels "
+    p.add_argument("--outside-share", type=float, default=0.004,
+                   help="share of draws outside the compiled shape buckets (default 0.004; 1: no buckets; kernels "
                         "built ahead of time draw without buckets)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before drawing")
     p.add_argument("--jobs", type=int, default=None, help="warm-up worker processes at a time (default: CPU count)")
