@@ -305,8 +305,8 @@ TEST(LatentMoeFloating, DoubleIsWithinRoundingOf256Bits) {
   const auto rd = latent_moe(x, router_affinities(x, wd.router), std::vector<double>(s.n, 0.0), wd, od, SwiGlu{});
   const auto rh = latent_moe(lift(x), router_affinities(lift(x), wh.router), std::vector<HP>(s.n, HP(0)), wh, oh, SwiGlu{});
   EXPECT_EQ(rd.selection, rh.selection);
-  // Measured about 1e-16; a few ulps of accumulated rounding at these widths.
-  EXPECT_LT(test::rel_rms(rd.output, rh.output), 1e-14);
+  // Measured 1.9e-16 (K3REF_SEED unset): a few ulps of accumulated rounding at these widths.
+  EXPECT_LT(test::rel_rms(rd.output, rh.output), 2e-15);
 }
 
 }  // namespace
