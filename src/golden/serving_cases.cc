@@ -15,6 +15,7 @@
 #include <string>
 
 #include "golden/kda_family.h"
+#include "golden/pool_tensors.h"
 #include "k3ref/kcp/replay.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/serving/checkpoint.h"
@@ -26,8 +27,6 @@ namespace {
 using nlohmann::json;
 using num::Format;
 using G = num::golden_float;
-
-const double pool_padding = std::ldexp(1.0, 100);
 
 // What a serving case varies besides its tables.
 struct Shape5 {
@@ -82,20 +81,10 @@ serving::StatePool<S> lift_pool(const serving::StatePool<double>& p) {
 }
 
 Tensor<double> to_double(const Tensor<G>& t) { return round_to_double(t); }
-Tensor<double> buffer_tensor(const std::vector<double>& b) { return Tensor<double>({static_cast<std::int64_t>(b.size())}, b); }
 Tensor<double> buffer_tensor(const std::vector<G>& b) {
   return to_double(Tensor<G>({static_cast<std::int64_t>(b.size())}, b));
 }
 Tensor<std::int64_t> ints(const std::vector<std::int64_t>& v) { return Tensor<std::int64_t>({static_cast<std::int64_t>(v.size())}, v); }
-
-void add_pool(io::SafetensorsFile& f, const serving::StatePool<double>& pool) {
-  const auto& L = pool.layout;
-  f.tensors.emplace_back("pool", io::from_f64(buffer_tensor(pool.buffer), DType::F32));
-  // [slots, slot stride, offset, 1 if V-first]: the geometry for readers without the params.
-  f.tensors.emplace_back("pool_geometry", io::from_i64(ints({L.slots, L.slot_stride, L.offset,
-                                                              L.layout == kda::StateLayout::v_first ? 1 : 0}),
-                                                        DType::I64));
-}
 
 io::SafetensorsFile generate_pool_case(const Case& c) {
   const json& p = c.params;
@@ -107,7 +96,7 @@ io::SafetensorsFile generate_pool_case(const Case& c) {
   const kda::Inputs<G> in = kda::lift<G>(d.in);
   io::SafetensorsFile f;
   add_kda_inputs(f, d.in);
-  add_pool(f, pool);
+  add_pool_tensors(f, pool);
   std::string outputs;
   if (c.op == "serving.decode") {
     const auto slots = p.at("slot_of_sequence").get<std::vector<std::int64_t>>();

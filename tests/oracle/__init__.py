@@ -34,6 +34,21 @@ def rel_rms(mine, ref):
     return float(diff / denom) if denom > 0 else float(np.abs(mine).max(initial=0))
 
 
+def compare_outputs(tensors, meta, ours, checks, tolerance):
+    """Each expected output of a golden (meta's k3ref.outputs) against ours[name]: the same
+    shape, finite, relative RMS difference within `tolerance`; the figure recorded. Fails the
+    test (checks.verify) with every failed check."""
+    for name in meta["k3ref.outputs"].split(","):
+        ref, mine = tensors[name], ours[name]
+        if not checks.expect(ref.shape == mine.shape, f"tensor '{name}': shape {list(ref.shape)}, recomputed {list(mine.shape)}"):
+            continue
+        rel = rel_rms(mine, ref)
+        checks.figure(rel)
+        checks.expect(rel <= tolerance and np.isfinite(mine).all(),
+                      f"tensor '{name}': relative RMS difference {rel:.3e} > {tolerance}")
+    checks.verify()
+
+
 def worst_element(mine, ref, axes):
     """'name=i, ...' of the element with the largest |mine - ref|, axes naming the dimensions."""
     if mine.size == 0:
