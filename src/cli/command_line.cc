@@ -40,6 +40,7 @@
 #include "k3ref/num/tier.h"
 #include "k3ref/tensor/convert.h"
 #include "k3ref/vocabulary.h"
+#include "report/cost.h"
 
 namespace {
 
@@ -846,6 +847,34 @@ int compare_command(const CompareArgs& a) {
 
 namespace k3ref::cli {
 
+// `k3ref report ...`: the cost models' calculators (docs/cost-models.md).
+struct ReportArgs {
+  report::DecodeQuery decode;
+  report::PrefillQuery prefill;
+  report::MoeQuery moe;
+  std::optional<double> bytes_per_element, flops_per_second, bytes_per_second;
+  std::string golden;
+  bool json = false;
+};
+
+int print_report(const nlohmann::ordered_json& r, bool json) {
+  const std::string text = json ? r.dump(2) + "\n" : report::render_text(r);
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  return exit_ok;
+}
+
+int report_moe(ReportArgs& a) {
+  auto need = [](const std::optional<double>& v, const char* name) {
+    if (!v) throw InvalidArgument(std::string("report moe: ") + name + " is required");
+    return *v;
+  };
+  a.moe.bytes_per_element = a.bytes_per_element.value_or(2.0);
+  a.moe.flops_per_second = need(a.flops_per_second, "--flops");
+  a.moe.bytes_per_second = need(a.bytes_per_second, "--bandwidth");
+  if (!a.golden.empty()) a.moe.golden = a.golden;
+  return print_report(report::moe_report(a.moe), a.json);
+}
+
 int run(int argc, const char* const* argv, bool execute) {
   CLI::App app{"k3ref: reference and verification for the Kimi K3 operators (KDA, AttnRes, QB)"};
   app.require_subcommand(1);
@@ -977,6 +1006,37 @@ int run(int argc, const char* const* argv, bool execute) {
   cmp->add_option("--json", cmp_args.json, "Write the verdict and every tensor's figures as JSON to this file");
   cmp->add_option("--junit", cmp_args.junit, "Write the verdict as JUnit XML (one testcase per tensor) to this file");
 
+  ReportArgs report_args;
+  CLI::App* report_cmd = app.add_subcommand("report", "The K3 cost models as calculators: decode, FlashKDA prefill, MoE communication");
+  report_cmd->require_subcommand(1);
+  constexpr std::int64_t big = std::int64_t{1} << 40;
+  CLI::App* rdecode = report_cmd->add_subcommand("decode", "KDA decode per head and token: 7 D^2 FLOP, 8 D^2 bytes (fp32 state read and written)");
+  add_integer_option(rdecode, "--head-dim,-D", report_args.decode.head_dim, std::int64_t{1}, std::int64_t{1} << 20, "Head size D = K = V (default 128)");
+  add_integer_option(rdecode, "--heads", report_args.decode.heads, std::int64_t{1}, big, "Heads (default 1)");
+  add_integer_option(rdecode, "--tokens", report_args.decode.tokens, std::int64_t{1}, big, "Decode steps (default 1)");
+  rdecode->add_flag("--json", report_args.json, "Print JSON");
+  CLI::App* rprefill = report_cmd->add_subcommand(
+      "prefill", "FlashKDA prefill per head: per chunk 12 C^3 + 8 C^2 D + 6 C D^2 FLOP, 8 C^2 + 22 C D bytes, plus 8 D^2 per kernel");
+  add_integer_option(rprefill, "--tokens,-T", report_args.prefill.tokens, std::int64_t{1}, big, "Tokens T (default 4096)");
+  add_integer_option(rprefill, "--chunk,-C", report_args.prefill.chunk, std::int64_t{1}, std::int64_t{1} << 20, "Chunk size C (default 16)");
+  add_integer_option(rprefill, "--head-dim,-D", report_args.prefill.head_dim, std::int64_t{1}, std::int64_t{1} << 20, "Head size D (default 128)");
+  add_integer_option(rprefill, "--heads", report_args.prefill.heads, std::int64_t{1}, big, "Heads (default 1)");
+  add_integer_option(rprefill, "--kernels", report_args.prefill.kernels, std::int64_t{0}, std::int64_t{64}, "Kernels that read and write the state (default 2)");
+  rprefill->add_flag("--json", report_args.json, "Print JSON");
+  CLI::App* rmoe = report_cmd->add_subcommand(
+      "moe", "Expert parallelism: T_comm / T_comp = (P F) / (6 m B) (1 - 1/E) under uniform routing; simulated, and measured from a golden's routing");
+  add_finite_option(rmoe, "--bytes-per-element", report_args.bytes_per_element, "P, bytes per dispatched element (default 2)");
+  add_finite_option(rmoe, "--flops", report_args.flops_per_second, "F, a GPU's FLOP/s (required)");
+  add_finite_option(rmoe, "--bandwidth", report_args.bytes_per_second, "B, a GPU's dispatch bandwidth in bytes/s (required)");
+  add_integer_option(rmoe, "--intermediate", report_args.moe.intermediate, std::int64_t{1}, big, "m, the expert intermediate size (default 3072)");
+  add_integer_option(rmoe, "--gpus", report_args.moe.gpus, std::int64_t{1}, std::int64_t{1} << 20, "E, expert-parallel GPUs (default 8)");
+  add_integer_option(rmoe, "--experts", report_args.moe.experts, std::int64_t{0}, std::int64_t{1} << 20, "Routed experts: simulate a uniform dispatch (with --top-k); a golden's own by default");
+  add_integer_option(rmoe, "--top-k", report_args.moe.top_k, std::int64_t{0}, std::int64_t{1} << 20, "Experts per token of the simulated dispatch");
+  add_integer_option(rmoe, "--tokens", report_args.moe.tokens, std::int64_t{0}, big, "Tokens of the simulated dispatch (rounded to a multiple of E n)");
+  rmoe->add_option("--golden", report_args.golden, "A golden whose routing is measured (e.g. goldens/qb_online_m48_n16_k4_tie_heavy.safetensors)");
+  rmoe->add_option("--tensor", report_args.moe.tensor, "Its selection tensor [..., m, k]")->capture_default_str();
+  rmoe->add_flag("--json", report_args.json, "Print JSON");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -993,6 +1053,9 @@ int run(int argc, const char* const* argv, bool execute) {
     if (*kda_cmd) return kda_command(kda_args);
     if (*inputs_cmd) return inputs_command(inputs_args);
     if (*cmp) return compare_command(cmp_args);
+    if (*rdecode) return print_report(report::decode_report(report_args.decode), report_args.json);
+    if (*rprefill) return print_report(report::prefill_report(report_args.prefill), report_args.json);
+    if (*rmoe) return report_moe(report_args);
   } catch (const FileError& e) {
     std::fprintf(stderr, "k3ref: %s\n", io::printable(e.what()).c_str());
     return exit_unusable;

@@ -23,6 +23,7 @@ import pytest
 np = pytest.importorskip("numpy")
 
 from oracle import load  # noqa: E402  (the one NumPy oracle's reader)
+from oracle.qb import route, solver_step  # noqa: E402
 
 golden_glob = "qb_*.safetensors"
 
@@ -32,20 +33,6 @@ def accept_op(op):
 
 
 # ---- the method, from the design ------------------------------------------------------------
-
-def kth_largest(a, r, axis):
-    """r-th largest (1-based) along an axis, as a value."""
-    size = a.shape[axis]
-    return np.sort(a, axis=axis).take(size - r, axis=axis)
-
-
-def route(s, beta, k):
-    """Top-k by the tie rule: biased score desc, then raw score desc, then index asc."""
-    m, n = s.shape
-    index = np.broadcast_to(np.arange(n), (m, n))
-    order = np.lexsort((index, -s, -(s - beta[None, :])), axis=-1)
-    return order[:, :k].astype(np.int64)
-
 
 def loads_of(selection, n):
     return np.bincount(selection.reshape(-1), minlength=n)
@@ -59,13 +46,6 @@ def dual_objective(s, alpha, beta, k, q):
     slack = s - alpha[:, None] - beta[None, :]
     terms = [k * float(a) for a in alpha] + [q * float(b) for b in beta] + list(slack[slack > 0])
     return math.fsum(terms)  # correctly rounded; every term is exact for these dyadic inputs
-
-
-def solver_step(s, beta, k, q):
-    alpha = kth_largest(s - beta[None, :], k + 1, axis=1)
-    beta = kth_largest(s - alpha[:, None], q + 1, axis=0)
-    selection = route(s, beta, k)
-    return alpha, beta, selection
 
 
 def check_solver(name, t, p, checks):

@@ -62,7 +62,7 @@ TEST(GoldenSuite, EveryFamilyOwnsItsOperatorsAndCases) {
     for (const Case& c : mine) EXPECT_TRUE(own.count(c.op)) << f.name << ": case " << c.name << " of foreign op " << c.op;
     cases += mine.size();
   }
-  EXPECT_EQ(family_names, (std::set<std::string>{"attnres", "gdn", "kcp", "kda", "kda_backward", "kda_chunkwise", "kda_layer", "qb", "serving"}));
+  EXPECT_EQ(family_names, (std::set<std::string>{"attnres", "gdn", "kcp", "kda", "kda_backward", "kda_chunkwise", "kda_layer", "moe", "qb", "serving"}));
   EXPECT_EQ(cases, suite("default").size());
 }
 
