@@ -67,6 +67,10 @@ def test_the_threshold_moves(capsys):
     first, between, last = lines(capsys.readouterr().err, "k3ref.kda")
     assert first.group(2) == "32" and not between and last.group(1) == "32"
     assert all(torch.equal(out[n], reference[n]) for n in reference)  # progress changes no bit
+    # packed sequences: the token-heads are the sequences' tokens times the value heads
+    k3ref.kda(dict(inputs(20, 2, 8, 8), cu_seqlens=[0, 5, 5, 20]), progress_after=0)
+    first, between, last = lines(capsys.readouterr().err, "k3ref.kda")
+    assert first.group(2) == "40" and last.group(1) == "40"
     with pytest.raises(TypeError, match="k3ref.kda: option 'progress_after' must be a number"):
         k3ref.kda(x, progress_after="soon")
 
