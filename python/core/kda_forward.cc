@@ -4,18 +4,39 @@
 #include "k3ref/kda/recurrent.h"
 #include "core.h"
 
+#include <type_traits>
+
 namespace k3ref::python {
 namespace {
 
-py::dict kda_recurrent(const py::dict& inputs, const py::dict& options, const std::string& precision) {
+// A progress line on Python's sys.stderr (where a notebook shows it and pytest captures it),
+// from whichever thread of the computation prints it.
+void python_stderr_line(const std::string& line) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::object err = py::module_::import("sys").attr("stderr");
+    err.attr("write")(line + "\n");
+    err.attr("flush")();
+  } catch (const py::error_already_set&) {
+    // no usable sys.stderr: the computation goes on without its progress lines
+  }
+}
+
+py::dict kda_recurrent(const py::dict& inputs, const py::dict& options, const std::string& precision,
+                       double progress_after) {
   const kda::Inputs<double> in = kda_inputs(inputs);
   return in_tier(precision, [&]<class S>() {
-    const kda::Options<S> opt = kda_options<S>(options);
+    kda::Options<S> opt = kda_options<S>(options);
+    exec::ProgressLines progress = kda::recurrent_progress("k3ref.kda", in, kda_options<double>(options),
+                                                           !std::is_same_v<S, double>, progress_after,
+                                                           python_stderr_line);
+    opt.progress = progress.hook();
     kda::Outputs<S> out;
     {
       py::gil_scoped_release release;
       out = kda::recurrent_forward(kda::lift<S>(in), opt);
     }
+    progress.finish();
     py::dict r;
     put_outputs(r, out);
     return r;
@@ -51,7 +72,10 @@ py::dict kda_chunkwise(const py::dict& inputs, const py::dict& options, const st
 }  // namespace
 
 void register_kda_forward(py::module_& m) {
-  m.def("kda_recurrent", &kda_recurrent, py::arg("inputs"), py::arg("options"), py::arg("precision"));
+  m.def("kda_recurrent", &kda_recurrent, py::arg("inputs"), py::arg("options"), py::arg("precision"),
+        py::arg("progress_after") = -1.0);  // default: no lines (k3ref.kda passes its own)
+  // The threshold of k3ref.kda's progress lines when it names none: the command's.
+  m.attr("default_progress_after") = exec::ProgressLines::default_after_seconds;
   m.def("kda_chunkwise", &kda_chunkwise, py::arg("inputs"), py::arg("options"), py::arg("chunk_form"),
         py::arg("chunk_size"), py::arg("sub_chunk"), py::arg("stages"), py::arg("precision"));
 }

@@ -328,20 +328,25 @@ def _call(fn: str, core_fn: Callable[..., Any], *args: Any) -> dict[str, torch.T
 def kda(inputs: Mapping[str, Any], *, gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None,
         beta: str = "as_given", l2norm: bool = False, scale: float | None = None, state_layout: str = "k_first",
         all_states: bool = False, no_final_state: bool = False, precision: str = "double", threads: int | None = None,
-        memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
+        memory_budget: int | str | None = None, progress_after: float | None = None) -> dict[str, torch.Tensor]:
     """The KDA recurrence (what `k3ref kda` computes). inputs: q, k [B, T, H, K], v [B, T, HV, V],
     g [B, T, HV, K], beta [B, T, HV], optional initial_state [N, HV, K, V] (V-first with
     state_layout="v_first"), A_log [HV], dt_bias [HV, K], cu_seqlens [N + 1] (B = 1).
     Returns o [B, T, HV, V], final_state (unless no_final_state) and all_states [B, T, HV, K, V]
     (with all_states=True). threads: parallel over (sequence, head); never changes a result
-    (default: every CPU). memory_budget: see "memory budgets" (refused past it, before computing)."""
+    (default: every CPU). memory_budget: see "memory budgets" (refused past it, before computing).
+    progress_after: a call estimated (from its size, precision and threads) to take at least this
+    many seconds writes progress lines to sys.stderr every few seconds (0: always; negative: never;
+    default None: 5 s, as `k3ref kda --progress-after`)."""
     fn = "kda"
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, all_states,
                        no_final_state, threads)
     precision = _choice(fn, "precision", precision)
     _check_memory(fn, t, opt, precision, _memory_budget(fn, memory_budget))
-    return _call(fn, _compiled().kda_recurrent, t, opt, precision)
+    after = _number(fn, "progress_after", progress_after)
+    return _call(fn, _compiled().kda_recurrent, t, opt, precision,
+                 _compiled().default_progress_after if after is None else after)
 
 
 def kda_chunkwise(inputs: Mapping[str, Any], *, chunk_form: str = "flashkda", chunk_size: int = 0, sub_chunk: int = 16,

@@ -292,6 +292,7 @@ struct KdaArgs {
   std::optional<double> lower_bound, scale;
   bool l2norm = false, all_states = false, no_final_state = false;
   int threads = default_jobs();
+  std::optional<double> progress_after;  // seconds; empty: exec::ProgressLines::default_after_seconds
   bool force = false;
   std::string memory_budget;  // bytes, with an optional K/M/G/T suffix (binary); empty: half the machine's memory
 };
@@ -409,10 +410,20 @@ int kda_command(const KdaArgs& a) {
   check_kda_work(file, a);
   const kda::Inputs<double> in = kda::inputs_from_file(file, a.in);
   const auto start = std::chrono::steady_clock::now();
-  const kda::Options<double> opt = kda_options(a);
+  kda::Options<double> opt = kda_options(a);
   const num::Tier tier = num::precision_tiers.parse(a.precision);
+  // Lines on stderr every few seconds when the run is estimated to take long (a 256-bit
+  // reference of a long sequence takes minutes); none for a short one.
+  exec::ProgressLines progress = kda::recurrent_progress(
+      "k3ref kda", in, opt, tier != num::Tier::double_,
+      a.progress_after.value_or(exec::ProgressLines::default_after_seconds), [](const std::string& line) {
+        std::fprintf(stderr, "%s\n", line.c_str());
+        std::fflush(stderr);
+      });
+  opt.progress = progress.hook();
   const kda::Outputs<double> out =
       tier == num::Tier::double_ ? run_kda<double>(in, opt) : run_kda<num::golden_float>(in, opt);
+  progress.finish();
   io::SafetensorsFile result;
   kda::add_outputs(result, out);
   // The file is a golden of kda.recurrent (docs/golden-format.md, schema 2): its outputs
@@ -924,6 +935,9 @@ int run(int argc, const char* const* argv, bool execute) {
   kda_cmd->add_flag("--no-final-state", kda_args.no_final_state, "Do not write final_state");
   add_choice_option(kda_cmd, "precision", kda_args.precision);
   add_integer_option(kda_cmd, "--threads", kda_args.threads, 1, max_threads, "Threads over (sequence, head)");
+  add_finite_option(kda_cmd, "--progress-after", kda_args.progress_after,
+                    "Print progress on stderr every few seconds when the run is estimated to take at least this "
+                    "many seconds (default 5; 0: always; negative: never)");
   kda_cmd->add_option("--memory-budget", kda_args.memory_budget,
                       "Refuse a run estimated to need more memory than this (bytes, or with a K/M/G/T suffix; "
                       "default: half the machine's memory)");

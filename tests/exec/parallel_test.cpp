@@ -1,6 +1,7 @@
 // The thread pool (exec/parallel.h): every item runs once whatever the thread count, the
 // lowest failing item's exception is the one rethrown, and when the system refuses threads
-// the run completes on the ones it gave instead of deadlocking.
+// the run completes on the ones it gave instead of deadlocking. Progress lines
+// (exec/progress.h): none below the threshold, and above it the units of every thread counted.
 #include "test_support.h"
 
 #include <sys/resource.h>
@@ -11,9 +12,13 @@
 #include <csignal>
 #include <cstdio>
 #include <stdexcept>
+#include <initializer_list>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "k3ref/exec/parallel.h"
+#include "k3ref/exec/progress.h"
 
 namespace k3ref::exec {
 namespace {
@@ -85,6 +90,35 @@ TEST(ParallelFor, RefusedThreadsDegradeInsteadOfDeadlocking) {
   }
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << "3: setrlimit failed, 4: threw, 5: items missing";
+}
+
+TEST(ProgressLines, NothingBelowTheThresholdOrWhenNever) {
+  std::vector<std::string> lines;
+  auto sink = [&](const std::string& line) { lines.push_back(line); };
+  for (const auto& [estimate, after] : std::initializer_list<std::pair<double, double>>{{4.9, 5.0}, {1e9, -1.0}, {0.0, 1e-9}}) {
+    ProgressLines p("work", "items", 10, estimate, after, sink);
+    EXPECT_FALSE(p.active()) << estimate << " s estimated, threshold " << after;
+    EXPECT_FALSE(p.hook());
+    p.add(10);
+    p.finish();
+  }
+  EXPECT_TRUE(lines.empty()) << lines.front();
+  ProgressLines no_sink("work", "items", 10, 100, 0, {});
+  EXPECT_FALSE(no_sink.active());
+}
+
+TEST(ProgressLines, AboveTheThresholdTheFirstAndLastLineCountEveryThreadsUnits) {
+  std::vector<std::string> lines;
+  ProgressLines p("work", "items", 4000, 5.0, 5.0, [&](const std::string& line) { lines.push_back(line); });
+  ASSERT_TRUE(p.active());
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0], "work: about 5.0 s estimated for 4000 items; progress every 2.0 s");
+  const auto hook = p.hook();
+  parallel_for(1000, 4, [&](std::int64_t) { hook(4); });
+  p.finish();
+  // Done well under 2 s: no line in between.
+  ASSERT_EQ(lines.size(), 2u) << lines.back();
+  EXPECT_EQ(lines[1].rfind("work: 4000 of 4000 items done in ", 0), 0u) << lines[1];
 }
 
 }  // namespace

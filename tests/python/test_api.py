@@ -56,9 +56,9 @@ def test_option_and_tier_names_are_the_cli_s():
         m = re.match(r"\s+(--[a-z][a-z0-9-]*)(?:,\s*-\w)?\s+(\S+)?", line)
         if m:
             flags[m.group(1)] = line
-    # --in, --out and --force name and guard the files, --memory-budget the run's resources; every
-    # other option is the computation's.
-    names = {f[2:].replace("-", "_") for f in flags} - {"help", "in", "out", "force", "memory_budget"}
+    # --in, --out and --force name and guard the files, --memory-budget the run's resources,
+    # --progress-after its progress lines; every other option is the computation's.
+    names = {f[2:].replace("-", "_") for f in flags} - {"help", "in", "out", "force", "memory_budget", "progress_after"}
     assert names == set(k3ref.KDA_OPTIONS), (sorted(names), sorted(k3ref.KDA_OPTIONS))
     for name, choices in k3ref.KDA_OPTIONS.items():
         if isinstance(choices, tuple):
@@ -76,8 +76,9 @@ def test_keywords_of_every_kda_reference_are_cli_names():
              "kda_backward": {"method", "chunk_size"}, "kcp_forward": {"merge"}, "kcp_backward": {"merge"}}
     for fn_name, own in [("kda", set())] + list(extra.items()):
         params = inspect.signature(getattr(k3ref, fn_name)).parameters
-        # memory_budget is --memory-budget, the run's resources (excluded from KDA_OPTIONS above)
-        kw = {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY} - {"memory_budget"}
+        # memory_budget is --memory-budget, the run's resources, progress_after --progress-after
+        # (excluded from KDA_OPTIONS above)
+        kw = {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY} - {"memory_budget", "progress_after"}
         assert kw - own <= set(k3ref.KDA_OPTIONS), (fn_name, sorted(kw - own - set(k3ref.KDA_OPTIONS)))
 
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -74,6 +75,9 @@ struct Options {
   bool output_final_state = true;
   bool output_all_states = false;  // per-token states [B, T, HV, K, V] (or V-first)
   int num_threads = 1;             // parallel over (sequence, value head); never changes a result
+  // Called (from any thread) with the token-heads just done, for progress lines
+  // (exec/progress.h); empty: not called. Read by the recurrence.
+  std::function<void(std::int64_t)> progress;
 };
 
 // The same options for another scalar (the two numeric fields converted, the rest copied).
@@ -90,6 +94,7 @@ Options<To> convert_options(const Options<From>& o) {
   r.output_final_state = o.output_final_state;
   r.output_all_states = o.output_all_states;
   r.num_threads = o.num_threads;
+  r.progress = o.progress;
   return r;
 }
 

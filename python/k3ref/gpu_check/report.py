@@ -425,12 +425,18 @@ def plot_failure(plt, res, path):
         ax.axhline(floor, color="grey", linestyle="--", label="bf16 floor (whole tensor)")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("relative RMS error")
-    ax.set_title(f"{res.adapter} {res.case}: {tensor}", fontsize=9)
+    ax.set_title(plot_title(res, tensor), fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def plot_title(res, tensor):
+    """The title of a failure's plot, also the image's title in the HTML (what a reader of the
+    page, or a test of it, sees without reading pixels)."""
+    return f"{res.adapter} {res.case}: {tensor}"
 
 
 def failure_groups(rows, least=3):
@@ -559,12 +565,13 @@ def write_html(path, rows, results, summary):
             if r.metrics:
                 keys = ("rel_rms", "floor_rel_rms", "floor_ratio", "max_abs", "max_abs_index", "max_ulp",
                         "max_ulp_index", "candidate_nan", "candidate_inf", "first_nonfinite_mismatch", "count")
-                out.append("<table><tr><th>o</th>" + "".join(f"<th>{k}</th>" for k in keys) + "</tr><tr><td></td>"
-                           + "".join(f"<td>{_fmt(r.metrics.get(k))}</td>" for k in keys) + "</tr>")
-                fs = r.extra.get("final_state")
-                if fs:
-                    out.append("<tr><td>final_state</td>" + "".join(f"<td>{_fmt(fs.get(k))}</td>" for k in keys) + "</tr>")
-                out.append("</table>")
+                named = [("o", r.metrics)] + ([("final_state", r.extra["final_state"])]
+                                              if r.extra.get("final_state") else [])
+                if r.extra.get("worst_tensor") == "final_state":
+                    named.reverse()  # the failing tensor's row first
+                out.append("<table><tr><th>tensor</th>" + "".join(f"<th>{k}</th>" for k in keys) + "</tr>"
+                           + "".join(f"<tr><td>{name}</td>" + "".join(f"<td>{_fmt(m.get(k))}</td>" for k in keys)
+                                     + "</tr>" for name, m in named) + "</table>")
             for key, label in (("worst_element", "worst element of o"), ("final_state_worst_element",
                                                                            "worst element of the final state")):
                 w = r.extra.get(key)
@@ -585,7 +592,8 @@ def write_html(path, rows, results, summary):
                     rel = os.path.relpath(png, path.parent)
                     what = "final_state" if r.extra.get("worst_tensor") == "final_state" and \
                         r.extra.get("final_state_rows") else "o"
-                    out.append(f"<p><a href='{rel}'><img src='{rel}' alt='error of {what}' title='{what}'></a></p>")
+                    title = html.escape(plot_title(r, what), quote=True)
+                    out.append(f"<p><a href='{rel}'><img src='{rel}' alt='error of {what}' title='{title}'></a></p>")
             elif plottable:
                 out.append("<p>plot left out: matplotlib is not importable</p>")
     # kernels: contract, policy, availability, time split
