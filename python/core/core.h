@@ -169,5 +169,6 @@ void register_kda_contract(py::module_& m);
 void register_kcp(py::module_& m);
 void register_attnres_qb(py::module_& m);
 void register_readers(py::module_& m);
+void register_check(py::module_& m);
 
 }  // namespace k3ref::python

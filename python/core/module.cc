@@ -109,4 +109,5 @@ PYBIND11_MODULE(_core, m) {
   kp::register_kcp(m);
   kp::register_attnres_qb(m);
   kp::register_readers(m);
+  kp::register_check(m);
 }
