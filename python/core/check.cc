@@ -54,37 +54,7 @@ py::dict operator_dict(const check::OperatorSpec& spec) {
 
 py::dict tensor_dict(const check::TensorJudgement& t) {
   py::dict d;
-  d["tensor"] = t.tensor;
-  d["role"] = t.role;
-  d["required"] = t.required;
-  d["status"] = t.status;
-  d["passed"] = t.passed;
-  d["metric"] = t.metric;
-  d["floor_dtype"] = t.floor_dtype;
-  d["rule"] = t.rule;
-  d["figure"] = t.figure;
-  d["bound"] = t.bound;
-  d["floor"] = t.floor;
-  d["ratio"] = t.ratio;
-  d["rel_rms"] = t.rel_rms;
-  d["max_abs"] = t.max_abs;
-  d["max_abs_index"] = t.max_abs_index;
-  d["worst_index"] = t.worst_index;
-  d["worst_at"] = t.worst_at;
-  d["candidate_value"] = t.candidate_value;
-  d["golden_value"] = t.golden_value;
-  d["max_ulp"] = t.max_ulp;
-  d["max_ulp_index"] = t.max_ulp_index;
-  d["count"] = t.count;
-  d["candidate_nan"] = t.candidate_nan;
-  d["candidate_inf"] = t.candidate_inf;
-  d["first_nonfinite_mismatch"] = t.first_nonfinite_mismatch;
-  d["first_nonfinite_at"] = t.first_nonfinite_at;
-  d["candidate_dtype"] = t.candidate_dtype;
-  d["shape"] = std::vector<std::int64_t>(t.shape.begin(), t.shape.end());
-  d["contract"] = t.contract;
-  d["contract_error"] = t.contract_error;
-  d["reason"] = t.reason;
+  check::for_each_field(t, [&](const char* name, const auto& value) { d[name] = value; });
   return d;
 }
 
@@ -156,21 +126,13 @@ py::dict compare(const Array& candidate, const Array& reference, const std::stri
     py::gil_scoped_release release;
     m = check::compare(x, r, f);
   }
-  py::dict d;
-  d["count"] = m.count;
-  d["rel_rms"] = m.rel_rms;
-  d["floor_rel_rms"] = m.floor_rel_rms;
-  d["max_abs"] = m.max_abs;
-  d["max_abs_index"] = m.max_abs_index;
-  d["max_ulp"] = m.max_ulp;
-  d["max_ulp_index"] = m.max_ulp_index;
-  d["candidate_nan"] = m.candidate_nan;
-  d["candidate_inf"] = m.candidate_inf;
-  d["reference_nan"] = m.reference_nan;
-  d["reference_inf"] = m.reference_inf;
-  d["first_nonfinite_mismatch"] = m.first_nonfinite_mismatch;
-  d["finite_pairs"] = m.finite_pairs;
-  return d;
+  using namespace pybind11::literals;
+  return py::dict("count"_a = m.count, "rel_rms"_a = m.rel_rms, "floor_rel_rms"_a = m.floor_rel_rms,
+                  "max_abs"_a = m.max_abs, "max_abs_index"_a = m.max_abs_index, "max_ulp"_a = m.max_ulp,
+                  "max_ulp_index"_a = m.max_ulp_index, "candidate_nan"_a = m.candidate_nan,
+                  "candidate_inf"_a = m.candidate_inf, "reference_nan"_a = m.reference_nan,
+                  "reference_inf"_a = m.reference_inf, "first_nonfinite_mismatch"_a = m.first_nonfinite_mismatch,
+                  "finite_pairs"_a = m.finite_pairs);
 }
 
 }  // namespace

@@ -357,37 +357,12 @@ std::string judgement_json(const CaseJudgement& j, const std::string& golden, co
   out["tensors"] = nlohmann::ordered_json::array();
   for (const auto& t : j.tensors) {
     nlohmann::ordered_json e;
-    e["tensor"] = t.tensor;
-    e["role"] = t.role;
-    e["required"] = t.required;
-    e["status"] = t.status;
-    e["passed"] = t.passed;
-    e["metric"] = t.metric;
-    e["floor_dtype"] = t.floor_dtype;
-    e["rule"] = t.rule;
-    e["figure"] = number(t.figure);
-    e["bound"] = number(t.bound);
-    e["floor"] = number(t.floor);
-    e["ratio"] = number(t.ratio);
-    e["rel_rms"] = number(t.rel_rms);
-    e["max_abs"] = number(t.max_abs);
-    e["max_abs_index"] = t.max_abs_index;
-    e["worst_index"] = t.worst_index;
-    e["candidate_value"] = number(t.candidate_value);
-    e["golden_value"] = number(t.golden_value);
-    e["max_ulp"] = number(t.max_ulp);
-    e["max_ulp_index"] = t.max_ulp_index;
-    e["count"] = t.count;
-    e["candidate_nan"] = t.candidate_nan;
-    e["candidate_inf"] = t.candidate_inf;
-    e["first_nonfinite_mismatch"] = t.first_nonfinite_mismatch;
-    e["candidate_dtype"] = t.candidate_dtype;
-    e["shape"] = t.shape;
-    e["worst_at"] = t.worst_at;
-    e["first_nonfinite_at"] = t.first_nonfinite_at;
-    e["contract"] = t.contract;
-    e["contract_error"] = number(t.contract_error);
-    e["reason"] = t.reason;
+    for_each_field(t, [&](const char* name, const auto& value) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(value)>, double>)
+        e[name] = number(value);
+      else
+        e[name] = value;
+    });
     out["tensors"].push_back(std::move(e));
   }
   // Invalid UTF-8 in a name (the safetensors reader refuses it, a caller may not) is replaced.

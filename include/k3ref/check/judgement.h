@@ -77,6 +77,21 @@ struct TensorJudgement {
   std::string reason;
 };
 
+// Calls f(name, value) for every field of a TensorJudgement, in report order: the one list
+// of fields of the JSON report and of the Python package's TensorResult.
+template <class F>
+void for_each_field(const TensorJudgement& t, F&& f) {
+  f("tensor", t.tensor), f("role", t.role), f("required", t.required), f("status", t.status), f("passed", t.passed);
+  f("metric", t.metric), f("floor_dtype", t.floor_dtype), f("rule", t.rule), f("figure", t.figure);
+  f("bound", t.bound), f("floor", t.floor), f("ratio", t.ratio), f("rel_rms", t.rel_rms), f("max_abs", t.max_abs);
+  f("max_abs_index", t.max_abs_index), f("worst_index", t.worst_index), f("worst_at", t.worst_at);
+  f("candidate_value", t.candidate_value), f("golden_value", t.golden_value), f("max_ulp", t.max_ulp);
+  f("max_ulp_index", t.max_ulp_index), f("count", t.count), f("candidate_nan", t.candidate_nan);
+  f("candidate_inf", t.candidate_inf), f("first_nonfinite_mismatch", t.first_nonfinite_mismatch);
+  f("first_nonfinite_at", t.first_nonfinite_at), f("candidate_dtype", t.candidate_dtype), f("shape", t.shape);
+  f("contract", t.contract), f("contract_error", t.contract_error), f("reason", t.reason);
+}
+
 struct CaseJudgement {
   std::string op, policy, table;
   int exit_code = 2;
