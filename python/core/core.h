@@ -170,5 +170,6 @@ void register_kcp(py::module_& m);
 void register_attnres_qb(py::module_& m);
 void register_readers(py::module_& m);
 void register_cost(py::module_& m);
+void register_check(py::module_& m);
 
 }  // namespace k3ref::python

@@ -110,4 +110,5 @@ PYBIND11_MODULE(_core, m) {
   kp::register_attnres_qb(m);
   kp::register_readers(m);
   kp::register_cost(m);
+  kp::register_check(m);
 }

@@ -19,55 +19,28 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from . import policy as _policy
-from .policy import _unravel
-
-# Axis names of each tensor by its golden name (docs/conventions.md layouts).
-_TOKEN: tuple[str, ...] = ("batch", "token", "head", "channel")
-_AXES: dict[str, tuple[str, ...]] = {
-    "beta": ("batch", "token", "head"), "dbeta": ("batch", "token", "head"),
-    "final_state": ("sequence", "head", "k", "v"), "initial_state": ("sequence", "head", "k", "v"),
-    "d_initial_state": ("sequence", "head", "k", "v"), "d_final_state": ("sequence", "head", "k", "v"),
-    "all_states": ("batch", "token", "head", "k", "v"),
-    "chunk_states": ("chunk", "head", "k", "v"), "chunk_state_gradients": ("chunk", "head", "k", "v"),
-    "L": ("batch", "token", "head", "column"), "INV": ("batch", "token", "head", "column"),
-    "M_qk": ("batch", "token", "head", "column"),
-    "fragment_transition": ("rank", "head", "k", "k'"), "fragment_state": ("rank", "head", "k", "v"),
-    "entering_state": ("rank", "head", "k", "v"), "cp_entering_states": ("rank", "head", "k", "v"),
-    "cp_entering_state_gradients": ("rank", "head", "k", "v"),
-    "h": ("layer", "token", "channel"), "alpha": ("layer", "token", "source"),
-    "block_sums": ("block", "token", "channel"),
-}
 
 
-def axis_names(tensor: str, rank: int, state_layout: str = "k_first") -> tuple[str, ...]:
-    names = _AXES.get(tensor)
-    if names is None and rank == 4:
-        names = _TOKEN
-    if names is None or len(names) != rank:
-        return tuple(f"dim{i}" for i in range(rank))
-    if state_layout == "v_first" and names[-2:] == ("k", "v"):
-        names = names[:-2] + ("v", "k")
-    return names
+def format_index(tensor: str, index: Sequence[int], state_layout: str = "k_first", op: str | None = None,
+                 cu_seqlens: Any = None) -> str:
+    """"(batch 0, token 12, head 1, channel 7)" for a per-axis index of an output of `op` (None:
+    any operator with an output of that name): the
+    axes the policy table names (k3ref.policy.describe_index, the rule `k3ref compare` prints
+    by); a varlen token as "sequence s, position p"."""
+    return _policy.describe_index(op, tensor, index, cu_seqlens, state_layout)
 
 
-def format_index(tensor: str, index: Sequence[int], state_layout: str = "k_first") -> str:
-    """"(batch 0, token 12, head 1, channel 7)" for a per-axis index of a named tensor."""
-    names = axis_names(tensor, len(index), state_layout)
-    return "(" + ", ".join(f"{n} {i}" for n, i in zip(names, index)) + ")"
-
-
-def _line(r: _policy.TensorResult, layout: str) -> str:
+def _line(r: _policy.TensorResult) -> str:
     """One failing tensor: its reason (the policy judge's), the figure and bound, the worst element."""
     line = f"{r.tensor}: {r.reason or r.status}"
     if r.status in ("missing", "unknown", "error"):
         return line
     if r.first_nonfinite_mismatch >= 0:  # the figure is over the finite pairs only: name the NaN/Inf instead
-        at = _unravel(r.first_nonfinite_mismatch, r.shape)
         return (f"{line}; {r.candidate_nan} NaN and {r.candidate_inf} Inf in the candidate, the first mismatch at "
-                f"{format_index(r.tensor, at, layout)}")
+                f"{r.first_nonfinite_at}")
     line += f" [{r.metric}: figure {r.figure:.3e}, bound {r.bound:.3e}]"
     if r.worst_index and r.max_abs > 0:
-        line += (f"; worst element at {format_index(r.tensor, r.worst_index, layout)}: candidate "
+        line += (f"; worst element at {r.worst_at}: candidate "
                  f"{r.candidate_value!r}, golden {r.golden_value!r} (abs error {r.max_abs:.3e})")
     return line
 
@@ -117,12 +90,13 @@ def assert_kda_close(actual: torch.Tensor | Mapping[str, Any] | tuple[Any, ...] 
         raise TypeError(f"assert_kda_close: actual must be a tensor or a mapping of names to tensors, not "
                         f"{type(actual).__name__}")
     case = expected_or_case
-    layout = "k_first"
+    layout, cu_seqlens = "k_first", None
     if hasattr(case, "expected") and hasattr(case, "op"):
         expected, op = case.expected, op or case.op
         known = [n for n in getattr(case, "tensors", {}) if n not in expected]
         params = getattr(case, "params", {}) or {}
         layout = params.get("state_layout", "k_first") if isinstance(params, dict) else layout
+        cu_seqlens = (getattr(case, "tensors", None) or {}).get("cu_seqlens")
     else:
         expected = {name: case} if isinstance(case, torch.Tensor) else case
         if not hasattr(expected, "keys"):
@@ -134,7 +108,8 @@ def assert_kda_close(actual: torch.Tensor | Mapping[str, Any] | tuple[Any, ...] 
         known = []
     if policy == "recommended":
         policy = _recommended_policy(case)
-    verdict = _policy.judge(expected, actual, op, policy, tensors=tensors, known=known, table=table)
+    verdict = _policy.judge(expected, actual, op, policy, tensors=tensors, known=known, table=table,
+                            cu_seqlens=cu_seqlens, state_layout=layout)
     if verdict.passed:
         return verdict
     if verdict.exit_code == _policy.EXIT_UNUSABLE and not verdict.results:
@@ -142,7 +117,7 @@ def assert_kda_close(actual: torch.Tensor | Mapping[str, Any] | tuple[Any, ...] 
     bad = [r for r in verdict.results if not r.passed]
     first = msg or (f"Tensors are not close to the golden under policy '{policy}' ({op}): "
                     f"{len(bad)} of {len(verdict.results)} tensor(s) fail")
-    lines = [first] + [_line(r, layout) for r in bad]
+    lines = [first] + [_line(r) for r in bad]
     if not bad:
         lines.append(verdict.reason)
     raise AssertionError("\n".join(lines))

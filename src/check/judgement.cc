@@ -15,7 +15,7 @@
 namespace k3ref::check {
 namespace {
 
-// printf formats shared with the Python judge's f-strings ({:.3e}, {:g}, {:.3g}).
+// printf formats of the figures in reasons ({:.3e}, {:g}, {:.3g} in Python's spelling).
 std::string fmt(const char* spec, double x) {
   char buf[64];
   std::snprintf(buf, sizeof buf, spec, x);
@@ -35,10 +35,13 @@ std::string name_list(const std::vector<std::string>& v) {
   return join(std::vector<std::string>(v.begin(), v.begin() + 8)) + ", ... (" + std::to_string(v.size()) + " in all)";
 }
 
-// Figures and verdict of one tensor under its rule (the Python judge's _apply_rule).
-void apply_rule(TensorJudgement& res, const std::vector<double>& x, const std::vector<double>& r, const TensorRule& rule) {
+// Figures and verdict of one tensor under its rule. `contract`: the contract's values of the
+// tensor (contract rules only); `floor_at_least`: the caller's lower limit on the floor.
+void apply_rule(TensorJudgement& res, const std::vector<double>& x, const std::vector<double>& r, const TensorRule& rule,
+                const std::vector<double>* contract, double floor_at_least) {
   const num::Format format = rule.floor_format.value_or(num::Format::fp64);
-  const Metrics m = compare(x, r, format);
+  Metrics m = compare(x, r, format);
+  m.floor_rel_rms = std::max(m.floor_rel_rms, floor_at_least);
   res.count = m.count;
   res.candidate_nan = m.candidate_nan;
   res.candidate_inf = m.candidate_inf;
@@ -101,6 +104,19 @@ void apply_rule(TensorJudgement& res, const std::vector<double>& x, const std::v
             " " + dtype + " ulps of max(1, max |golden|) = " + e3(scale) + ")";
       break;
     }
+    case RuleMetric::contract: {
+      res.contract = rule.contract;
+      res.contract_error = compare(*contract, r, format).rel_rms;
+      const double scale = std::max(m.floor_rel_rms, res.contract_error);
+      res.figure = m.rel_rms;
+      res.bound = rule.multiple * scale;
+      res.ratio = scale > 0 ? m.rel_rms / scale : (m.rel_rms == 0 ? 0.0 : INFINITY);
+      ok = m.rel_rms <= res.bound;
+      why = "rel RMS " + e3(m.rel_rms) + (ok ? " <= " : " > ") + fmt("%g", rule.multiple) + " x max(" + dtype +
+            " floor " + e3(m.floor_rel_rms) + ", contract " + rule.contract + " " + e3(res.contract_error) + ") (" +
+            fmt("%.3g", res.ratio) + "x)";
+      break;
+    }
   }
   if (m.first_nonfinite_mismatch >= 0) {
     ok = false;
@@ -146,6 +162,32 @@ std::string xml_escape(const std::string& s) {
 }
 
 }  // namespace
+
+std::string describe_index(const std::vector<std::string>& axes, const std::vector<std::int64_t>& index,
+                           const std::vector<std::int64_t>& cu_seqlens, bool v_first) {
+  std::vector<std::string> names = axes;
+  if (names.size() != index.size()) {
+    names.clear();
+    for (std::size_t d = 0; d < index.size(); ++d) names.push_back("dim" + std::to_string(d));
+  }
+  const std::size_t n = names.size();
+  if (v_first && n >= 2 && names[n - 2] == "k" && names[n - 1] == "v") std::swap(names[n - 2], names[n - 1]);
+  std::string s = "(";
+  for (std::size_t d = 0; d < n; ++d) {
+    if (d) s += ", ";
+    // A packed varlen batch: the token axis of batch 0 runs over every sequence in turn.
+    if (names[d] == "token" && cu_seqlens.size() >= 2) {
+      const auto next = std::upper_bound(cu_seqlens.begin(), cu_seqlens.end(), index[d]);
+      if (next != cu_seqlens.begin() && next != cu_seqlens.end()) {
+        const std::int64_t seq = next - cu_seqlens.begin() - 1;
+        s += "sequence " + std::to_string(seq) + ", position " + std::to_string(index[d] - cu_seqlens[seq]);
+        continue;
+      }
+    }
+    s += names[d] + " " + std::to_string(index[d]);
+  }
+  return s + ")";
+}
 
 const char* CaseJudgement::verdict() const {
   return exit_code == 0 ? "pass" : exit_code == 1 ? "fail" : "unusable";
@@ -254,8 +296,33 @@ CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& q) {
                    std::to_string(bad - ref.values.begin()) + "): no verdict can be vouched for against it";
       note_unusable(name + ": " + res.reason);
     } else {
-      apply_rule(res, cand.values, ref.values, rule);
-      if (res.max_abs_index >= 0) res.worst_index = unravel(res.max_abs_index, res.shape);
+      std::optional<NamedValues> contract;
+      if (rule.metric == RuleMetric::contract) {
+        if (q.contract_values) contract = q.contract_values(rule.contract, name);
+        const char* why = !contract ? "is not available here (it is evaluated on the golden's inputs by the caller)"
+                          : contract->shape != ref.shape ? "has another shape than the golden's"
+                          : std::all_of(contract->values.begin(), contract->values.end(),
+                                        [](double v) { return std::isfinite(v); })
+                              ? nullptr
+                              : "is not finite on these inputs: no bound to judge by";
+        if (why) {
+          res.status = "error";
+          res.reason = "the tensor of contract " + rule.contract + " " + why;
+          note_unusable(name + ": " + res.reason);
+          j.tensors.push_back(std::move(res));
+          continue;
+        }
+      }
+      const auto at_least = q.floor_at_least.find(name);
+      apply_rule(res, cand.values, ref.values, rule, contract ? &contract->values : nullptr,
+                 at_least == q.floor_at_least.end() ? 0.0 : at_least->second);
+      if (res.max_abs_index >= 0) {
+        res.worst_index = unravel(res.max_abs_index, res.shape);
+        res.worst_at = describe_index(out.axes, res.worst_index, q.cu_seqlens, q.v_first);
+      }
+      if (res.first_nonfinite_mismatch >= 0)
+        res.first_nonfinite_at = describe_index(out.axes, unravel(res.first_nonfinite_mismatch, res.shape),
+                                                q.cu_seqlens, q.v_first);
       ++judged;
       if (!res.passed) note_fail(name + ": " + res.reason);
     }
@@ -290,33 +357,12 @@ std::string judgement_json(const CaseJudgement& j, const std::string& golden, co
   out["tensors"] = nlohmann::ordered_json::array();
   for (const auto& t : j.tensors) {
     nlohmann::ordered_json e;
-    e["tensor"] = t.tensor;
-    e["role"] = t.role;
-    e["required"] = t.required;
-    e["status"] = t.status;
-    e["passed"] = t.passed;
-    e["metric"] = t.metric;
-    e["floor_dtype"] = t.floor_dtype;
-    e["rule"] = t.rule;
-    e["figure"] = number(t.figure);
-    e["bound"] = number(t.bound);
-    e["floor"] = number(t.floor);
-    e["ratio"] = number(t.ratio);
-    e["rel_rms"] = number(t.rel_rms);
-    e["max_abs"] = number(t.max_abs);
-    e["max_abs_index"] = t.max_abs_index;
-    e["worst_index"] = t.worst_index;
-    e["candidate_value"] = number(t.candidate_value);
-    e["golden_value"] = number(t.golden_value);
-    e["max_ulp"] = number(t.max_ulp);
-    e["max_ulp_index"] = t.max_ulp_index;
-    e["count"] = t.count;
-    e["candidate_nan"] = t.candidate_nan;
-    e["candidate_inf"] = t.candidate_inf;
-    e["first_nonfinite_mismatch"] = t.first_nonfinite_mismatch;
-    e["candidate_dtype"] = t.candidate_dtype;
-    e["shape"] = t.shape;
-    e["reason"] = t.reason;
+    for_each_field(t, [&](const char* name, const auto& value) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(value)>, double>)
+        e[name] = number(value);
+      else
+        e[name] = value;
+    });
     out["tensors"].push_back(std::move(e));
   }
   // Invalid UTF-8 in a name (the safetensors reader refuses it, a caller may not) is replaced.

@@ -9,17 +9,41 @@
 
 namespace k3ref::check {
 
+namespace {
+
+// Spacing of the format at |x|: 2^(exponent - mantissa_bits), clamped to the subnormal spacing.
+double spacing_at(const num::FormatInfo& info, double x) {
+  const double mag = std::fabs(x);
+  if (mag < info.min_normal) return info.min_subnormal;
+  int exponent = 0;
+  std::frexp(mag, &exponent);  // mag = f * 2^exponent, f in [0.5, 1)
+  return std::ldexp(1.0, exponent - 1 - info.mantissa_bits);
+}
+
+}  // namespace
+
 double ulp_distance(num::Format format, double x, double ref) {
+  return std::fabs(x - ref) / spacing_at(num::format_info(format), ref);
+}
+
+double nominal_floor(const std::vector<double>& values, num::Format format) {
   const auto info = num::format_info(format);
-  const double mag = std::fabs(ref);
-  // Spacing of the format at |ref|: 2^(exponent - mantissa_bits), clamped to the subnormal spacing.
-  double spacing = info.min_subnormal;
-  if (mag >= info.min_normal) {
-    int exponent = 0;
-    std::frexp(mag, &exponent);  // mag = f * 2^exponent, f in [0.5, 1)
-    spacing = std::ldexp(1.0, exponent - 1 - info.mantissa_bits);
+  double largest = 0;
+  std::int64_t n = 0;
+  for (double x : values)
+    if (std::isfinite(x)) largest = std::max(largest, std::fabs(x)), ++n;
+  if (n == 0) return 0;
+  // Scaled sums (as in compare): squares of the values and of their spacings neither
+  // overflow nor vanish; the ratio is unchanged by the common power of two.
+  const PowerOfTwoScale scale = PowerOfTwoScale::of(largest);
+  double sq = 0, spacing_sq = 0;
+  for (double x : values) {
+    if (!std::isfinite(x)) continue;
+    const double v = scale(x), s = scale(spacing_at(info, x));
+    sq += v * v;
+    spacing_sq += s * s;
   }
-  return std::fabs(x - ref) / spacing;
+  return sq > 0 ? std::sqrt(spacing_sq / 12.0 / sq) : 0;
 }
 
 PowerOfTwoScale PowerOfTwoScale::of(double largest) {

@@ -754,8 +754,7 @@ void print_judgement(const CompareArgs& a, const check::CaseJudgement& j, const 
                   "-", "-", "-", status.c_str(), io::printable(t.reason).c_str());
     }
     if (t.status == "fail" && t.max_abs_index >= 0)
-      std::printf("%-28s worst element %s (flat %lld): candidate %.9g, golden %.17g\n", "",
-                  shape_to_string(Shape(t.worst_index.begin(), t.worst_index.end())).c_str(),
+      std::printf("%-28s worst element %s (flat %lld): candidate %.9g, golden %.17g\n", "", t.worst_at.c_str(),
                   static_cast<long long>(t.max_abs_index), t.candidate_value, t.golden_value);
     if (a.window > 0 && t.shape.size() >= 2 && (t.status == "pass" || t.status == "fail")) {
       const Tensor<double> x = io::to_f64(*cand.find(t.tensor), a.candidate);
@@ -836,6 +835,11 @@ int compare_command(const CompareArgs& a) {
     for (const auto& [name, t] : cand.tensors) q.candidate_names.push_back(name);
     q.candidate = [&](const std::string& name) { return named_values(*candidate_tensors.at(name), a.candidate); };
     if (!a.tensors.empty()) q.tensors = a.tensors;
+    // For naming the worst element's axes: a varlen golden's token is (sequence, position).
+    if (auto it = golden_tensors.find("cu_seqlens"); it != golden_tensors.end())
+      for (double v : named_values(*it->second, a.golden).values) q.cu_seqlens.push_back(static_cast<std::int64_t>(v));
+    if (const std::string* params = meta("k3ref.params"))
+      q.v_first = params->find("\"state_layout\":\"v_first\"") != std::string::npos;
     const check::CaseJudgement j = check::judge_case(table, q);
     write_reports(a, j, case_name);
     if (j.exit_code == exit_unusable) {

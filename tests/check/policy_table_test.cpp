@@ -1,6 +1,6 @@
 // Tests of the policy table (policy/policies.json) and of the fail-closed judgement, on
 // hand-derived inputs; the committed goldens are checked to be covered by the table. The
-// same verdicts from the Python judge on real files: policy_parity_test.py.
+// Python package judges through this code (k3ref._core), so it needs no parity test.
 #include "test_support.h"
 
 #include <cmath>
@@ -263,6 +263,63 @@ TEST(Judgement, FloorComesFromTheTableNotTheCandidatesDtype) {
   // o rounded to bf16 is exactly at the floor: ratio 1.
   EXPECT_EQ(c.at(j, "o").ratio, 1.0);
   EXPECT_EQ(c.at(j, "o").worst_index, (std::vector<std::int64_t>{0, 0, 0, 0}));
+}
+
+// A contract rule: rel RMS <= m x max(floor, contract error). With the contract 2^-6 off in
+// the first element of o (8 bf16 floors), fla-chunk-contract's m = 2 bounds the error at
+// 2^-5 / ||golden||: a candidate 2^-5 off is exactly at the bound (ratio 2), 2^-4 off fails
+// (ratio 4). Every figure is a power of two times the same square root, so `==` holds.
+TEST(Judgement, ContractRuleBoundsByTheContractsOwnError) {
+  for (const auto& [off, passes] : {std::pair{std::ldexp(1.0, -5), true}, {std::ldexp(1.0, -4), false}}) {
+    Case c = recurrent_case("fla-chunk-contract");
+    c.q.tensors = std::vector<std::string>{"o"};
+    c.q.contract_values = [](const std::string& contract, const std::string& tensor) -> std::optional<NamedValues> {
+      if (contract != "fla_chunk" || tensor != "o") return std::nullopt;
+      return values({1, 1, 1, 2}, {a + std::ldexp(1.0, -6), 1});
+    };
+    c.candidate = {{"o", values({1, 1, 1, 2}, {a + off, 1})}};
+    const CaseJudgement j = c.judge();
+    EXPECT_EQ(j.exit_code, passes ? 0 : 1) << j.reason;
+    const TensorJudgement& o = c.at(j, "o");
+    EXPECT_EQ(o.metric, "contract");
+    EXPECT_EQ(o.contract, "fla_chunk");
+    EXPECT_EQ(o.contract_error, std::sqrt(std::ldexp(1.0, -12) / (a * a + 1.0)));
+    EXPECT_EQ(o.floor, bf16_floor);
+    EXPECT_EQ(o.bound, 2 * o.contract_error);
+    EXPECT_EQ(o.ratio, off / std::ldexp(1.0, -6));
+  }
+  // Without the contract's values, or with a non-finite contract, no verdict: unusable.
+  Case none = recurrent_case("fla-chunk-contract");
+  none.q.tensors = std::vector<std::string>{"o"};
+  none.candidate = {{"o", values({1, 1, 1, 2}, {a, 1})}};
+  CaseJudgement j = none.judge();
+  EXPECT_EQ(j.exit_code, 2);
+  EXPECT_NE(j.reason.find("the tensor of contract fla_chunk is not available here"), std::string::npos) << j.reason;
+  none.q.contract_values = [](const std::string&, const std::string&) -> std::optional<NamedValues> {
+    return values({1, 1, 1, 2}, {std::numeric_limits<double>::infinity(), 1});
+  };
+  j = none.judge();
+  EXPECT_EQ(j.exit_code, 2);
+  EXPECT_NE(j.reason.find("is not finite on these inputs"), std::string::npos) << j.reason;
+}
+
+// The one axis-naming rule: the table's axes; a varlen token as (sequence, position) from
+// cu_seqlens (kda_varlen's: token 40 lies in [18, 50), sequence 3, position 22; token 1 in
+// [1, 18): the empty sequence 1 is skipped); a v_first state's last two axes swapped.
+TEST(Judgement, IndicesAreNamedByTheTablesAxes) {
+  const auto& o_axes = PolicyTable::builtin().find_operator("kda.recurrent")->find("o")->axes;
+  const auto& state_axes = PolicyTable::builtin().find_operator("kda.recurrent")->find("final_state")->axes;
+  EXPECT_EQ(describe_index(o_axes, {0, 40, 1, 5}), "(batch 0, token 40, head 1, channel 5)");
+  const std::vector<std::int64_t> cu{0, 1, 1, 18, 50, 50, 83};
+  EXPECT_EQ(describe_index(o_axes, {0, 40, 1, 5}, cu), "(batch 0, sequence 3, position 22, head 1, channel 5)");
+  EXPECT_EQ(describe_index(o_axes, {0, 1, 0, 0}, cu), "(batch 0, sequence 2, position 0, head 0, channel 0)");
+  EXPECT_EQ(describe_index(state_axes, {1, 0, 2, 3}), "(sequence 1, head 0, k 2, v 3)");
+  EXPECT_EQ(describe_index(state_axes, {1, 0, 2, 3}, {}, true), "(sequence 1, head 0, v 2, k 3)");
+  EXPECT_EQ(describe_index(o_axes, {1, 2}), "(dim0 1, dim1 2)");  // the table's axes do not fit
+  // The judgement carries the named index of the worst element.
+  Case c = recurrent_case("floor:2");
+  c.candidate = {{"o", values({1, 1, 1, 2}, {a, 2})}, {"final_state", values({1, 1, 1, 2}, {a, 1})}};
+  EXPECT_EQ(c.at(c.judge(), "o").worst_at, "(batch 0, token 0, head 0, channel 1)");
 }
 
 TEST(Judgement, MissingRequiredOutputFails) {

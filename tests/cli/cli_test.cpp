@@ -92,7 +92,17 @@ TEST(Cli, CompareExitCodes) {
   const fs::path off = candidate("kda_b2_t37", DType::BF16, 1.01);
   const CommandResult fail = k3ref("compare --golden " + g.string() + " --candidate " + off.string() + " --policy floor:2");
   EXPECT_EQ(fail.code, 1) << fail.out;
-  EXPECT_NE(fail.out.find("worst element"), std::string::npos) << fail.out;
+  // The worst element by the axes the policy table names (check::describe_index), as
+  // Python's messages name it.
+  EXPECT_NE(fail.out.find("worst element (batch "), std::string::npos) << fail.out;
+  EXPECT_NE(fail.out.find(", token "), std::string::npos) << fail.out;
+  // A varlen golden's packed token is (sequence, position) from its cu_seqlens.
+  const fs::path vg = golden("kda_varlen");
+  const fs::path voff = candidate("kda_varlen", DType::BF16, 1.02);  // (a file of its own: names carry the factor)
+  const CommandResult vfail = k3ref("compare --golden " + vg.string() + " --candidate " + voff.string() + " --policy floor:2");
+  EXPECT_EQ(vfail.code, 1) << vfail.out;
+  EXPECT_NE(vfail.out.find("worst element (batch 0, sequence "), std::string::npos) << vfail.out;
+  EXPECT_NE(vfail.out.find(", position "), std::string::npos) << vfail.out;
   EXPECT_EQ(k3ref("compare --golden " + g.string() + " --candidate " + off.string() + " --policy exact").code, 1);
   // Unknown policy and missing tensors are unusable input.
   EXPECT_EQ(k3ref("compare --golden " + g.string() + " --candidate " + g.string() + " --policy nearly").code, 2);

@@ -25,17 +25,8 @@ CASES = goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent",))
 
 # --------------------------------------------------------------------------- metrics
 
-def test_round_to_bf16_matches_torch_and_floor_of_exact_values_is_zero():
+def test_floor_of_exact_values_is_zero():
     x = torch.randn(10000, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    # Round-to-nearest-even to 8 significant bits done on the bits of the double: add
-    # 2^44 - 1 plus the kept lsb (bit 45) and clear the 45 dropped bits (normal range, no
-    # overflow at these magnitudes). Not x.to(bfloat16): torch 1.13 on the CPU goes
-    # through fp32, a double rounding that differs on ties of the second step.
-    bits = x.view(torch.int64)
-    lsb = (bits >> 45) & 1
-    rne = ((bits + (1 << 44) - 1 + lsb) & ~((1 << 45) - 1)).view(torch.float64)
-    assert torch.equal(metrics.round_to(x, torch.bfloat16), rne)
-    assert torch.equal(rne.to(torch.bfloat16).double(), rne)  # rne values are bf16 numbers
     exact = x.to(torch.bfloat16)
     m = metrics.compare(exact, exact.double(), torch.bfloat16)
     assert m.floor_rel_rms == 0.0
@@ -47,36 +38,27 @@ def test_ulps_and_indices():
     # off by 2^-5 is two ulps. The largest absolute error is at index 2.
     ref = torch.tensor([1.0, 1.0, 3.0], dtype=torch.float64)
     cand = torch.tensor([1.0, 1.0 + 2**-7, 3.0 + 2**-5], dtype=torch.float64)
-    m = metrics.compare(cand, ref, torch.bfloat16, atol=2**-6)
+    m = metrics.compare(cand, ref, torch.bfloat16)
     assert m.max_ulp == 2.0
     assert m.max_ulp_index == 2
     assert m.max_abs_index == 2
-    assert m.first_offending == 2
     # rel RMS = sqrt((2^-14 + 2^-10) / 11)
     # was assertAlmostEqual(places=15): measured exactly equal (2026-12-01)
     assert m.rel_rms == math.sqrt((2**-14 + 2**-10) / 11)
 
 
 def test_nonfinite_mismatch_fails_every_policy():
-    ref = torch.ones(5, dtype=torch.float64)
+    from k3ref import policy
+
+    ref = torch.ones(1, 5, 1, 1, dtype=torch.float64)
     cand = ref.clone()
-    cand[3] = float("nan")
+    cand.view(-1)[3] = float("nan")
     m = metrics.compare(cand, ref, torch.float32)
     assert m.first_nonfinite_mismatch == 3
     assert m.candidate_nan == 1
     for p in ("exact", "floor:1000", "rel-rms:1"):
-        assert not metrics.judge(m, metrics.parse_policy(p))[0], p
-
-
-def test_policies():
-    assert metrics.parse_policy("chunk").bound == 4.0
-    assert metrics.parse_policy("floor:2.5").kind == "floor"
-
-
-@pytest.mark.parametrize("bad", ["floor:-1", "floor:x", "nope"])
-def test_bad_policies_are_refused(bad):
-    with pytest.raises(ValueError):
-        metrics.parse_policy(bad)
+        v = policy.judge({"o": ref}, {"o": cand}, "kda.recurrent", p)
+        assert v.exit_code == 1 and "NaN/Inf" in v["o"].reason, p
 
 
 def test_windows():
@@ -242,7 +224,7 @@ def test_reports(tmp_path, gpu_check_here):
     order = [html.index(x) for x in ("<h1 class='fail'>FAIL</h1>", "kernels x checks",
                                     "failures and known limitations", "worst element of o: index")]
     assert order == sorted(order)
-    assert '{&quot;batch&quot;: 0, &quot;token&quot;: ' in html
+    assert "index (batch 0, token " in html  # the axes the policy table names
     assert '"summary"' not in html  # the raw JSON is its own file
     plots = list((out / "plots").glob("*.png"))
     assert len(plots) == 1  # the golden failure has a plot; causality has no windows

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import k3ref
-from k3ref import _safetensors
+from k3ref import _safetensors, policy
 from k3ref.gpu_check import contracts
 
 from conftest import needs_core, vocabulary_names
@@ -99,21 +99,27 @@ def test_one_line_errors():
         contracts.contract_outputs("fla_chunk", x32, {})
 
 
-def test_contract_bounds_verdict():
+def test_contract_rule_verdict():
     x = problem(7, 50)
     params = dict(qk_l2norm=True, beta="sigmoid")
     con = contracts.contract_outputs("fla_chunk", x, params)
-    b = contracts.contract_bounds("fla_chunk", x, params, candidate=con)
+    ref = dict(zip(("o", "final_state"), contracts.reference_outputs(x, params)))
+
+    def judged(o, final):
+        return contracts.judge("fla_chunk", x, params, {"o": o, "final_state": final}, ref)
+
+    v = judged(*con)
+    assert contracts.multiple("fla_chunk") == 2.0  # the policy table's fla-chunk-contract rule
     for name in ("o", "final_state"):
-        assert b[name].passed and b[name].error == b[name].contract_error
-        assert b[name].bound == 2.0 * max(b[name].floor, b[name].contract_error)
-        assert b[name].ratio <= 1.0  # measured exactly 1.0 on this problem (2026-12-01): the bound is met, not exceeded
-    bad = (con[0] * (1 + 3 * b["o"].bound), con[1])
-    assert not contracts.contract_bounds("fla_chunk", x, params, candidate=bad)["o"].passed
-    nan = (con[0].clone(), con[1])
-    nan[0].view(-1)[0] = math.nan
-    v = contracts.contract_bounds("fla_chunk", x, params, candidate=nan)["o"]
-    assert v.passed is False and v.error == math.inf
+        r = v[name]
+        assert r.passed and r.metric == "contract" and r.rel_rms == r.contract_error
+        assert r.bound == 2.0 * max(r.floor, r.contract_error)
+        assert r.ratio <= 1.0  # measured exactly 1.0 on this problem (2026-12-01): the bound is met, not exceeded
+    assert not judged(con[0] * (1 + 3 * v["o"].bound), con[1])["o"].passed
+    nan = con[0].clone()
+    nan.view(-1)[0] = math.nan
+    r = judged(nan, con[1])["o"]
+    assert not r.passed and "NaN/Inf" in r.reason
 
 
 def test_agreement_uses_the_contracts_own_difference():
@@ -154,7 +160,8 @@ def test_golden_verdicts_use_the_adapters_contract(contract):
     assert res.status == "pass", res.reason
     # was <= 1 + 1e-9: measured exactly 1.0 for both contracts (2026-12-01): the kernel is the contract
     assert res.ratio <= 1.0 and "contract " + contract in res.reason
-    assert set(res.extra["contract"]) == {"o", "final_state"}
+    assert {r["tensor"]: r["metric"] for r in res.extra["verdict"]["tensors"]} == {"o": "contract",
+                                                                                  "final_state": "contract"}
     bad = checks.golden_check(_ContractKernel(contract, scale_error=0.05), case, "cpu")
     # was > 2: measured least 11.08 (flashkda; fla_chunk 19.23) over the 2 cases (2026-12-01); bound 4x (3.96x)
     assert bad.status == "fail" and bad.ratio > 2.8, bad.reason
@@ -189,8 +196,10 @@ def test_a_contract_that_overflows_gives_no_bound():
     # the contract is not finite there, and the harness gets an error, not a verdict.
     x = problem(2, 20, K=16, V=8)
     x["g"] = torch.full_like(x["g"], -8.0)
-    with pytest.raises(ValueError, match=r"contract 'flashkda' is not finite on these inputs \(o: "):
-        contracts.contract_bounds("flashkda", x, dict(qk_l2norm=True, beta="sigmoid"))
+    params = dict(qk_l2norm=True, beta="sigmoid")
+    ref = dict(zip(("o", "final_state"), contracts.reference_outputs(x, params)))
+    with pytest.raises(ValueError, match=r"contract 'flashkda': o: the tensor of contract flashkda is not finite on these"):
+        contracts.judge("flashkda", x, params, {"o": ref["o"], "final_state": ref["final_state"]}, ref)
 
 
 def test_fla_chunk_contract_reproduces_the_kernel():
@@ -229,7 +238,7 @@ def test_flashkda_beta_is_its_tanh_approx_sigmoid():
     assert torch.equal(final.float(), t["final_state_kernel"]), f"rel RMS {rel(final, t['final_state_kernel'].double()):.3e}"
     exact = k3ref.kda_contract(inputs, "flashkda", gate="lower_bound", lower_bound=-1.0, beta="sigmoid", l2norm=True,
                                threads=1)["o"]
-    floor = contracts._bf16_floor(t["o_reference"])
+    floor = policy.measure(t["o_reference"], t["o_reference"], "bf16")["floor_rel_rms"]
     ratio = rel(t["o_kernel"].double(), t["o_reference"]) / max(rel(exact, t["o_reference"]), floor)
     # the gap the table closes: measured 2.038 (2026-12-01, fixed kernel data); a window around a measured
     # value, not an error bound

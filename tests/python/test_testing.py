@@ -35,7 +35,10 @@ def test_a_wrong_element_is_named_by_its_axes(case):
     assert lines[0] == ("Tensors are not close to the golden under policy 'recurrent' (kda.recurrent): "
                         "1 of 2 tensor(s) fail")
     assert len(lines) == 2 and lines[1].startswith("o: ")
-    assert "worst element at (batch 0, token 40, head 1, channel 5)" in lines[1]
+    # kda_varlen packs its sequences along the token axis (cu_seqlens 0, 1, 1, 18, 50, 50, 83):
+    # token 40 is position 40 - 18 = 22 of sequence 3.
+    assert list(case.tensors["cu_seqlens"]) == [0, 1, 1, 18, 50, 50, 83]
+    assert "worst element at (batch 0, sequence 3, position 22, head 1, channel 5)" in lines[1]
     figure, bound = (float(x) for x in re.search(r"figure (\S+), bound (\S+)\]", lines[1]).groups())
     assert figure > bound > 0
     want = float(case.expected["o"][0, 40, 1, 5])

@@ -1,7 +1,6 @@
 // The verdict on one golden case: every golden output judged under its own rule of the
 // policy table (policy_table.h), failing closed. The same rules, in the same order, as the
-// Python judge (python/k3ref/policy.py, `judge`); on the same files both give the same
-// verdict and the same figures (tests/check/policy_parity_test.py).
+// Python package's judge (k3ref.policy, bound through k3ref._core: one judge for both).
 //
 //   exit 2 (unusable): the operator or policy is not in the table, the policy has no
 //          rules for the operator, a golden output is not in the table, a requested
@@ -16,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,7 +39,24 @@ struct JudgeRequest {
   std::vector<std::string> candidate_names;                   // every tensor of the candidate
   std::function<NamedValues(const std::string&)> candidate;   // values of one of candidate_names
   std::optional<std::vector<std::string>> tensors;            // judge only these (each then required)
+  // The values of a precision contract's tensor on the golden's inputs, for rules of metric
+  // contract (nullopt: not available, and such a rule is unusable). The caller evaluates the
+  // contract (k3ref._core.kda_contract); the judge only measures and bounds.
+  std::function<std::optional<NamedValues>(const std::string& contract, const std::string& tensor)> contract_values;
+  // A floor below which a tensor's floor is not taken (floor and contract rules), by tensor:
+  // on the few elements of a shrunk case the measured floor can be near zero by chance.
+  std::map<std::string, double> floor_at_least;
+  // For naming indices (describe_index): the golden's cu_seqlens (empty: not varlen) and
+  // whether its states are stored [.., V, K] (v_first) rather than [.., K, V].
+  std::vector<std::int64_t> cu_seqlens;
+  bool v_first = false;
 };
+
+// The one axis-naming rule of every report: "(batch 0, token 76, head 0, channel 28)" from
+// an output's axes in the policy table (unnamed axes "dim<i>"; a state's last two swapped
+// when v_first); with cu_seqlens, a packed token axis reads "sequence 1, position 12".
+std::string describe_index(const std::vector<std::string>& axes, const std::vector<std::int64_t>& index,
+                           const std::vector<std::int64_t>& cu_seqlens = {}, bool v_first = false);
 
 struct TensorJudgement {
   std::string tensor, role;      // role "" for a tensor unknown to the golden
@@ -54,8 +71,26 @@ struct TensorJudgement {
   std::int64_t max_ulp_index = -1, count = 0, candidate_nan = 0, candidate_inf = 0, first_nonfinite_mismatch = -1;
   std::string candidate_dtype;
   Shape shape;
+  std::string contract;           // contract rules: the contract's name and its own rel RMS
+  double contract_error = 0;
+  std::string worst_at, first_nonfinite_at;  // describe_index of max_abs_index / first_nonfinite_mismatch
   std::string reason;
 };
+
+// Calls f(name, value) for every field of a TensorJudgement, in report order: the one list
+// of fields of the JSON report and of the Python package's TensorResult.
+template <class F>
+void for_each_field(const TensorJudgement& t, F&& f) {
+  f("tensor", t.tensor), f("role", t.role), f("required", t.required), f("status", t.status), f("passed", t.passed);
+  f("metric", t.metric), f("floor_dtype", t.floor_dtype), f("rule", t.rule), f("figure", t.figure);
+  f("bound", t.bound), f("floor", t.floor), f("ratio", t.ratio), f("rel_rms", t.rel_rms), f("max_abs", t.max_abs);
+  f("max_abs_index", t.max_abs_index), f("worst_index", t.worst_index), f("worst_at", t.worst_at);
+  f("candidate_value", t.candidate_value), f("golden_value", t.golden_value), f("max_ulp", t.max_ulp);
+  f("max_ulp_index", t.max_ulp_index), f("count", t.count), f("candidate_nan", t.candidate_nan);
+  f("candidate_inf", t.candidate_inf), f("first_nonfinite_mismatch", t.first_nonfinite_mismatch);
+  f("first_nonfinite_at", t.first_nonfinite_at), f("candidate_dtype", t.candidate_dtype), f("shape", t.shape);
+  f("contract", t.contract), f("contract_error", t.contract_error), f("reason", t.reason);
+}
 
 struct CaseJudgement {
   std::string op, policy, table;

@@ -30,7 +30,7 @@ struct Metrics {
 
 // Multiplication by 2^-e, e the exponent of `largest` (so every value up to it lands in
 // [0, 1)), as two exact power-of-two factors applied in turn; the identity for 0 or a
-// non-finite `largest`. The Python judge (k3ref.policy) scales with the same two factors.
+// non-finite `largest`. 
 struct PowerOfTwoScale {
   double first = 1, second = 1;
   static PowerOfTwoScale of(double largest);
@@ -40,6 +40,12 @@ struct PowerOfTwoScale {
 // Distance |x - ref| in ulps of `format` at ref: the spacing of the format around |ref|
 // (subnormal spacing below the normal range).
 double ulp_distance(num::Format format, double x, double ref);
+
+// Expected rel RMS of rounding values of these magnitudes to `format`:
+// sqrt(mean(ulp^2 / 12)) / rms over the finite values (a rounding error uniform over one ulp
+// has variance ulp^2 / 12). The floor for two runs of a kernel compared with each other
+// (the metamorphic checks), where no exact value exists; 0 when there is no finite value.
+double nominal_floor(const std::vector<double>& values, num::Format format);
 
 // Compares elementwise; `format` is the format whose rounding of the reference is the floor
 // (and whose ulps max_ulp counts): the contract dtype the policy table gives, not the storage dtype.

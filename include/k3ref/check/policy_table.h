@@ -7,6 +7,9 @@
 //   the parametric policies "exact", "floor:<m>", "rel-rms:<r>" apply to every output of
 //   every operator at its table dtype (integer tensors: exact).
 //
+// The table also names each output's axes ("axes": ["batch", "token", "head", "channel"]),
+// from which every report (the command's, the Python package's) names an element's index.
+//
 // A table is checked completely when it is parsed (every policy resolves a rule for every
 // output of every operator it names), so a malformed table fails at load time, naming the
 // entry, never in the middle of a verdict.
@@ -29,10 +32,12 @@ inline constexpr int policy_table_version = 1;
 inline constexpr std::uint64_t max_table_bytes = std::uint64_t{4} << 20;
 
 enum class TensorRole { output, gradient, stage };  // stage tensors are optional in a candidate
-enum class RuleMetric { exact, floor_multiple, rel_rms, max_abs_ulps };
+// contract: a kernel's precision contract (kda/kernel_contracts.h) evaluated on the golden's
+// inputs bounds its error: rel RMS <= multiple x max(floor, the contract's own rel RMS).
+enum class RuleMetric { exact, floor_multiple, rel_rms, max_abs_ulps, contract };
 
 const char* role_name(TensorRole r);
-const char* metric_name(RuleMetric m);  // "exact", "floor", "rel-rms", "max-abs-ulps"
+const char* metric_name(RuleMetric m);  // "exact", "floor", "rel-rms", "max-abs-ulps", "contract"
 // "fp64", "fp32", "bf16", "fp16"; nullopt for anything else.
 std::optional<num::Format> floor_format_from_string(const std::string& name);
 const char* floor_format_name(std::optional<num::Format> f);  // nullopt: "int"
@@ -40,9 +45,10 @@ const char* floor_format_name(std::optional<num::Format> f);  // nullopt: "int"
 struct TensorRule {
   RuleMetric metric = RuleMetric::exact;
   std::optional<num::Format> floor_format;  // nullopt: an integer tensor (exact only)
-  double multiple = 0;                      // floor: bound = multiple x floor
+  double multiple = 0;                      // floor: bound = multiple x floor; contract: see RuleMetric
   double bound = 0;                         // rel-rms: bound on the relative RMS error
   double ulps = 0;                          // max-abs-ulps: ulps x ulp(floor dtype at 1) x max(1, max|golden|)
+  std::string contract;                     // contract: the contract's name ("fla_chunk")
   std::string source;                       // "policies.chunk.kda.backward.dq", or "floor:2"
 };
 
@@ -50,6 +56,7 @@ struct OutputSpec {
   std::string name;
   TensorRole role = TensorRole::output;
   std::optional<num::Format> dtype;  // the contract dtype; nullopt: integer
+  std::vector<std::string> axes;     // one name per axis, in the k_first state layout; empty: unnamed
 };
 
 struct OperatorSpec {

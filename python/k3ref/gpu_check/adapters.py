@@ -68,8 +68,7 @@ class KdaAdapter(Adapter):
     device_sync = False  # synchronise after each run (set for CUDA devices)
     # The kernel's precision contract (k3ref.gpu_check.contracts, docs/contracts.md): when set,
     # golden, split and prop verdicts are err <= m x max(bf16 floor, contract error).
-    contract_name = None
-    contract_multiple = None  # None: contracts.MULTIPLES[contract_name]
+    contract_name = None  # its multiple: the rule of the policy table's contracts.policy_of(contract_name)
 
     def unsupported(self, params, shapes):
         """None, or why (params, shapes) is outside the kernel: by default its `domain`."""

@@ -22,32 +22,26 @@ from pathlib import Path
 
 import torch
 
-from .. import goldens
+from .. import goldens, policy
 from .adapters import FlaAdapter, _add_path
 
-THRESHOLDS = {"dq": 0.008, "dk": 0.008, "dv": 0.008, "d_initial_state": 0.008,
-              "dg": 0.02, "dbeta": 0.02, "dA_log": 0.02, "ddt_bias": 0.02}
+# The gradients judged, each under the rule of the policy table's "chunk" policy for
+# kda.backward (FLA's own test thresholds, with their reason in policy/policies.json).
+GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state", "dA_log", "ddt_bias")
+POLICY = "chunk"
 INPUT_OF = {"dq": "q", "dk": "k", "dv": "v", "dg": "g", "dbeta": "beta", "d_initial_state": "initial_state",
             "dA_log": "A_log", "ddt_bias": "dt_bias"}
 
 
-def rel_rms(x, ref):
-    x, ref = x.double(), ref.double()
-    denom = ref.pow(2).sum().sqrt()
-    diff = (x - ref).pow(2).sum().sqrt()
-    return float(diff / denom) if denom > 0 else float(x.abs().max()) if x.numel() else 0.0
-
-
-def score(name, got, want):
-    """FLA's err_ratio, the bf16 floor of the golden, their ratio, pass/fail."""
-    got = got.detach().reshape(want.shape).double().cpu()
-    err = rel_rms(got, want)
-    floor = rel_rms(want.to(torch.bfloat16), want)
-    finite = bool(torch.isfinite(got).all())
-    threshold = THRESHOLDS[name]
-    return {"tensor": name, "err_ratio": err, "bf16_floor": floor,
-            "over_floor": err / floor if floor > 0 else (0.0 if err == 0 else math.inf),
-            "threshold": threshold, "finite": finite, "passed": finite and err <= threshold}
+def score(case, grads):
+    """Per gradient: FLA's err_ratio (the rel RMS), the bf16 floor of the golden, their ratio,
+    the threshold and pass/fail, from the one judge (k3ref.policy) under POLICY."""
+    names = [g for g in GRADIENTS if g in case.tensors and g in grads]
+    v = policy.judge_case(case, {g: grads[g].detach().reshape(case.tensors[g].shape) for g in names}, POLICY,
+                          tensors=names)
+    return [{"tensor": r.tensor, "err_ratio": r.rel_rms, "bf16_floor": r.floor, "over_floor": r.ratio,
+             "threshold": r.bound, "finite": r.first_nonfinite_mismatch < 0 and r.candidate_nan + r.candidate_inf == 0,
+             "passed": r.passed} for r in v.results]
 
 
 def unsupported(params, s):
@@ -120,7 +114,7 @@ def check_single(golden_dir, only=None):
                     grads = run_single(case, adapter, device)
                     torch.cuda.synchronize()
                     _progress(f"{adapter.name} {case.name}: {time.perf_counter() - start:.1f} s (compilation included)")
-                    row["scores"] = [score(g, grads[g], case.tensors[g]) for g in THRESHOLDS if g in case.tensors and g in grads]
+                    row["scores"] = score(case, grads)
                     row["status"] = "passed" if all(x["passed"] for x in row["scores"]) else "failed"
                 except Exception as e:  # a crash is a failure with its message
                     row.update(status="failed", reason=f"{type(e).__name__}: {e}")

@@ -179,9 +179,6 @@ def _guard(adapter, check, case, fn):
 
 # --------------------------------------------------------------------------- golden checks
 
-AXES = {"o": ("batch", "token", "head", "channel"), "final_state": ("sequence", "head", "row", "column")}
-
-
 def policy_rule(adapter, tensor="o", op="kda.recurrent"):
     """The rule of the policy table (k3ref.policy) for the adapter's policy, or None."""
     from .. import policy
@@ -192,10 +189,23 @@ def policy_rule(adapter, tensor="o", op="kda.recurrent"):
         return None
 
 
+_FIGURES = ("count", "rel_rms", "max_abs", "max_abs_index", "max_ulp", "max_ulp_index", "candidate_nan",
+            "candidate_inf", "first_nonfinite_mismatch")
+
+
+def _figures(r):
+    """The report's figures of one judged tensor (a TensorResult of the one judge)."""
+    d = {k: getattr(r, k) for k in _FIGURES}
+    d["floor_rel_rms"] = r.floor
+    d["floor_ratio"] = r.rel_rms / r.floor if r.floor > 0 else (0.0 if r.rel_rms == 0 else math.inf)
+    return d
+
+
 def judge_golden(adapter, case, o, final, window_tokens=8):
-    """The verdict of a KDA kernel's o and final state on a golden case: k3ref.policy's judge
-    (the one `k3ref compare` applies, same table, same figures) under the adapter's policy,
-    plus the error by token window for the report's plot."""
+    """The verdict of a KDA kernel's o and final state on a golden case: the one judge
+    (k3ref.policy, the rules `k3ref compare` applies, same table, same figures) under the
+    adapter's policy, or under its precision contract's rules when it declares one
+    (docs/contracts.md), plus the error by token window for the report's plot."""
     from .. import policy
 
     s = _shapes(case.inputs)
@@ -203,48 +213,51 @@ def judge_golden(adapter, case, o, final, window_tokens=8):
     if final is not None:
         candidate["final_state"] = final
     names = [n for n in ("o", "final_state") if n in case.expected]
-    v = policy.judge_case(case, candidate, adapter.policy, tensors=names)
+    if adapter.contract_name:
+        from . import contracts
+        try:
+            v = contracts.judge(adapter.contract_name, case.inputs, case.params, candidate,
+                                {n: case.expected[n] for n in names})
+        except ValueError as e:
+            return CheckResult(adapter.name, "golden", case.name, "error", str(e))
+    else:
+        v = policy.judge_case(case, candidate, adapter.policy, tensors=names)
     status = {0: "pass", 1: "fail", 2: "error"}[v.exit_code]
-    reason = "; ".join(f"{r.tensor}: {r.reason}" for r in v.results if r.tensor in names) or v.reason
+    judged = {r.tensor: r for r in v.results if r.tensor in names}
+    reason = "; ".join(f"{n}: {r.reason}" for n, r in judged.items()) or v.reason
     if v.exit_code == 2:
         reason = f"{v.reason} ({reason})" if v.reason not in reason else reason
-    bounds = None
-    if adapter.contract_name and v.exit_code != 2:  # docs/contracts.md: the kernel's own contract decides
-        from . import contracts
-        ok, reason, bounds = contracts.judge(adapter, case.inputs, case.params, o, final,
-                                             (case.expected["o"], case.expected.get("final_state")))
-        status = "pass" if ok else "fail"
-    ref = case.expected["o"].to(o.device)
-    m = M.compare(o, ref, adapter.output_dtype, window_shape=(s["HV"] * s["V"], s["T"], window_tokens))
     # The figure of the cell is the worst over every judged output, named: a failing final
     # state must not hide behind o's ratio.
-    ratios = {r.tensor: (r.ratio if r.metric == "floor" else r.figure) for r in v.results
-              if r.tensor in names and r.status in ("pass", "fail")}
-    if bounds:
-        ratios = {n: b.ratio for n, b in bounds.items() if b.ratio is not None}
+    ratios = {n: (r.ratio if r.metric in ("floor", "contract") else r.figure) for n, r in judged.items()
+              if r.status in ("pass", "fail")}
     worst_tensor = max(ratios, key=lambda n: ratios[n] if ratios[n] == ratios[n] else math.inf, default=None)
     ratio = ratios[worst_tensor] if worst_tensor is not None else None
-    res = CheckResult(adapter.name, "golden", case.name, status, reason, ratio=ratio, metrics=m.to_dict(),
-                      windows=m.window_rel_rms, window_tokens=window_tokens)
+    o_result = judged.get("o")
+    windows = None
+    if o_result is not None and o_result.status in ("pass", "fail"):
+        windows = M.compare(o, case.expected["o"].to(o.device), window_shape=(s["HV"] * s["V"], s["T"],
+                                                                               window_tokens)).window_rel_rms
+    res = CheckResult(adapter.name, "golden", case.name, status, reason, ratio=ratio,
+                      metrics=_figures(o_result) if windows is not None else {}, windows=windows,
+                      window_tokens=window_tokens)
     res.extra["worst_tensor"] = worst_tensor
-    res.extra["policy"] = adapter.policy
-    if bounds:
-        res.extra["contract"] = {n: vars(b) for n, b in bounds.items()}
+    res.extra["policy"] = v.policy
     res.extra["verdict"] = v.to_dict()
-    for r in v.results:
-        if r.worst_index and r.tensor in AXES:
-            key = "worst_element" if r.tensor == "o" else f"{r.tensor}_worst_element"
-            res.extra[key] = {"index": dict(zip(AXES[r.tensor], r.worst_index)), "candidate": r.candidate_value,
-                              "reference": r.golden_value, "abs_error": r.max_abs}
-    if final is not None and "final_state" in case.expected and list(final.shape) == list(case.expected["final_state"].shape):
+    for n, r in judged.items():
+        if r.worst_index:
+            key = "worst_element" if n == "o" else f"{n}_worst_element"
+            res.extra[key] = {"index": r.worst_at, "candidate": r.candidate_value, "reference": r.golden_value,
+                              "abs_error": r.max_abs}
+    fs = judged.get("final_state")
+    if fs is not None and fs.status in ("pass", "fail"):
+        res.extra["final_state"] = _figures(fs)
         ref_state = case.expected["final_state"].to(final.device).to(torch.float64)
-        res.extra["final_state"] = M.compare(final.to(torch.float64), ref_state, adapter.output_dtype).to_dict()
         # Error by (sequence, value head) of the final state, for the report's plot of it.
         err = (final.to(torch.float64) - ref_state).flatten(2).square().sum(-1)
         den = ref_state.flatten(2).square().sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
         res.extra["final_state_rows"] = (err / den).sqrt().cpu().tolist()
-        floor = next((r.floor for r in v.results if r.tensor == "final_state" and r.metric == "floor"), None)
-        res.extra["final_state_floor"] = floor
+        res.extra["final_state_floor"] = fs.floor
     return res
 
 
@@ -362,7 +375,7 @@ def check_split(adapter, device, seed=4):
             co, cf = contracts.contract_outputs(adapter.contract_name, inputs, params)
             c1o, c1f = contracts.contract_outputs(adapter.contract_name, first, params)
             c2o, c2f = contracts.contract_outputs(adapter.contract_name, dict(second, initial_state=c1f.float()), params)
-            m = adapter.contract_multiple or contracts.MULTIPLES[adapter.contract_name]
+            m = contracts.multiple(adapter.contract_name)
             ok, reason, ratio = contracts.agreement(torch.cat([o1, o2], dim=1).cpu(), o_full.cpu(),
                                                     torch.cat([c1o, c2o], dim=1), co, m)
             okf, reasonf, ratiof = contracts.agreement(f2.float().cpu(), f_full.float().cpu(), c2f, cf, m)

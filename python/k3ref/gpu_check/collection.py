@@ -141,14 +141,14 @@ def known_checks(adapters):
 def validate(adapters, suite, only=None, checks=None, cases=None):
     """Fails (SelectorError) on any name in a selector that names nothing."""
     names = [a.name for a in adapters]
-    from . import metrics
+    from .. import policy
 
     for a in adapters:
         if a.family == "kda":
             try:
-                metrics.parse_policy(a.policy)
-            except ValueError as e:
-                raise SelectorError(f"adapter {a.name}: {e}") from None
+                policy.load_table().rules(a.policy, "kda.recurrent")
+            except KeyError as e:
+                raise SelectorError(f"adapter {a.name}: {e.args[0]}") from None
     for name in only or ():
         if name not in names:
             raise SelectorError(f"--only: no kernel named '{name}' (known: {', '.join(names)})")

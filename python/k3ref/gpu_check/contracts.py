@@ -2,14 +2,15 @@
 
 A kernel adapter declares the contract of its kernel by name ("fla_recurrent", "fla_chunk",
 "fla_chunk_safe_gate", "flashkda": kda/kernel_contracts.h, evaluated through
-k3ref.kda_contract) and a small multiple m. The verdict on a tensor t of the kernel is
+k3ref.kda_contract). The verdict is a rule of the policy table (metric "contract", policy
+`policy_of(contract)`, its multiple m and the reason for m beside it), applied by the one
+judge (k3ref.policy.judge):
 
     rel RMS(t_kernel - t_ref) <= m * max(floor, rel RMS(t_contract - t_ref))
 
 with t_ref the fp64 recurrence, t_contract the contract evaluated on the *same inputs* the
-kernel received, and floor the rel RMS of rounding t_ref to bf16 (the output-rounding floor;
-the state is judged at the bf16 floor too, as in the policy table). A kernel meets its bound
-when its arithmetic is what it declares; a kernel far beyond its own contract has a defect.
+kernel received (here), and floor the rel RMS of rounding t_ref to bf16. A kernel meets its
+bound when its arithmetic is what it declares; a kernel far beyond its own contract has a defect.
 
 For the metamorphic checks (split, varlen, ...) two kernel runs are compared with each other:
 `agreement` bounds their difference by m * max(nominal floor, difference of the two contract
@@ -17,28 +18,22 @@ runs on the same inputs), since an ill-conditioned problem makes even the declar
 split differently from one shot (docs/contracts.md: the FLA chunk split case).
 
 API:
-    bounds = contract_bounds(contract, inputs, params, candidate=(o, final_state), m=None)
-        -> {"o": ContractBound, "final_state": ContractBound}
-    passed, reason, bounds = judge(adapter, inputs, params, o, final, reference)
-        the verdict under adapter.contract_name / adapter.contract_multiple
+    verdict = judge(contract, inputs, params, candidate, reference, op=..., floor_at_least=None)
+        k3ref.policy.Verdict of the kernel's {"o", "final_state"} under the contract's policy
+    multiple(contract): m of the contract's rule in the policy table
     contract_outputs(contract, inputs, params) -> (o, final_state) float64 CPU
     agreement(a, b, a_contract, b_contract, m) -> (ok, reason, ratio)
-    MULTIPLES: the per-contract m (measured worst ratios in docs/contracts.md)
 params: the golden / harness parameter names (gate, gate_base, lower_bound, beta, qk_l2norm,
 scale, state_layout). Inputs: the kernel's tensors (any device); the chunk contracts model
 bf16 q, k, v and o and are refused (ValueError, one line) for other dtypes.
 """
 import math
-from dataclasses import dataclass
 
 import torch
 
-CONTRACTS = ("fla_recurrent", "fla_chunk", "fla_chunk_safe_gate", "flashkda")
+from .. import policy
 
-# m per contract (docs/contracts.md: the measured worst ratios kernel error / max(floor,
-# contract error) under each). fla_recurrent keeps the 1.5 of its former floor policy: its
-# contract error is the bf16 floor itself (1.00x), so 2 would widen its bound unmeasured.
-MULTIPLES = {"fla_recurrent": 1.5, "fla_chunk": 2.0, "fla_chunk_safe_gate": 2.0, "flashkda": 2.0}
+CONTRACTS = ("fla_recurrent", "fla_chunk", "fla_chunk_safe_gate", "flashkda")
 
 _INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
 
@@ -46,19 +41,6 @@ _INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_
 def _k3ref():
     import k3ref
     return k3ref
-
-
-def _rel_rms(x, ref):
-    x, ref = x.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
-    den = float(ref.pow(2).mean().sqrt()) if ref.numel() else 0.0
-    num = float((x - ref).pow(2).mean().sqrt()) if ref.numel() else 0.0
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / den
-
-
-def _bf16_floor(ref):
-    return _rel_rms(ref.to(torch.bfloat16), ref)
 
 
 def contract_outputs(contract, inputs, params):
@@ -92,91 +74,43 @@ def reference_outputs(inputs, params):
     return out["o"], out.get("final_state")
 
 
-@dataclass
-class ContractBound:
-    tensor: str
-    contract: str
-    m: float
-    contract_error: float   # rel RMS of the contract's tensor against the reference
-    floor: float            # rel RMS of the reference rounded to bf16
-    bound: float            # m * max(floor, contract_error)
-    error: float = None     # the kernel's rel RMS against the reference (with a candidate)
-    ratio: float = None     # error / max(floor, contract_error)
-    passed: bool = None     # error <= bound (NaN/Inf in the kernel's tensor: False)
-
-    def line(self):
-        base = (f"{self.tensor}: contract {self.contract} error {self.contract_error:.3e}, bf16 floor "
-                f"{self.floor:.3e}, bound {self.m:g} x max = {self.bound:.3e}")
-        if self.error is None:
-            return base
-        verdict = "<=" if self.passed else ">"
-        return (f"{self.tensor}: rel RMS {self.error:.3e} {verdict} {self.m:g} x max(bf16 floor {self.floor:.3e}, "
-                f"contract {self.contract} {self.contract_error:.3e}) ({self.ratio:.3g}x)")
+def policy_of(contract):
+    """The policy of the table whose rules are the contract's ("fla_chunk" -> "fla-chunk-contract")."""
+    return contract.replace("_", "-") + "-contract"
 
 
-def contract_bounds(contract, inputs, params, candidate=None, m=None, reference=None, floor=None):
-    """{tensor: ContractBound} for o and final_state (when the reference has one). candidate:
-    the kernel's (o, final_state) in k3ref's conventions, to fill error/ratio/passed;
-    reference: (o, final_state) in float64 if already computed (else k3ref.kda in double);
-    floor: a function of the reference tensor giving its floor (default: its bf16 rounding's
-    rel RMS; prop passes the larger of that and the nominal floor for its tiny cases)."""
-    m = MULTIPLES[contract] if m is None else float(m)
-    floor = _bf16_floor if floor is None else floor
-    ref_o, ref_s = reference if reference is not None else reference_outputs(inputs, params)
+def multiple(contract, op="kda.recurrent", tensor="o"):
+    """m of the contract's rule for `tensor` of `op` in the policy table."""
+    return policy.load_table().rules(policy_of(contract), op)[tensor].multiple
+
+
+def judge(contract, inputs, params, candidate, reference, op="kda.recurrent", floor_at_least=None):
+    """The one judge's Verdict on the kernel's tensors (candidate {"o", "final_state"}) under
+    the contract's rules, against reference {name: float64 tensor} (every name given is
+    judged and required); the contract is evaluated here on the kernel's inputs. A contract
+    that cannot be evaluated, or is not finite there, raises ValueError (no verdict it
+    cannot vouch for)."""
     con_o, con_s = contract_outputs(contract, inputs, params)
-    out = {}
-    for name, ref, con, cand in (("o", ref_o, con_o, None if candidate is None else candidate[0]),
-                                 ("final_state", ref_s, con_s, None if candidate is None else candidate[1])):
-        if ref is None or con is None:
-            continue
-        ref = ref.to("cpu", torch.float64)
-        if not bool(torch.isfinite(con).all()):  # e.g. FlashKDA's inverse decays overflow for steep gates
-            raise ValueError(f"contracts: contract {contract!r} is not finite on these inputs ({name}: "
-                             f"{int((~torch.isfinite(con)).sum())} of {con.numel()} values): no bound to judge by")
-        ce, fl = _rel_rms(con, ref), floor(ref)
-        b = ContractBound(name, contract, m, ce, fl, m * max(fl, ce))
-        if cand is not None:
-            c64 = cand.detach().to("cpu", torch.float64)
-            if c64.shape != ref.shape:
-                raise ValueError(f"contracts: tensor '{name}': kernel shape {list(c64.shape)} != reference "
-                                 f"{list(ref.shape)}")
-            finite = bool(torch.isfinite(c64).all())
-            b.error = _rel_rms(c64, ref) if finite else math.inf
-            scale = max(fl, ce)
-            b.ratio = b.error / scale if scale > 0 else (0.0 if b.error == 0 else math.inf)
-            b.passed = finite and b.error <= b.bound
-        out[name] = b
-    return out
-
-
-def judge(adapter, inputs, params, o, final, reference, floor=None):
-    """(passed, reason, bounds) of a kernel's (o, final_state) under its adapter's contract
-    (adapter.contract_name, adapter.contract_multiple or MULTIPLES): every tensor the
-    reference has must be returned and within its bound. A contract that cannot be evaluated
-    raises (the caller reports an error: no verdict it cannot vouch for)."""
-    ref_o, ref_s = reference
-    if o is None or (ref_s is not None and final is None):
-        missing = "o" if o is None else "final_state"
-        return False, f"{missing}: the kernel returned None", {}
-    bounds = contract_bounds(adapter.contract_name, inputs, params, candidate=(o, final),
-                             m=getattr(adapter, "contract_multiple", None), reference=reference, floor=floor)
-    passed = all(b.passed for b in bounds.values())
-    return passed, "; ".join(b.line() for b in bounds.values()), bounds
+    con = {"o": con_o, "final_state": con_s}
+    names = [n for n, t in reference.items() if t is not None]
+    v = policy.judge({n: reference[n] for n in names}, {n: t for n, t in candidate.items() if t is not None}, op,
+                     policy_of(contract), tensors=names, contracts={n: con[n] for n in names if con.get(n) is not None},
+                     floor_at_least=floor_at_least)
+    if v.exit_code == policy.EXIT_UNUSABLE:
+        raise ValueError(f"contracts: contract {contract!r}: {v.reason}")
+    return v
 
 
 def agreement(a, b, a_contract, b_contract, m, nominal_floor=None):
     """(ok, reason, ratio) for two kernel runs a, b that must agree (a split against one shot,
     varlen against separate runs): rel RMS(a - b) <= m * max(nominal floor, rel RMS of the
     two contract runs' difference). nominal_floor: the floor of b (default: the nominal bf16
-    floor of its values, metrics.nominal_floor, as the harness's other metamorphic checks)."""
-    d = _rel_rms(a, b.to(a.dtype))
+    floor of its values, as the harness's other metamorphic checks)."""
     if not (torch.isfinite(a.double()).all() and torch.isfinite(b.double()).all()):
         return False, "NaN/Inf in a run", math.inf
-    if nominal_floor is None:
-        from . import metrics
-        nominal_floor = metrics.nominal_floor(b, torch.bfloat16)
-    fl = float(nominal_floor)
-    cd = _rel_rms(a_contract, b_contract)
+    d = policy.measure(a, b.to(a.dtype), "bf16")["rel_rms"]
+    fl = float(policy.nominal_floor(b, "bf16") if nominal_floor is None else nominal_floor)
+    cd = policy.measure(a_contract, b_contract, "bf16")["rel_rms"]
     scale = max(fl, cd)
     ratio = d / scale if scale > 0 else (0.0 if d == 0 else math.inf)
     ok = d <= m * scale

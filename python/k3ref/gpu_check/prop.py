@@ -13,7 +13,7 @@ minimal one, which is written as a golden file (the layout of goldens/kda_*.safe
 reference at 256 bits when the module is available) and printed with the one command that
 replays it. The seed printed at the start replays the whole run.
 
-Judging: the policy of the adapter (its rule for o in the policy table, k3ref.policy). For floor policies the floor is the
+Judging: the one judge (k3ref.policy) under the adapter's contract or policy. For floor and contract rules the floor is the
 larger of the measured rounding floor and the nominal one (metrics.nominal_floor): on the
 few elements of a shrunk case the measured floor can be near zero by chance (reference
 values that happen to lie near bf16 numbers), and a correct kernel must not fail for that.
@@ -43,32 +43,6 @@ from .references import LONG_CASE_ELEMENTS, _module, compute_reference, module_r
 
 
 # --------------------------------------------------------------------------- judging
-
-
-def judge_outputs(adapter, o, final, ref_o, ref_final):
-    """(passed, reason) of a kernel's outputs against the reference, under its policy."""
-    fmt = adapter.output_dtype
-    reasons = []
-    ok_all = True
-    for what, x, r in (("o", o, ref_o), ("final_state", final, ref_final)):
-        policy = M.parse_policy(adapter.policy, tensor=what)
-        if x is None:
-            return False, f"{what}: the kernel returned None"
-        x = x.detach().cpu()
-        if x.numel() != r.numel():
-            return False, f"{what}: {x.numel()} elements, reference {r.numel()}"
-        m = M.compare(x.to(torch.float64) if what == "final_state" else x, r, fmt)
-        if policy.kind == "floor" and m.first_nonfinite_mismatch < 0:
-            floor = max(m.floor_rel_rms, M.nominal_floor(r, fmt))
-            bound = policy.bound * floor
-            ok = m.rel_rms <= bound or m.max_abs == 0
-            reason = (f"rel RMS {m.rel_rms:.3e} {'<=' if ok else '>'} {bound:.3e} ({policy.bound:g} x floor "
-                      f"{floor:.3e}); max abs {m.max_abs:.3e} at flat index {m.max_abs_index}")
-        else:
-            ok, reason = M.judge(m, policy)
-        reasons.append(f"{what}: {reason}")
-        ok_all &= ok
-    return ok_all, "; ".join(reasons)
 
 
 # --------------------------------------------------------------------------- cases
@@ -247,14 +221,26 @@ def run_case(adapter, case, device):
 
 
 def judge(adapter, inputs, params, o, final, ref_o, ref_f):
-    """(passed, reason): the kernel's contract where it has one (docs/contracts.md; tiny cases:
-    the nominal floor too), else its policy; the property and a replay judge alike."""
+    """(passed, reason): the one judge (k3ref.policy) under the kernel's contract where it has
+    one (docs/contracts.md), else under its policy; the floor of each tensor at least its
+    nominal floor (metrics.nominal_floor: on the few elements of a shrunk case the measured
+    floor can be near zero by chance). The property and a replay judge alike."""
+    from .. import policy
+
+    candidate, reference = {"o": o, "final_state": final}, {"o": ref_o, "final_state": ref_f}
+    for what, x in candidate.items():
+        if x is None:
+            return False, f"{what}: the kernel returned None"
+    floors = {n: M.nominal_floor(r, adapter.output_dtype) for n, r in reference.items()}
     if getattr(adapter, "contract_name", None):
         from . import contracts
-        ok, reason, _ = contracts.judge(adapter, inputs, params, o, final, (ref_o, ref_f),
-                                        floor=lambda r: max(contracts._bf16_floor(r), M.nominal_floor(r, torch.bfloat16)))
-        return ok, reason
-    return judge_outputs(adapter, o, final, ref_o, ref_f)
+        v = contracts.judge(adapter.contract_name, inputs, params, candidate, reference, floor_at_least=floors)
+    else:
+        v = policy.judge(reference, candidate, "kda.recurrent", adapter.policy, tensors=list(reference),
+                         floor_at_least=floors)
+    if v.exit_code == policy.EXIT_UNUSABLE:
+        return False, v.reason
+    return v.passed, "; ".join(f"{r.tensor}: {r.reason}" for r in v.results)
 
 
 def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failures", device="cpu", log=print,

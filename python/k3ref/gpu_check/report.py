@@ -576,7 +576,7 @@ def write_html(path, rows, results, summary):
                                                                            "worst element of the final state")):
                 w = r.extra.get(key)
                 if w:
-                    out.append(f"<p>{label}: index {html.escape(json.dumps(w['index']))}: candidate {w['candidate']!r}, "
+                    out.append(f"<p>{label}: index {html.escape(str(w['index']))}: candidate {w['candidate']!r}, "
                                f"reference {w['reference']!r}, |error| {w['abs_error']:.4g}</p>")
             if r.extra.get("stderr_tail"):
                 out.append("<p>last lines of the worker's stderr:</p><pre>" + html.escape(r.extra["stderr_tail"]) + "</pre>")

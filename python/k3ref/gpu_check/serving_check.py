@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from .. import goldens as golden_io
+from .. import goldens as golden_io, policy
 from . import references, torch_model
 from .adapters import (Adapter, _env_path, _module_version, _need_cuda, fla_option_kwargs, fla_version,
                        load_fla)
@@ -108,17 +108,13 @@ def kda_inputs(t, device):
 # --------------------------------------------------------------------------- judging
 
 def rel_rms(x, ref):
-    x, ref = x.double().cpu(), ref.double().cpu()
-    d = torch.sqrt(((x - ref) ** 2).sum())
-    n = torch.sqrt((ref * ref).sum())
-    return float(d / n) if n > 0 else float(x.abs().max()) if x.numel() else 0.0
+    """The one judge's rel RMS (k3ref::check::compare, through k3ref.policy.measure)."""
+    return policy.measure(x, ref, "fp64")["rel_rms"]
 
 
 def floor_of(ref, dtype):
     """The relative RMS error of rounding the exact result to `dtype` (the irreducible floor)."""
-    if dtype == torch.float64:
-        return 0.0
-    return rel_rms(ref.double().to(dtype).double(), ref)
+    return policy.measure(ref, ref, dtype)["floor_rel_rms"]
 
 
 class Bound:
