@@ -1,6 +1,6 @@
 """A KDA kernel of your own, checked by k3ref: a plain PyTorch recurrence in fp32 (bf16 out).
 
-    pytest -p k3ref.pytest_plugin --k3ref-adapter examples/torch_kda_adapter.py:TorchKda
+    python3 -m pytest -p k3ref.pytest_plugin --k3ref-adapter examples/torch_kda_adapter.py:TorchKda examples
     python3 -m k3ref.gpu_check run --no-builtin --adapter examples/torch_kda_adapter.py:TorchKda
 """
 import torch
