@@ -29,14 +29,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_verdicts_and_figures_equal_the_runner_before(tmp_path):
     out = tmp_path / "r"
+    before = json.loads((Path(__file__).with_name("data") / "cpu_parity.json").read_text())
+    # The same inputs: the goldens the record ran (goldens added since are outside it).
+    recorded = sorted({key.split("|")[2] for key in before["results"]} & {p.stem for p in (ROOT / "goldens").glob("*.safetensors")})
     cmd = [sys.executable, "-m", "k3ref.gpu_check", "run", "--no-builtin", "--goldens", str(ROOT / "goldens"),
-           "--device", "cpu", "--no-warmup", "--check-jobs", "2", "--out", str(out)]
+           "--device", "cpu", "--no-warmup", "--check-jobs", "2", "--cases", ",".join(recorded), "--out", str(out)]
     for spec in parity.ADAPTER_SPECS:
         cmd += ["--adapter", spec]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), **parity.CP_ENV)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    before = json.loads((Path(__file__).with_name("data") / "cpu_parity.json").read_text())
     now = parity.snapshot(out)
     assert now["verdicts"] == before["verdicts"]
     assert now["results"] == before["results"]
