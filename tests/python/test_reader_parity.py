@@ -671,6 +671,7 @@ def read_py_policy(path):
     return in_child(read, path)
 
 
+@needs_core  # the Python side reads the table through k3ref._core
 def test_the_policy_table_readers_agree_on_hostile_tables(tmp_path):
     if not os.path.exists(EXE):
         pytest.skip(f"no k3ref command at {EXE}")
