@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._data import shipped_file
+
 FORMAT = "k3ref-kernel-domains"
 VERSION = 1
 SIZE_KEYS = ("B", "T", "H", "HV", "K", "V", "gva_ratio")
@@ -249,12 +251,7 @@ def parse(data: Any, origin: str) -> dict[str, KernelDomain]:
 def path() -> Path:
     """The file shipped with k3ref: next to this module in an installed package, else the
     checkout's policy/kernel_domains.json."""
-    here = Path(__file__).resolve().parent
-    for p in (here / "kernel_domains.json", here.parent.parent / "policy" / "kernel_domains.json"):
-        if p.is_file():
-            return p
-    raise FileNotFoundError(f"k3ref kernel domains not found: looked for {here / 'kernel_domains.json'} and "
-                            f"{here.parent.parent / 'policy' / 'kernel_domains.json'}")
+    return shipped_file("kernel_domains.json", "kernel domains")
 
 
 _BUILTIN = {}

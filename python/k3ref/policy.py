@@ -53,6 +53,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ._data import shipped_file
+
 TABLE_VERSION = 1
 EXIT_PASS, EXIT_FAIL, EXIT_UNUSABLE = 0, 1, 2
 REQUIRED_ROLES = ("output", "gradient")  # a stage tensor is judged when the candidate has it
@@ -84,13 +86,8 @@ class Rule:
 
 def table_path() -> Path:
     """The table shipped with k3ref: next to this file in an installed package, else the
-    checkout's policy/policies.json (python/k3ref/policy.py -> policy/policies.json)."""
-    here = Path(__file__).resolve().parent
-    for p in (here / "policies.json", here.parent.parent / "policy" / "policies.json"):
-        if p.is_file():
-            return p
-    raise FileNotFoundError(f"k3ref policy table not found: looked for {here / 'policies.json'} and "
-                            f"{here.parent.parent / 'policy' / 'policies.json'}")
+    checkout's policy/policies.json."""
+    return shipped_file("policies.json", "policy table")
 
 
 class PolicyTable:
