@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "k3ref/error.h"
+#include "k3ref/exec/progress.h"
 #include "k3ref/kda/backward.h"
 #include "k3ref/kda/kda_io.h"
 #include "k3ref/kda/options.h"
@@ -37,6 +38,28 @@ template <class F>
 auto in_tier(const std::string& precision, F&& f) {
   return num::precision_tiers.parse(precision) == num::Tier::mp256 ? f.template operator()<Mp256>()
                                                                    : f.template operator()<double>();
+}
+
+// A progress line on Python's sys.stderr (where a notebook shows it and pytest captures it),
+// from whichever thread of the computation prints it (module.cc).
+void python_stderr_line(const std::string& line);
+
+// Runs `work` without the GIL, with `lines` (a reference's progress lines) ticking beside it
+// when `tick` (the work reports no units); the ticker stops before the GIL is taken back, as
+// its lines need the GIL. Then the last line.
+template <class F>
+auto with_progress(exec::ProgressLines& lines, bool tick, F&& work) {
+  auto result = [&] {
+    py::gil_scoped_release release;
+    struct StopTicking {
+      exec::ProgressLines& lines;
+      ~StopTicking() { lines.stop_ticking(); }
+    } stop{lines};
+    if (tick) lines.tick();
+    return work();
+  }();
+  lines.finish();
+  return result;
 }
 
 inline Tensor<double> to_tensor(const Array& a) {

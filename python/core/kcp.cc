@@ -1,24 +1,27 @@
 // k3ref._core: context-parallel KDA (kcp/), the simulated run of P ranks: per-rank fragments
 // (transition M, state S~), the merged entering states, the gathered outputs; and its backward.
 // Per-rank tensors are stacked into [P, ...] as in the kcp.context_parallel goldens.
+#include "k3ref/kda/recurrent.h"
 #include "k3ref/kcp/backward.h"
 #include "k3ref/kcp/context_parallel.h"
 #include "core.h"
+
+#include <type_traits>
 
 namespace k3ref::python {
 namespace {
 
 py::dict kcp_forward(const py::dict& inputs, const py::dict& options, const std::vector<std::int64_t>& splits,
-                     const std::string& merge, const std::string& precision) {
+                     const std::string& merge, const std::string& precision, double progress_after) {
   const kda::Inputs<double> in = kda_inputs(inputs);
   const kcp::Merge how = kcp::merges.parse(merge);
   return in_tier(precision, [&]<class S>() {
     const kda::Options<S> opt = kda_options<S>(options);
-    std::optional<kcp::ContextParallelResult<S>> cp;
-    {
-      py::gil_scoped_release release;
-      cp = kcp::context_parallel_forward(kda::lift<S>(in), opt, splits, how);
-    }
+    exec::ProgressLines progress =
+        kda::token_head_progress("k3ref.kcp_forward", in, kda_options<double>(options), !std::is_same_v<S, double>,
+                                 kda::RelativeCost::kcp_forward, progress_after, python_stderr_line);
+    const std::optional<kcp::ContextParallelResult<S>> cp = with_progress(
+        progress, true, [&] { return std::optional(kcp::context_parallel_forward(kda::lift<S>(in), opt, splits, how)); });
     py::dict r;
     put_outputs(r, cp->out);
     std::vector<Tensor<S>> transitions, states;
@@ -38,17 +41,18 @@ py::dict kcp_forward(const py::dict& inputs, const py::dict& options, const std:
 
 py::dict kcp_backward(const py::dict& inputs, const py::dict& cotangents, const py::dict& options,
                       const std::vector<std::int64_t>& splits, const std::string& merge,
-                      const std::string& precision) {
+                      const std::string& precision, double progress_after) {
   const kda::Inputs<double> in = kda_inputs(inputs);
   const kcp::Merge how = kcp::merges.parse(merge);
   return in_tier(precision, [&]<class S>() {
     const kda::Options<S> opt = kda_options<S>(options);
     const kda::Cotangents<S> cot = kda_cotangents<S>(cotangents);
-    std::optional<kcp::ContextParallelBackwardResult<S>> res;
-    {
-      py::gil_scoped_release release;
-      res = kcp::context_parallel_backward(kda::lift<S>(in), opt, splits, cot, how);
-    }
+    exec::ProgressLines progress =
+        kda::token_head_progress("k3ref.kcp_backward", in, kda_options<double>(options), !std::is_same_v<S, double>,
+                                 kda::RelativeCost::kcp_backward, progress_after, python_stderr_line);
+    const std::optional<kcp::ContextParallelBackwardResult<S>> res = with_progress(progress, true, [&] {
+      return std::optional(kcp::context_parallel_backward(kda::lift<S>(in), opt, splits, cot, how));
+    });
     py::dict r;
     put_gradients(r, res->gradients);
     r["cp_entering_states"] = to_numpy(stack(res->entering_states));
@@ -61,9 +65,9 @@ py::dict kcp_backward(const py::dict& inputs, const py::dict& cotangents, const 
 
 void register_kcp(py::module_& m) {
   m.def("kcp_forward", &kcp_forward, py::arg("inputs"), py::arg("options"), py::arg("splits"), py::arg("merge"),
-        py::arg("precision"));
+        py::arg("precision"), py::arg("progress_after"));
   m.def("kcp_backward", &kcp_backward, py::arg("inputs"), py::arg("cotangents"), py::arg("options"),
-        py::arg("splits"), py::arg("merge"), py::arg("precision"));
+        py::arg("splits"), py::arg("merge"), py::arg("precision"), py::arg("progress_after"));
 }
 
 }  // namespace k3ref::python

@@ -1,6 +1,7 @@
 // k3ref._core: the precision contracts of real KDA kernels (kda/kernel_contracts.h),
 // evaluated on the inputs a kernel received.
 #include "k3ref/kda/kernel_contracts.h"
+#include "k3ref/kda/recurrent.h"
 #include <map>
 
 #include "core.h"
@@ -9,7 +10,7 @@ namespace k3ref::python {
 namespace {
 
 py::dict kda_contract(const py::dict& inputs, const py::dict& options, const std::string& contract, bool exact,
-                      const std::map<std::string, std::string>& sites) {
+                      const std::map<std::string, std::string>& sites, double progress_after) {
   const kda::Inputs<double> in = kda_inputs(inputs);
   const kda::contract::Kernel kernel = kda::contract::kernels.parse(contract);
   kda::contract::KernelContract c =
@@ -24,11 +25,10 @@ py::dict kda_contract(const py::dict& inputs, const py::dict& options, const std
     c.set(*site, *p);
   }
   const kda::Options<double> opt = kda_options<double>(options);
-  kda::Outputs<double> out;
-  {
-    py::gil_scoped_release release;
-    out = kda::contract::evaluate_contract(c, in, opt);
-  }
+  exec::ProgressLines progress = kda::token_head_progress("k3ref.kda_contract", in, opt, false,
+                                                          kda::RelativeCost::contract, progress_after, python_stderr_line);
+  const kda::Outputs<double> out =
+      with_progress(progress, true, [&] { return kda::contract::evaluate_contract(c, in, opt); });
   py::dict r;
   put_outputs(r, out);
   return r;
@@ -48,7 +48,7 @@ py::dict kda_contract_sites(const std::string& contract) {
 
 void register_kda_contract(py::module_& m) {
   m.def("kda_contract", &kda_contract, py::arg("inputs"), py::arg("options"), py::arg("contract"), py::arg("exact"),
-        py::arg("sites"));
+        py::arg("sites"), py::arg("progress_after"));
   m.def("kda_contract_sites", &kda_contract_sites, py::arg("contract"));
 }
 

@@ -9,19 +9,6 @@
 namespace k3ref::python {
 namespace {
 
-// A progress line on Python's sys.stderr (where a notebook shows it and pytest captures it),
-// from whichever thread of the computation prints it.
-void python_stderr_line(const std::string& line) {
-  py::gil_scoped_acquire gil;
-  try {
-    py::object err = py::module_::import("sys").attr("stderr");
-    err.attr("write")(line + "\n");
-    err.attr("flush")();
-  } catch (const py::error_already_set&) {
-    // no usable sys.stderr: the computation goes on without its progress lines
-  }
-}
-
 py::dict kda_recurrent(const py::dict& inputs, const py::dict& options, const std::string& precision,
                        double progress_after) {
   const kda::Inputs<double> in = kda_inputs(inputs);
@@ -31,12 +18,7 @@ py::dict kda_recurrent(const py::dict& inputs, const py::dict& options, const st
                                                            !std::is_same_v<S, double>, progress_after,
                                                            python_stderr_line);
     opt.progress = progress.hook();
-    kda::Outputs<S> out;
-    {
-      py::gil_scoped_release release;
-      out = kda::recurrent_forward(kda::lift<S>(in), opt);
-    }
-    progress.finish();
+    const kda::Outputs<S> out = with_progress(progress, false, [&] { return kda::recurrent_forward(kda::lift<S>(in), opt); });
     py::dict r;
     put_outputs(r, out);
     return r;
@@ -44,7 +26,8 @@ py::dict kda_recurrent(const py::dict& inputs, const py::dict& options, const st
 }
 
 py::dict kda_chunkwise(const py::dict& inputs, const py::dict& options, const std::string& chunk_form,
-                       std::int64_t chunk_size, std::int64_t sub_chunk, bool stages, const std::string& precision) {
+                       std::int64_t chunk_size, std::int64_t sub_chunk, bool stages, const std::string& precision,
+                       double progress_after) {
   const kda::Inputs<double> in = kda_inputs(inputs);
   kda::ChunkwiseOptions copt;
   copt.form = kda::chunk_forms.parse(chunk_form);
@@ -53,11 +36,12 @@ py::dict kda_chunkwise(const py::dict& inputs, const py::dict& options, const st
   copt.record_stages = stages;
   return in_tier(precision, [&]<class S>() {
     const kda::Options<S> opt = kda_options<S>(options);
-    kda::ChunkwiseOutputs<S> out;
-    {
-      py::gil_scoped_release release;
-      out = kda::chunkwise_forward(kda::lift<S>(in), opt, copt);
-    }
+    exec::ProgressLines progress = kda::token_head_progress(
+        "k3ref.kda_chunkwise", in, kda_options<double>(options), !std::is_same_v<S, double>,
+        copt.form == kda::ChunkForm::fla ? kda::RelativeCost::chunkwise_fla : kda::RelativeCost::chunkwise_flashkda,
+        progress_after, python_stderr_line);
+    const kda::ChunkwiseOutputs<S> out =
+        with_progress(progress, true, [&] { return kda::chunkwise_forward(kda::lift<S>(in), opt, copt); });
     py::dict r;
     put_outputs(r, out.out);
     if (out.stages) {
@@ -77,7 +61,7 @@ void register_kda_forward(py::module_& m) {
   // The threshold of k3ref.kda's progress lines when it names none: the command's.
   m.attr("default_progress_after") = exec::ProgressLines::default_after_seconds;
   m.def("kda_chunkwise", &kda_chunkwise, py::arg("inputs"), py::arg("options"), py::arg("chunk_form"),
-        py::arg("chunk_size"), py::arg("sub_chunk"), py::arg("stages"), py::arg("precision"));
+        py::arg("chunk_size"), py::arg("sub_chunk"), py::arg("stages"), py::arg("precision"), py::arg("progress_after"));
 }
 
 }  // namespace k3ref::python

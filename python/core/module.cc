@@ -4,22 +4,44 @@
 #include "k3ref/qb/solver.h"
 #include "core.h"
 
+#include <type_traits>
+
 namespace k3ref::python {
+
+void python_stderr_line(const std::string& line) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::object err = py::module_::import("sys").attr("stderr");
+    err.attr("write")(line + "\n");
+    err.attr("flush")();
+  } catch (const py::error_already_set&) {
+    // no usable sys.stderr: the computation goes on without its progress lines
+  }
+}
+
 namespace {
 
 py::dict attnres(const Array& values, const Array& queries, const Array& norm_weights, double eps,
-                 std::optional<std::int64_t> block_size, bool two_phase, const std::string& precision) {
+                 std::optional<std::int64_t> block_size, bool two_phase, const std::string& precision,
+                 double progress_after) {
   const Tensor<double> v = to_tensor(values), q = to_tensor(queries), w = to_tensor(norm_weights);
   return in_tier(precision, [&]<class S>() {
     const attnres::Weights<S> weights{lift<S>(q), lift<S>(w), S(eps)};
     const Tensor<S> vals = lift<S>(v);
-    std::optional<attnres::Outputs<S>> out;
-    {
-      py::gil_scoped_release release;
-      out = block_size ? attnres::block_forward(weights, vals, *block_size,
-                                                two_phase ? attnres::BlockForm::two_phase : attnres::BlockForm::direct)
-                       : attnres::full_forward(weights, vals);
-    }
+    // the estimate (exec/progress.h) in token-slots; the values' rank is checked by the reference
+    const std::int64_t slots = v.rank() == 3 ? v.dim(0) : 0, tokens = v.rank() == 3 ? v.dim(1) : 0,
+                       width = v.rank() == 3 ? v.dim(2) : 0;
+    const double per_element = std::is_same_v<S, double> ? attnres::seconds_per_element_double
+                                                         : attnres::seconds_per_element_multiprecision;
+    exec::ProgressLines progress("k3ref.attnres", "token-slots", slots * tokens,
+                                 exec::estimated_seconds(static_cast<double>(slots * slots * tokens * width), per_element, 1, 1),
+                                 progress_after, python_stderr_line);
+    const std::optional<attnres::Outputs<S>> out = with_progress(progress, true, [&] {
+      return std::optional(block_size ? attnres::block_forward(weights, vals, *block_size,
+                                                               two_phase ? attnres::BlockForm::two_phase
+                                                                         : attnres::BlockForm::direct)
+                                      : attnres::full_forward(weights, vals));
+    });
     py::dict r;
     r["h"] = to_numpy(out->h);
     r["alpha"] = to_numpy(out->alpha);
@@ -31,15 +53,18 @@ py::dict attnres(const Array& values, const Array& queries, const Array& norm_we
   });
 }
 
-py::dict qb_solver(const Array& scores, std::int64_t k, int iterations, const std::optional<Array>& beta0) {
+py::dict qb_solver(const Array& scores, std::int64_t k, int iterations, const std::optional<Array>& beta0,
+                   double progress_after) {
   const Tensor<double> s = to_tensor(scores);
   std::vector<double> b0;
   if (beta0) b0.assign(beta0->data(), beta0->data() + beta0->size());
-  std::vector<qb::Iterate<double>> trace;
-  {
-    py::gil_scoped_release release;
-    trace = qb::alternating_solver(s, k, iterations, b0);
-  }
+  const std::int64_t items = s.rank() == 2 ? s.dim(0) * s.dim(1) : 0;  // the rank is the solver's to check
+  exec::ProgressLines progress("k3ref.qb_solver", "iterations", iterations,
+                               exec::estimated_seconds(static_cast<double>(iterations) * static_cast<double>(items),
+                                                       qb::solver_seconds_per_element, 1, 1),
+                               progress_after, python_stderr_line);
+  const std::vector<qb::Iterate<double>> trace =
+      with_progress(progress, true, [&] { return qb::alternating_solver(s, k, iterations, b0); });
   const std::int64_t m = s.dim(0), n = s.dim(1), T = static_cast<std::int64_t>(trace.size());
   py::array_t<double> alpha({T, m}), beta({T, n});
   py::array_t<std::int32_t> selection({T, m, k});
@@ -63,8 +88,9 @@ py::dict qb_solver(const Array& scores, std::int64_t k, int iterations, const st
 
 void register_attnres_qb(py::module_& m) {
   m.def("attnres", &attnres, py::arg("values"), py::arg("queries"), py::arg("norm_weights"), py::arg("eps"),
-        py::arg("block_size"), py::arg("two_phase"), py::arg("precision"));
-  m.def("qb_solver", &qb_solver, py::arg("scores"), py::arg("k"), py::arg("iterations"), py::arg("beta0"));
+        py::arg("block_size"), py::arg("two_phase"), py::arg("precision"), py::arg("progress_after"));
+  m.def("qb_solver", &qb_solver, py::arg("scores"), py::arg("k"), py::arg("iterations"), py::arg("beta0"),
+        py::arg("progress_after"));
 }
 
 }  // namespace k3ref::python

@@ -315,6 +315,12 @@ def _check_memory(fn: str, t: Mapping[str, Any], opt: Mapping[str, Any], precisi
                               "memory, as `k3ref kda --memory-budget`)")
 
 
+def _progress_after(fn: str, value: Any) -> float:
+    """The threshold of a reference's progress lines (None: the command's default, 5 s)."""
+    after = _number(fn, "progress_after", value)
+    return float(_compiled().default_progress_after) if after is None else after
+
+
 def _call(fn: str, core_fn: Callable[..., Any], *args: Any) -> dict[str, torch.Tensor]:
     """Calls k3ref._core; its errors (the library's InvalidArgument) become one-line ValueErrors."""
     torch = _torch()
@@ -344,23 +350,23 @@ def kda(inputs: Mapping[str, Any], *, gate: str = "log_decay", gate_base: str | 
                        no_final_state, threads)
     precision = _choice(fn, "precision", precision)
     _check_memory(fn, t, opt, precision, _memory_budget(fn, memory_budget))
-    after = _number(fn, "progress_after", progress_after)
-    return _call(fn, _compiled().kda_recurrent, t, opt, precision,
-                 _compiled().default_progress_after if after is None else after)
+    return _call(fn, _compiled().kda_recurrent, t, opt, precision, _progress_after(fn, progress_after))
 
 
 def kda_chunkwise(inputs: Mapping[str, Any], *, chunk_form: str = "flashkda", chunk_size: int = 0, sub_chunk: int = 16,
                   stages: bool = False, gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None,
                   beta: str = "as_given", l2norm: bool = False, scale: float | None = None,
                   state_layout: str = "k_first", no_final_state: bool = False, precision: str = "double",
-                  threads: int | None = None, memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
+                  threads: int | None = None, memory_budget: int | str | None = None,
+        progress_after: float | None = None) -> dict[str, torch.Tensor]:
     """The KDA forward by a chunkwise (UT transform) form: chunk_form "flashkda" (inverse-decay
     form, chunk 16 by default) or "fla" (FLA's sub-chunked form, chunk 64; sub_chunk rows per
     sub-chunk). chunk_size 0 takes the form's own. Returns o and final_state; with stages=True
     also the stage tensors of the kda.chunkwise_* goldens (decay, q_decay, k_decay, k_inv,
     k_restore, L, INV, M_qk, w, u_pre, u, chunk_states, chunk_starts; docs/chunkwise.md).
     The arithmetic is exact to the tier (no rounding contract). memory_budget: as for kda (the
-    chunk scratch counts at chunk_size, whatever the number of tokens)."""
+    chunk scratch counts at chunk_size, whatever the number of tokens).
+    progress_after: progress lines past an estimated duration, as for kda."""
     fn = "kda_chunkwise"
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, no_final_state,
@@ -372,20 +378,22 @@ def kda_chunkwise(inputs: Mapping[str, Any], *, chunk_form: str = "flashkda", ch
     _check_memory(fn, t, opt, precision, _memory_budget(fn, memory_budget),
                   chunk_size=chunk_size or (64 if chunk_form == "fla" else 16), stages=stages)
     return _call(fn, _compiled().kda_chunkwise, t, opt, chunk_form, chunk_size, _count(fn, "sub_chunk", sub_chunk, 1),
-                 stages, precision)
+                 stages, precision, _progress_after(fn, progress_after))
 
 
 def kda_contract(inputs: Mapping[str, Any], contract: str, *, exact: bool = False, sites: Mapping[str, str] | None = None,
                  gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None, beta: str = "as_given",
                  l2norm: bool = False, scale: float | None = None, state_layout: str = "k_first",
                  no_final_state: bool = False, threads: int | None = None,
-                 memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
+                 memory_budget: int | str | None = None,
+        progress_after: float | None = None) -> dict[str, torch.Tensor]:
     """The precision contract of a real KDA kernel evaluated on the inputs it received
     (docs/contracts.md): "fla_recurrent", "fla_chunk", "fla_chunk_safe_gate" or "flashkda".
     Options as for kda. Returns o and final_state (float64), the values the kernel's declared
     roundings give; exact=True: the same algorithm rounding nowhere (the chunk form itself).
     sites: {site name: precision} overrides ("exact", "fp32", "tf32", "tf32_rz", "fp16", "bf16"),
-    for measuring which rounding explains an error; kda_contract_sites(contract) lists them."""
+    for measuring which rounding explains an error; kda_contract_sites(contract) lists them.
+    progress_after: progress lines past an estimated duration, as for kda."""
     fn = "kda_contract"
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
     opt = _kda_options(fn, gate, gate_base, lower_bound, beta, l2norm, scale, state_layout, False, no_final_state,
@@ -397,7 +405,7 @@ def kda_contract(inputs: Mapping[str, Any], contract: str, *, exact: bool = Fals
     _check_memory(fn, t, opt, "double", _memory_budget(fn, memory_budget),
                   chunk_size=0 if contract == "fla_recurrent" else 64)
     return _call(fn, _compiled().kda_contract, t, opt, _choice(fn, "contract", contract),
-                 _flag(fn, "exact", exact), dict(sites or {}))
+                 _flag(fn, "exact", exact), dict(sites or {}), _progress_after(fn, progress_after))
 
 
 def kda_contract_sites(contract: str) -> dict[str, str]:
@@ -413,14 +421,16 @@ def kda_backward(inputs: Mapping[str, Any], cotangents: Mapping[str, Any] | None
                  chunk_size: int = 0, gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None,
                  beta: str = "as_given", l2norm: bool = False, scale: float | None = None,
                  state_layout: str = "k_first", precision: str = "double", threads: int | None = None,
-                 memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
+                 memory_budget: int | str | None = None,
+        progress_after: float | None = None) -> dict[str, torch.Tensor]:
     """Gradients of the KDA forward for the loss sum(o * d_o) + sum(final_state * d_final_state).
     cotangents: d_o [B, T, HV, V] and optional d_final_state; they may also sit in `inputs`
     (as in the kda.backward goldens). method "adjoint" (the adjoint recurrence) or "chunkwise"
     (the chunkwise backward, chunk_size 0 = 16, which also returns its stage tensors
     chunk_states, chunk_state_gradients, du, dg_cumulative, chunk_starts). Returns dq, dk, dv,
     dg (w.r.t. g as passed, under `gate`), dbeta (before its activation), d_initial_state, and
-    dA_log / ddt_bias when those were given."""
+    dA_log / ddt_bias when those were given.
+    progress_after: progress lines past an estimated duration, as for kda."""
     fn = "kda_backward"
     inputs, cotangents = _split_cotangents(fn, inputs, cotangents)
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
@@ -431,7 +441,8 @@ def kda_backward(inputs: Mapping[str, Any], cotangents: Mapping[str, Any] | None
     precision = _choice(fn, "precision", precision)
     _check_memory(fn, {**t, **c}, opt, precision, _memory_budget(fn, memory_budget), backward=True,
                   chunk_size=(chunk_size or 16) if method == "chunkwise" else 0, stages=method == "chunkwise")
-    return _call(fn, _compiled().kda_backward, t, c, opt, method, chunk_size, precision)
+    return _call(fn, _compiled().kda_backward, t, c, opt, method, chunk_size, precision,
+                 _progress_after(fn, progress_after))
 
 
 def _split_cotangents(fn: str, inputs: Any, cotangents: Any) -> tuple[dict[str, Any], Any]:
@@ -462,12 +473,14 @@ def kcp_forward(inputs: Mapping[str, Any], splits: torch.Tensor | Sequence[int] 
                 beta: str = "as_given", l2norm: bool = False, scale: float | None = None,
                 state_layout: str = "k_first", all_states: bool = False, no_final_state: bool = False,
                 precision: str = "double", threads: int | None = None,
-                memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
+                memory_budget: int | str | None = None,
+        progress_after: float | None = None) -> dict[str, torch.Tensor]:
     """Context-parallel KDA over P simulated ranks (docs/kcp.md): splits [P + 1] are the ranks'
     token boundaries (0 .. T; also accepted as inputs["splits"]), inputs as for kda with B = 1
     and cu_seqlens. merge: how gathered fragments become entering states ("origin_rank" is
     FLA's). Returns o, final_state (and all_states), and per rank, stacked: fragment_transition
-    [P, HV, K, K], fragment_state [P, HV, K, V], entering_state [P, HV, K, V], origin_rank [P]."""
+    [P, HV, K, K], fragment_state [P, HV, K, V], entering_state [P, HV, K, V], origin_rank [P].
+    progress_after: progress lines past an estimated duration, as for kda."""
     fn = "kcp_forward"
     inputs, s = _splits(fn, inputs, splits)
     t = _tensors(fn, inputs, KDA_INPUTS, KDA_INPUTS[:5])
@@ -475,7 +488,8 @@ def kcp_forward(inputs: Mapping[str, Any], splits: torch.Tensor | Sequence[int] 
                        no_final_state, threads)
     precision = _choice(fn, "precision", precision)
     _check_memory(fn, t, opt, precision, _memory_budget(fn, memory_budget), ranks=max(len(s) - 1, 0))
-    return _call(fn, _compiled().kcp_forward, t, opt, s, _choice(fn, "merge", merge), precision)
+    return _call(fn, _compiled().kcp_forward, t, opt, s, _choice(fn, "merge", merge), precision,
+                 _progress_after(fn, progress_after))
 
 
 def kcp_backward(inputs: Mapping[str, Any], cotangents: Mapping[str, Any] | None = None,
@@ -483,11 +497,13 @@ def kcp_backward(inputs: Mapping[str, Any], cotangents: Mapping[str, Any] | None
                  gate: str = "log_decay", gate_base: str | int = "e", lower_bound: float | None = None, beta: str = "as_given",
                  l2norm: bool = False, scale: float | None = None, state_layout: str = "k_first",
                  precision: str = "double", threads: int | None = None,
-                 memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
+                 memory_budget: int | str | None = None,
+        progress_after: float | None = None) -> dict[str, torch.Tensor]:
     """The context-parallel backward: each rank's adjoint over its slice from the state it
     entered with and the state gradient arriving from the next rank. Returns the gathered
     gradients (as kda_backward) and, stacked per rank, cp_entering_states and
-    cp_entering_state_gradients [P, HV, K, V] (the kda.backward goldens' names)."""
+    cp_entering_state_gradients [P, HV, K, V] (the kda.backward goldens' names).
+    progress_after: progress lines past an estimated duration, as for kda."""
     fn = "kcp_backward"
     inputs, s = _splits(fn, inputs, splits)
     inputs, cotangents = _split_cotangents(fn, inputs, cotangents)
@@ -497,15 +513,18 @@ def kcp_backward(inputs: Mapping[str, Any], cotangents: Mapping[str, Any] | None
     precision = _choice(fn, "precision", precision)
     _check_memory(fn, {**t, **c}, opt, precision, _memory_budget(fn, memory_budget), backward=True,
                   ranks=max(len(s) - 1, 0))
-    return _call(fn, _compiled().kcp_backward, t, c, opt, s, _choice(fn, "merge", merge), precision)
+    return _call(fn, _compiled().kcp_backward, t, c, opt, s, _choice(fn, "merge", merge), precision,
+                 _progress_after(fn, progress_after))
 
 
 def attnres(inputs: Mapping[str, Any], *, eps: float = 1e-6, block_size: int | None = None, two_phase: bool = False,
-            precision: str = "double", memory_budget: int | str | None = None) -> dict[str, torch.Tensor]:
+            precision: str = "double", memory_budget: int | str | None = None,
+        progress_after: float | None = None) -> dict[str, torch.Tensor]:
     """Attention Residuals with teacher forcing (docs/attnres.md). inputs: values [L+1, T, d],
     queries and norm_weights [L+1, d]. block_size None: full AttnRes; otherwise block AttnRes
     (two_phase: the two-phase inference form). Returns h [L+1, T, d], alpha, and for blocks
-    block_sums (and phase1_output, phase1_max, phase1_sum with two_phase)."""
+    block_sums (and phase1_output, phase1_max, phase1_sum with two_phase).
+    progress_after: progress lines past an estimated duration, as for kda."""
     fn = "attnres"
     names = ("values", "queries", "norm_weights")
     t = _tensors(fn, inputs, names, names)
@@ -523,19 +542,21 @@ def attnres(inputs: Mapping[str, Any], *, eps: float = 1e-6, block_size: int | N
                                   f"T = {T}, d = {d}), over the memory_budget of {_gib(budget)} (memory_budget=: "
                                   "bytes or '512M'; default half the machine's memory)")
     return _call(fn, _compiled().attnres, t["values"], t["queries"], t["norm_weights"], _number(fn, "eps", eps, False),
-                 block_size, _flag(fn, "two_phase", two_phase), precision)
+                 block_size, _flag(fn, "two_phase", two_phase), precision, _progress_after(fn, progress_after))
 
 
 def qb_solver(inputs: Mapping[str, Any], *, k: int, iterations: int,
-              beta0: torch.Tensor | NDArray[Any] | None = None) -> dict[str, torch.Tensor]:
+              beta0: torch.Tensor | NDArray[Any] | None = None,
+              progress_after: float | None = None) -> dict[str, torch.Tensor]:
     """The Quantile Balancing alternating solver (docs/qb.md), in double: exact on dyadic
     scores. inputs: scores [m, n]. Returns per iteration alpha [T, m], beta [T, n], selection
-    [T, m, k] (int32, best first, k3ref's tie rule) and loads [T, n] (int64)."""
+    [T, m, k] (int32, best first, k3ref's tie rule) and loads [T, n] (int64).
+    progress_after: progress lines past an estimated duration, as for kda."""
     fn = "qb_solver"
     t = _tensors(fn, inputs, ("scores",), ("scores",))
     b0 = None if beta0 is None else _as_float64(fn, "beta0", beta0)
     return _call(fn, _compiled().qb_solver, t["scores"], _count(fn, "k", k, 1), _count(fn, "iterations", iterations, 0),
-                 b0)
+                 b0, _progress_after(fn, progress_after))
 
 
 def save(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor | NDArray[Any]],

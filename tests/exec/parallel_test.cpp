@@ -121,5 +121,22 @@ TEST(ProgressLines, AboveTheThresholdTheFirstAndLastLineCountEveryThreadsUnits) 
   EXPECT_EQ(lines[1].rfind("work: 4000 of 4000 items done in ", 0), 0u) << lines[1];
 }
 
+TEST(ProgressLines, WorkThatReportsNoUnitsTicksAndEndsWithTheWholeTotalDone) {
+  std::vector<std::string> lines;
+  {
+    ProgressLines p("work", "items", 7, 9.0, 5.0, [&](const std::string& line) { lines.push_back(line); });
+    p.tick();
+    p.tick();  // a second call starts no second ticker
+    p.finish();  // done before the first tick (2 s): the start and the end line only
+  }
+  ASSERT_EQ(lines.size(), 2u) << lines.back();
+  EXPECT_EQ(lines[0], "work: about 9.0 s estimated for 7 items; progress every 2.0 s");
+  EXPECT_EQ(lines[1].rfind("work: 7 of 7 items done in ", 0), 0u) << lines[1];
+  ProgressLines inactive("work", "items", 7, 1.0, 5.0, [&](const std::string& line) { lines.push_back(line); });
+  inactive.tick();  // below the threshold: no thread, no line
+  inactive.finish();
+  EXPECT_EQ(lines.size(), 2u);
+}
+
 }  // namespace
 }  // namespace k3ref::exec

@@ -4,7 +4,9 @@ start (kda::recurrent_progress: 0.7 us per token-head and element of the K x V s
 256 bits, 3 ns in double, on one thread), and a call estimated at 5 s or more writes a line
 at once, one every 2 s while it runs (token-heads done of the total, elapsed, left) and one
 when done, on stderr; a shorter call writes nothing. `progress_after` / `--progress-after`
-moves the threshold (0: always; negative: never)."""
+moves the threshold (0: always; negative: never). The other references (chunkwise, contract,
+backward, KCP, AttnRes, QB) estimate by their cost relative to the recurrence (or their own
+figure) and, reporting no units as they go, say every 2 s how long they have run."""
 import os
 import re
 import subprocess
@@ -94,3 +96,71 @@ def test_the_command_prints_progress_past_the_threshold_only(tmp_path):
     bad = subprocess.run([EXE, "kda", "--in", "in.safetensors", "--out", "c.safetensors", "--progress-after", "nan"],
                          cwd=tmp_path, capture_output=True, text=True)
     assert bad.returncode == 2 and "--progress-after" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def _cotangent(x, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return dict(x, d_o=torch.rand(x["v"].shape, generator=gen, dtype=torch.float64) - 0.5)
+
+
+def _attnres_inputs(L1, T, d):
+    gen = torch.Generator().manual_seed(2)
+    return dict(values=torch.randn(L1, T, d, generator=gen, dtype=torch.float64),
+                queries=torch.randn(L1, d, generator=gen, dtype=torch.float64),
+                norm_weights=1 + 0.1 * torch.randn(L1, d, generator=gen, dtype=torch.float64))
+
+
+# (what, call with progress_after=A, the total its first line names and its unit)
+CALLS = [
+    ("k3ref.kda_chunkwise", lambda a: k3ref.kda_chunkwise(inputs(20, 2, 8, 8), progress_after=a), "40 token-heads"),
+    ("k3ref.kda_chunkwise", lambda a: k3ref.kda_chunkwise(inputs(20, 2, 8, 8), chunk_form="fla", progress_after=a),
+     "40 token-heads"),
+    ("k3ref.kda_contract", lambda a: k3ref.kda_contract(inputs(20, 2, 8, 8), "fla_chunk", progress_after=a),
+     "40 token-heads"),
+    ("k3ref.kda_backward", lambda a: k3ref.kda_backward(_cotangent(inputs(20, 2, 8, 8)), progress_after=a),
+     "40 token-heads"),
+    ("k3ref.kda_backward", lambda a: k3ref.kda_backward(_cotangent(inputs(20, 2, 8, 8)), method="chunkwise",
+                                                        progress_after=a), "40 token-heads"),
+    ("k3ref.kcp_forward", lambda a: k3ref.kcp_forward(dict(inputs(20, 2, 8, 8), cu_seqlens=[0, 20]), [0, 8, 20],
+                                                      progress_after=a), "40 token-heads"),
+    ("k3ref.kcp_backward", lambda a: k3ref.kcp_backward(_cotangent(dict(inputs(20, 2, 8, 8), cu_seqlens=[0, 20])),
+                                                        splits=[0, 8, 20], progress_after=a), "40 token-heads"),
+    ("k3ref.attnres", lambda a: k3ref.attnres(_attnres_inputs(5, 6, 8), progress_after=a), "30 token-slots"),
+    ("k3ref.qb_solver", lambda a: k3ref.qb_solver({"scores": torch.rand(16, 8, dtype=torch.float64,
+                                                                        generator=torch.Generator().manual_seed(3))}, k=2,
+                                                  iterations=3, progress_after=a), "3 iterations"),
+]
+
+
+@pytest.mark.parametrize("what, call, total", CALLS, ids=[f"{c[0]}-{i}" for i, c in enumerate(CALLS)])
+def test_every_reference_has_progress_lines_past_its_threshold_only(capsys, what, call, total):
+    quiet = call(-1)
+    assert capsys.readouterr().err == ""
+    shown = call(0)
+    got = capsys.readouterr().err.strip().splitlines()
+    count, unit = total.split(" ", 1)
+    assert len(got) == 2, got  # done well under 2 s: the first line and the last
+    assert re.fullmatch(rf"{what}: about [0-9.]+ s estimated for {total}; progress every 2\.0 s", got[0]), got
+    assert re.fullmatch(rf"{what}: {count} of {total} done in [0-9.]+ s", got[1]), got
+    assert quiet.keys() == shown.keys() and all(torch.equal(quiet[n], shown[n]) for n in quiet)  # no bit changed
+    call(None)  # the default threshold, 5 s: these calls are estimated far under it
+    assert capsys.readouterr().err == ""
+
+
+def test_a_reference_that_reports_no_units_says_how_long_it_has_run(capsys):
+    # kcp_forward at 256 bits, one thread, 384 tokens x 2 heads at K = V = 64: 768 token-heads x
+    # 4096 elements x 0.7 us x 2.53 (kda::RelativeCost::kcp_forward) = 5.6 s estimated, over the
+    # default threshold, so at least one line of the ticker (every 2 s) between the first and the last.
+    x = dict(inputs(384, 2, 64, 64), cu_seqlens=[0, 384])
+    k3ref.kcp_forward(x, [0, 128, 256, 384], precision="mp256", threads=1)
+    got = capsys.readouterr().err.strip().splitlines()
+    first, *between, last = got
+    start = re.fullmatch(r"k3ref.kcp_forward: about ([0-9.]+) s estimated for 768 token-heads; progress every 2\.0 s",
+                         first)
+    assert start and float(start.group(1)) == pytest.approx(768 * 4096 * 0.7e-6 * 2.53, abs=0.05), got
+    ticks = [re.fullmatch(r"k3ref.kcp_forward: ([0-9.]+) s elapsed of about ([0-9.]+) s estimated", b) for b in between]
+    assert ticks and all(ticks), got
+    elapsed = [float(m.group(1)) for m in ticks]
+    assert elapsed[0] >= 1.9 and all(b - a >= 1.9 for a, b in zip(elapsed, elapsed[1:])), elapsed
+    done = re.fullmatch(r"k3ref.kcp_forward: 768 of 768 token-heads done in ([0-9.]+) s", last)
+    assert done and float(done.group(1)) >= elapsed[-1], got

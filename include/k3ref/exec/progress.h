@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <functional>
 #include <mutex>
+#include <condition_variable>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <utility>
@@ -36,14 +38,37 @@ class ProgressLines {
   // `total` units named `unit` ("token-heads"); lines start with `what` ("k3ref kda"). Active
   // when `estimate` (seconds) is at least `after` (negative: never; 0: always) and a sink is given.
   ProgressLines(std::string what, std::string unit, std::int64_t total, double estimate, double after, Sink sink)
-      : what_(std::move(what)), unit_(std::move(unit)), total_(total), sink_(std::move(sink)),
+      : what_(std::move(what)), unit_(std::move(unit)), total_(total), estimate_(estimate), sink_(std::move(sink)),
         active_(sink_ && after >= 0 && estimate >= after), start_(Clock::now()), last_(start_) {
     if (active_)
       emit(what_ + ": about " + seconds(estimate) + " s estimated for " + std::to_string(total_) + " " + unit_ +
            "; progress every " + seconds(every_seconds) + " s");
   }
 
+  ~ProgressLines() { stop_ticking(); }
+  ProgressLines(const ProgressLines&) = delete;
+  ProgressLines& operator=(const ProgressLines&) = delete;
+
   bool active() const { return active_; }
+
+  // For work that reports no units as it goes: a line every every_seconds from a thread of
+  // its own (elapsed against the estimate) until finish(), which counts the whole total done.
+  void tick() {
+    if (!active_ || ticked_) return;
+    ticked_ = true;
+    ticker_ = std::jthread([this](std::stop_token stop) {
+      std::mutex m;
+      std::unique_lock lock(m);
+      std::condition_variable_any wake;
+      for (;;) {
+        wake.wait_for(lock, stop, std::chrono::duration<double>(every_seconds), [] { return false; });
+        if (stop.stop_requested()) return;
+        const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
+        std::lock_guard line(line_);
+        emit(what_ + ": " + seconds(elapsed) + " s elapsed of about " + seconds(estimate_) + " s estimated");
+      }
+    });
+  }
 
   // `units` more done; from any thread. Prints a line when the last one is old enough and no
   // other thread is printing (never waits for one).
@@ -65,10 +90,20 @@ class ProgressLines {
   // The last line, once the work is done.
   void finish() {
     if (!active_) return;
+    stop_ticking();
+    if (ticked_) done_ = total_;
     const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
     std::lock_guard lock(line_);
     emit(what_ + ": " + std::to_string(done_.load()) + " of " + std::to_string(total_) + " " + unit_ + " done in " +
          seconds(elapsed) + " s");
+  }
+
+  // Ends the lines of tick() (finish() and the destructor call it too). A sink that needs a
+  // lock the caller holds (Python's GIL) must see this called without that lock.
+  void stop_ticking() {
+    if (!ticker_.joinable()) return;
+    ticker_.request_stop();
+    ticker_.join();
   }
 
   // The hook a computation calls with the units it finished (empty when inactive).
@@ -92,11 +127,14 @@ class ProgressLines {
 
   std::string what_, unit_;
   std::int64_t total_;
+  double estimate_;
   Sink sink_;
   bool active_;
+  bool ticked_ = false;
   Clock::time_point start_, last_;
   std::atomic<std::int64_t> done_{0};
   std::mutex line_;
+  std::jthread ticker_;  // last: joined (by the destructor) before the members it reads go
 };
 
 }  // namespace k3ref::exec

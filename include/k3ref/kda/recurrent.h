@@ -195,20 +195,44 @@ Outputs<S> recurrent_core(const PreparedInputs<S>& p, const std::optional<Tensor
 inline constexpr double recurrent_seconds_per_element_double = 3e-9;
 inline constexpr double recurrent_seconds_per_element_multiprecision = 0.7e-6;
 
-// Progress lines (exec/progress.h) for the recurrence on `in`, by token-heads (a token of one
-// value head): active when the estimate for its size, tier and threads is at least `after`
-// seconds. The computation reports to it through opt.progress = lines.hook().
+// Seconds of the other KDA references per second of the recurrence on the same inputs and
+// tier, for their progress estimates: measured on the same machine as the figures above, at
+// 256 bits, 256 tokens, HV = 2, K = V = 32 (one thread, the middle of three runs; KCP over 4
+// ranks); the contract in double, 1024 tokens, HV = 4, K = V = 64.
+struct RelativeCost {
+  static constexpr double recurrent = 1;
+  static constexpr double chunkwise_flashkda = 1.65;  // chunk 16
+  static constexpr double chunkwise_fla = 2.63;       // chunk 64, sub-chunks of 16
+  static constexpr double backward_adjoint = 3.24;
+  static constexpr double backward_chunkwise = 3.83;  // chunk 16
+  static constexpr double kcp_forward = 2.53;
+  static constexpr double kcp_backward = 9.0;
+  static constexpr double contract = 5.2;  // double only: fla_chunk's roundings
+};
+
+// Progress lines (exec/progress.h) for a KDA reference on `in`, by token-heads (a token of
+// one value head): active when the estimate for its size, tier, threads and cost relative to
+// the recurrence is at least `after` seconds. A computation reports to it through
+// opt.progress = lines.hook(); one that reports nothing runs with lines.tick() beside it.
 template <class S>
-exec::ProgressLines recurrent_progress(std::string what, const Inputs<S>& in, const Options<S>& opt,
-                                       bool multiprecision, double after, exec::ProgressLines::Sink sink) {
+exec::ProgressLines token_head_progress(std::string what, const Inputs<S>& in, const Options<S>& opt,
+                                        bool multiprecision, double relative_cost, double after,
+                                        exec::ProgressLines::Sink sink) {
   const Dims d = validated_dims(in, opt);
   std::int64_t token_heads = 0;
   for (std::int64_t n = 0; n < d.N; ++n) token_heads += (d.seq_end[n] - d.seq_begin[n]) * d.HV;
   const double per_element =
       multiprecision ? recurrent_seconds_per_element_multiprecision : recurrent_seconds_per_element_double;
   const double estimate = exec::estimated_seconds(static_cast<double>(token_heads) * static_cast<double>(d.K * d.V),
-                                                  per_element, d.N * d.HV, opt.num_threads);
+                                                  per_element * relative_cost, d.N * d.HV, opt.num_threads);
   return exec::ProgressLines(std::move(what), "token-heads", token_heads, estimate, after, std::move(sink));
+}
+
+// The recurrence's own (it reports its token-heads as it goes).
+template <class S>
+exec::ProgressLines recurrent_progress(std::string what, const Inputs<S>& in, const Options<S>& opt,
+                                       bool multiprecision, double after, exec::ProgressLines::Sink sink) {
+  return token_head_progress(std::move(what), in, opt, multiprecision, RelativeCost::recurrent, after, std::move(sink));
 }
 
 // The full KDA forward by the recurrence: validation, optional stages, recurrence.

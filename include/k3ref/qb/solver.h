@@ -202,6 +202,11 @@ Iterate<S> solver_step(const Tensor<S>& scores, const std::vector<S>& beta_in, c
   return it;
 }
 
+// Seconds per element of iterations x m x n, for progress estimates: alternating_solver at
+// m = 4096 tokens, n = 64 experts, k = 4, 8 iterations, on the idle 2-core development
+// machine, the middle of three runs.
+inline constexpr double solver_seconds_per_element = 30e-9;
+
 // `iterations` iterations from beta0 (zero when empty); element t is iteration t + 1.
 template <class S>
 std::vector<Iterate<S>> alternating_solver(const Tensor<S>& scores, std::int64_t k, int iterations,
