@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <regex>
 #include <set>
 #include <sstream>
 
@@ -131,17 +130,40 @@ TensorRule rule_from(const json& spec, std::optional<num::Format> dtype, const s
   return r;
 }
 
-// "exact", "floor:<m>", "rel-rms:<r>" -> (metric, value); nullopt for other names. The
-// number's spelling is the Python reader's (_NUMBER): digits, optional fraction, exponent.
+// Whether `text` is a decimal number as the policy names spell it: digits with an optional
+// fraction (or a fraction alone), then an optional exponent; no sign, no spaces. Scanned by
+// hand, not by std::regex: in a process where PyTorch (its own build of libstdc++'s regex)
+// was loaded first, constructing a std::regex here crashed (measured on the H200, GCC 13).
+bool is_decimal_number(const std::string& text) {
+  std::size_t i = 0, digits = 0;
+  auto run = [&] {
+    const std::size_t from = i;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i;
+    return i - from;
+  };
+  digits += run();
+  if (i < text.size() && text[i] == '.') {
+    ++i;
+    digits += run();
+  }
+  if (digits == 0) return false;
+  if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
+    ++i;
+    if (i < text.size() && (text[i] == '+' || text[i] == '-')) ++i;
+    if (run() == 0) return false;
+  }
+  return i == text.size();
+}
+
+// "exact", "floor:<m>", "rel-rms:<r>" -> (metric, value); nullopt for other names.
 std::optional<std::pair<RuleMetric, double>> parametric(const std::string& name) {
   if (name == "exact") return std::pair{RuleMetric::exact, 0.0};
-  static const std::regex number(R"(([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)");
   for (const auto& [prefix, metric] : {std::pair<std::string, RuleMetric>{"floor:", RuleMetric::floor_multiple},
                                        std::pair<std::string, RuleMetric>{"rel-rms:", RuleMetric::rel_rms}}) {
     if (name.rfind(prefix, 0) != 0) continue;
     const std::string text = name.substr(prefix.size());
     double value = -1;
-    if (std::regex_match(text, number)) value = std::strtod(text.c_str(), nullptr);  // inf on overflow
+    if (is_decimal_number(text)) value = std::strtod(text.c_str(), nullptr);  // inf on overflow
     if (!(value > 0) || !std::isfinite(value))
       throw InvalidArgument(one_line("tolerance policy '" + name + "': '" + text + "' is not a positive number"));
     return std::pair{metric, value};
