@@ -226,8 +226,14 @@ def _warm_up_of(selected, opts, device, speed, progress):
                 write_status()
 
         write_status()
-        record = warmup.run_selected(selected, device, jobs=opts.warmup_jobs, timeout=opts.warmup_timeout,
-                                     progress=progress, on_unit_done=on_unit_done)
+        try:
+            record = warmup.run_selected(selected, device, jobs=opts.warmup_jobs, timeout=opts.warmup_timeout,
+                                         progress=progress, on_unit_done=on_unit_done)
+        except Exception as e:  # the scheduler itself broke: the checks compile what they need
+            reason = f"the warm-up stopped: {type(e).__name__}: {e}"[:300]
+            record = {"jobs": 0, "wall_s": 0.0, "errors": 1, "error": reason,
+                      "groups": [{"adapter": "-", "group": {}, "status": "error", "reason": reason}],
+                      "totals": {"compile_s": 0.0, "autotune_s": 0.0, "compiles": 0, "configs_benchmarked": 0}}
         speed["warmup"] = record
         if any(g.get("status") not in ("skipped", "warm") for g in record["groups"]):
             warmup.write_record(record, os.environ.get(warmup.CACHE_VARIABLE) or ".")

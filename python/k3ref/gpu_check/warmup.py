@@ -482,58 +482,6 @@ def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env
             "errors": sum(g.get("status") == "error" for g in groups)}
 
 
-class Background:
-    """The warm-up in a thread beside the check phase: `wait(names)` returns once every unit of
-    those adapters has run (at once for adapters with none: kernels built ahead of time, or
-    warm), so their checks start while Triton still compiles the others."""
-
-    def __init__(self, todo, skipped, run):
-        import threading
-
-        self.cond = threading.Condition()
-        self.pending = {}
-        for unit in todo:
-            self.pending[unit[0].name] = self.pending.get(unit[0].name, 0) + 1
-        self.record, self.error = None, None
-
-        def body():
-            try:
-                self.record = run((todo, skipped), self._unit_done)
-            except BaseException as e:  # the checks then compile what they need
-                self.error = e
-            finally:
-                with self.cond:
-                    self.pending.clear()
-                    self.cond.notify_all()
-
-        self.thread = threading.Thread(target=body, daemon=True)
-        self.thread.start()
-
-    def _unit_done(self, name):
-        with self.cond:
-            self.pending[name] = self.pending.get(name, 1) - 1
-            self.cond.notify_all()
-
-    def waiting(self, names):
-        with self.cond:
-            return sum(self.pending.get(n, 0) for n in names)
-
-    def wait(self, names):
-        with self.cond:
-            self.cond.wait_for(lambda: all(self.pending.get(n, 0) <= 0 for n in names))
-
-    def finish(self):
-        """The warm-up's record. A warm-up that broke (not a unit's error: the scheduler itself)
-        is one error in the record; the checks compiled what they needed, so no verdict is lost."""
-        self.thread.join()
-        if self.error is not None:
-            reason = f"the warm-up stopped: {type(self.error).__name__}: {self.error}"[:300]
-            return {"jobs": 0, "wall_s": 0.0, "errors": 1, "error": reason,
-                    "groups": [{"adapter": "-", "group": {}, "status": "error", "reason": reason}],
-                    "totals": {"compile_s": 0.0, "autotune_s": 0.0, "compiles": 0, "configs_benchmarked": 0}}
-        return self.record
-
-
 def short_group(group):
     g = dict(group)
     if "test" in g:
@@ -573,46 +521,6 @@ def add_run_options(p):
     p.add_argument("--autotune-configs", choices=("winner", "all"), default="winner",
                    help="all: run every golden check once per autotune configuration of each autotuned kernel "
                         "(deep mode, slow); winner: only the configuration the autotuner picks (default)")
-
-
-def prepare(args, tests, suite, adapters, background=False):
-    """Before `run` executes its tests: the shape plan (metamorphic configs chosen, tests
-    ordered by shape), deep mode passed to the children, and the warm-up unless --no-warmup.
-    Returns (tests, record for the report's summary, None), the warm-up done; with
-    `background`, (tests, record, Background) with the warm-up running: the caller waits per
-    adapter (Background.wait) and calls finish_background at the end."""
-    from . import autotune, shapes
-
-    os.environ[autotune.MODE_VARIABLE] = getattr(args, "autotune_configs", "winner") or "winner"
-    plan = shapes.build(tests, suite)
-    tests = shapes.order(tests, plan)
-    info = {"cache_dir": os.environ.get(CACHE_VARIABLE), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
-            "shape_plan": plan.summary(), "autotune_configs": os.environ[autotune.MODE_VARIABLE]}
-    s = info["shape_plan"]
-    print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
-          f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS)", flush=True)
-    handle = None
-    if not getattr(args, "no_warmup", False) and plan.shapes:
-        selected = select(units(plan, adapters), args.device, warm_keys(os.environ.get(CACHE_VARIABLE)))
-
-        def go(sel, on_unit_done=None):
-            return run_selected(sel, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
-                                progress=lambda line: print(line, flush=True), on_unit_done=on_unit_done)
-
-        if background:
-            handle = Background(selected[0], selected[1], go)
-            info["warmup_beside_checks"] = True
-        else:
-            finish_warmup(info, go(selected))
-    return tests, info, handle
-
-
-def finish_warmup(info, record):
-    """The warm-up's record into the run's summary and DIR/warmup.json; its table printed."""
-    info["warmup"] = record
-    if any(g.get("status") not in ("skipped", "warm") for g in record["groups"]):
-        write_record(record, os.environ.get(CACHE_VARIABLE) or ".")
-    print(table(record), flush=True)
 
 
 def add_subparser(sub, kernel_options):
