@@ -203,7 +203,7 @@ class TestDeep:
         from k3ref import goldens
 
         case = goldens.load_case(ROOT / "goldens" / "kda_t100.safetensors")
-        res = autotune.golden_all_configs(Autotuned(), case, "cpu")
+        res = checks.golden_all_configs(Autotuned(), case, "cpu")
         rows = {r["config"]: r["status"] for r in res.extra["configs"]}
         # The winner (block 64) passes; block 32 is 0.01 off: fails; block 128 does not fit.
         assert rows == ({"BLOCK=16, num_warps=4, num_stages=2": "pass",

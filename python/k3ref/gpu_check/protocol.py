@@ -7,7 +7,10 @@ the fields in full). This module imports nothing else of the harness: the checks
 the adapters import it and the checks, the registry imports the adapters, the front ends the
 registry.
 """
+import hashlib
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -149,3 +152,68 @@ class BrokenAdapter(Adapter):
 
     def load(self):
         raise RuntimeError(self.reason)
+
+
+def _tracked_by_git(where):
+    """Whether git tracks the files of `where` in the work tree holding it: a package copied
+    into an ignored folder of another checkout (k3ref's own .thirdparty/, measured on the H200:
+    FLA was reported as k3ref's commit) is not that checkout's source. False without git."""
+    try:
+        out = subprocess.run(["git", "-C", str(where), "ls-files", "--", "."], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
+def _git_commit(start):
+    """The commit checked out in the git work tree holding `start` (read from .git's files),
+    or None; None too when that work tree does not track `start`'s files (_tracked_by_git)."""
+    if not _tracked_by_git(start):
+        return None
+    for d in [start, *start.parents][:6]:
+        git = d / ".git"
+        try:
+            if git.is_file():  # a worktree or submodule: "gitdir: <path>"
+                git = (d / git.read_text(errors="replace").strip().partition("gitdir:")[2].strip()).resolve()
+            if not git.is_dir():
+                continue
+            head = (git / "HEAD").read_text().strip()
+            if not head.startswith("ref:"):
+                return head[:40]
+            ref = head.partition("ref:")[2].strip()
+            bases = [git]
+            if (git / "commondir").is_file():  # a worktree keeps its refs in the main .git
+                bases.append((git / (git / "commondir").read_text().strip()).resolve())
+            for base in bases:
+                if (base / ref).is_file():
+                    return (base / ref).read_text().strip()[:40]
+                if (base / "packed-refs").is_file():
+                    for line in (base / "packed-refs").read_text().splitlines():
+                        if line.endswith(" " + ref):
+                            return line.split()[0][:40]
+        except OSError:
+            return None
+    return None
+
+
+_SOURCE_IDENTITY = {}
+
+
+def source_identity(mod):
+    """Which source a kernel module is: 'git <commit>' of the checkout it lies in, else
+    'files sha256:<12 hex>' over its package's .py files (relative paths and contents), so that
+    two trees of one package version months apart are told apart in every report."""
+    where = Path(getattr(mod, "__file__", "") or "").resolve().parent
+    if where in _SOURCE_IDENTITY:
+        return _SOURCE_IDENTITY[where]
+    commit = _git_commit(where) if where.name else None
+    if commit:
+        ident = f"git {commit}"
+    else:
+        h = hashlib.sha256()
+        for f in sorted(where.rglob("*.py")):
+            h.update(str(f.relative_to(where)).encode() + b"\0" + f.read_bytes() + b"\0")
+        ident = f"files sha256:{h.hexdigest()[:12]}"
+    _SOURCE_IDENTITY[where] = ident
+    return ident

@@ -84,7 +84,7 @@ def reference_versions(golden_dir=None):
     of its MANIFEST.json) and the policy table (its sha256)."""
     import k3ref
     from .. import goldens, policy
-    from .adapters import source_identity
+    from .protocol import source_identity
 
     v = {"k3ref": f"{getattr(k3ref, '__version__', '?')}, {source_identity(k3ref)}"}
     try:
