@@ -209,6 +209,16 @@ def _count(fn: str, name: str, value: Any, minimum: int, maximum: int = MAX_COUN
     return value
 
 
+def kda_options(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The kda / kda_contract keyword arguments of a KDA parameter object (a golden's params,
+    a prop case, an adapter's params): the golden schema's names mapped once onto this
+    module's option names (`qk_l2norm` -> `l2norm`); a key absent takes the option's default."""
+    return dict(gate=params.get("gate", "log_decay"), gate_base=params.get("gate_base", "e"),
+                lower_bound=params.get("lower_bound"), beta=params.get("beta", "as_given"),
+                l2norm=bool(params.get("qk_l2norm")), scale=params.get("scale"),
+                state_layout=params.get("state_layout", "k_first"))
+
+
 def _kda_options(fn: str, gate: Any, gate_base: Any, lower_bound: Any, beta: Any, l2norm: Any, scale: Any,
                  state_layout: Any, all_states: Any, no_final_state: Any, threads: Any) -> dict[str, Any]:
     """The `k3ref kda` options, checked once, as k3ref._core reads them."""

@@ -3,9 +3,11 @@
 An adapter (a subclass of `Adapter`) states what it is (`name`, `family`, `kind`), what it
 supports (`checks`, `golden_ops`, `domain`, `case_unsupported`), how it runs (`load`, `run_check`,
 returning a `CheckResult`) and its precision contract and policy (adapters.py documents
-the fields in full). This module imports nothing else of the harness: the checks import it,
-the adapters import it and the checks, the registry imports the adapters, the front ends the
-registry.
+the fields in full); `source_identity` names the source a kernel module was loaded from. The
+run configuration is `RunOptions` (frozen) with `KERNEL_PATHS`, the kernels' checkout paths.
+This module imports nothing else of the harness: the checks import it, the adapters import
+it and the checks, the registry resolves the adapters by name (never importing them), the
+front ends use the registry.
 """
 import hashlib
 import subprocess
@@ -13,6 +15,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+
+# The checkout paths of the kernels, as the environment variables the adapters read.
+KERNEL_PATHS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla package"),
+                ("flashkda_path", "K3REF_FLASHKDA_PATH", "directory holding the flash_kda package and its extension"),
+                ("liger_path", "K3REF_LIGER_PATH", "Liger-Kernel checkout (holding src/liger_kernel) for its AttnRes "
+                                                   "kernel"),
+                ("torchtitan_path", "K3REF_TORCHTITAN_PATH", "torchtitan checkout (holding torchtitan/) for its "
+                                                             "Quantile Balancing"),
+                ("lib", "K3GC_LIB", "path of libk3gc.so (default: build*/gpu_check/)"))
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Every option of a run, as the plugin's command line gave it (`--k3ref-*`)."""
+
+    adapters: tuple = ()          # MODULE:NAME specs
+    builtin: bool = False         # also the built-in adapters and installed entry points
+    only: tuple = None            # adapter names (each must exist)
+    no_mutants: bool = False
+    checks: tuple = None
+    cases: tuple = None
+    goldens: str = None
+    device: str = None
+    known_limitations: str = None
+    policy: str = None            # every KDA adapter judged under this policy instead of its own
+    check_timeout: float = 900.0
+    load_timeout: float = 900.0
+    budget: float = 0.0
+    isolate: bool = True
+    report: str = None            # directory of report.html / report.json
+    warmup: bool = True
+    warmup_jobs: int = None
+    warmup_timeout: float = 1800.0
+    autotune_configs: str = "winner"
+    cache_dir: str = None
+    kernel_paths: tuple = ()      # ((environment variable, path), ...)
 
 
 @dataclass
