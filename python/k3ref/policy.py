@@ -58,7 +58,6 @@ from ._data import shipped_file
 
 TABLE_VERSION = 1
 EXIT_PASS, EXIT_FAIL, EXIT_UNUSABLE = 0, 1, 2
-REQUIRED_ROLES = ("output", "gradient")  # a stage tensor is judged when the candidate has it
 
 # The table's format names of torch's floating dtypes.
 FORMAT_OF = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -422,8 +422,3 @@ def torch_test_kernels():
     """The CPU test kernels (not run unless named): the correct one and its mutants. Register
     them with `--adapter k3ref.gpu_check.adapters:torch_test_kernels`."""
     return [TorchKernelAdapter(mutation=m) for m in TorchKernelAdapter.MUTATIONS]
-
-
-def all_adapters(include_mutants=True):
-    """The built-in KDA adapters (kept for scripts of earlier versions)."""
-    return kda_adapters(include_mutants)

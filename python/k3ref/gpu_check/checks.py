@@ -516,17 +516,6 @@ def run_all(adapters, cases, device, budget_s=0.0, progress=None):
     return results
 
 
-def mutant_kills(results):
-    """{mutant: [checks that caught it]} over the mutant adapters' results."""
-    kills = {}
-    for r in results:
-        if r.adapter.startswith("mutant."):
-            kills.setdefault(r.adapter, [])
-            if r.status in ("fail", "error"):
-                kills[r.adapter].append(f"{r.check}:{r.case}")
-    return kills
-
-
 def run_op_adapters(adapters, cases, device, progress=None):
     """Golden checks of the AttnRes and QB adapters (attnres_check, qb_check) on the cases
     of their operators; an unavailable implementation is one skipped result with the reason."""

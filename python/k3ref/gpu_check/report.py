@@ -168,9 +168,6 @@ def summary(rows, results, kernels, device, seconds, passed, failures, n_goldens
 
 # --------------------------------------------------------------------------- from pytest's reports
 
-STDERR_TAIL_LINES = 40
-
-
 def stderr_summary(tail):
     """One line from a process's stderr: Python's fatal-error line and the innermost frame when
     faulthandler printed them (abort, segfault), else the last line that is not empty."""
