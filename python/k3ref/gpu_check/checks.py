@@ -8,6 +8,7 @@ import traceback
 
 import torch
 
+from .. import policy
 from . import metrics as M
 from .autotune import NOT_APPLICABLE, describe, kernel_name, pinned, recording
 from .protocol import CheckResult  # noqa: F401 (checks.CheckResult, as before)
@@ -104,16 +105,10 @@ def _agree(a, b, policy_mult, fmt=torch.bfloat16, least=0.0):
     if _bitwise_equal(a, b):
         return True, "bitwise equal", 0.0
     m = M.compare(a, b.to(a.dtype), fmt)
-    if m.first_nonfinite_mismatch >= 0:
-        return False, f"NaN/Inf in one run only, first at flat index {m.first_nonfinite_mismatch}", math.inf
-    floor = M.nominal_floor(b, fmt)
-    base = max(floor, least)
-    ratio = m.rel_rms / base if base > 0 else math.inf
-    ok = m.rel_rms <= policy_mult * base
-    what = (f"nominal floor {floor:.3e}" if base == floor else
-            f"the carried-state error {least:.3e} (above the nominal floor {floor:.3e})")
-    return ok, (f"not bitwise equal; rel RMS of the difference {m.rel_rms:.3e} {'<=' if ok else '>'} "
-                f"{policy_mult:g} x {what} ({ratio:.3g}x)"), ratio
+    # The verdict is the one judge's (check::judge_agreement), on the figure of either comparator.
+    v = policy._core().judge_agreement(m.rel_rms, m.first_nonfinite_mismatch, M.nominal_floor(b, fmt), least,
+                                       policy_mult)
+    return v["passed"], v["reason"], v["ratio"]
 
 
 def carried_state_error(inputs, params, split, state_dtype):
@@ -182,8 +177,6 @@ def _guard(adapter, check, case, fn):
 
 def policy_rule(adapter, tensor="o", op="kda.recurrent"):
     """The rule of the policy table (k3ref.policy) for the adapter's policy, or None."""
-    from .. import policy
-
     try:
         return policy.load_table().rules(adapter.policy, op).get(tensor)
     except (KeyError, ValueError):
@@ -207,8 +200,6 @@ def judge_golden(adapter, case, o, final, window_tokens=8):
     (k3ref.policy, the rules `k3ref compare` applies, same table, same figures) under the
     adapter's policy, or under its precision contract's rules when it declares one
     (docs/contracts.md), plus the error by token window for the report's plot."""
-    from .. import policy
-
     s = _shapes(case.inputs)
     candidate = {"o": o}
     if final is not None:
