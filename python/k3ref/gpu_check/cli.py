@@ -108,14 +108,15 @@ def warmup_command(args):
     """`warmup`: exit 0 when every group warmed up (or was skipped: kernel not here), 1 when
     a worker erred (the cache may be incomplete; the run would report the checks' errors)."""
     from . import collection, selection, shapes, warmup
+    from .protocol import RunOptions
 
+    csv = selection.csv_list
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    adapters, _ = selection.select(args)
-    suite = selection.load_suite(args.goldens or selection.default_goldens(), adapters)
-    checks, cases = selection.csv_list(args.checks), selection.csv_list(args.cases)
-    collection.validate(adapters, suite, checks=checks, cases=cases)
-    shapes.choose_all(adapters, suite)
-    tests = collection.collect(adapters, suite, checks=checks, cases=cases)
+    opts = RunOptions(adapters=tuple(args.adapter), builtin=not args.no_builtin, only=csv(args.only),
+                      no_mutants=args.no_mutants, checks=csv(args.checks), cases=csv(args.cases), goldens=args.goldens,
+                      device=args.device)
+    adapters, _, suite = selection.select_adapters(opts, goldens_option="--goldens")  # as the run selects them
+    tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases)
     plan = shapes.build(tests, suite)
     s = plan.summary()
     print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
