@@ -16,12 +16,13 @@ extern "C" {
 
 typedef enum { K3GC_F64 = 0, K3GC_F32 = 1, K3GC_BF16 = 2, K3GC_F16 = 3 } k3gc_dtype;
 
-/* Error metrics of a candidate against a reference, accumulated in fp64. */
+/* The sums and extremes of a candidate against a reference, accumulated in fp64. No figure
+ * is derived here: the caller makes them figures and verdicts in k3ref's one judge
+ * (k3ref::check::rel_rms_of_sums: rel RMS = sqrt(err_sq / ref_sq), floor = sqrt(floor_sq / ref_sq)). */
 typedef struct {
   int64_t count;                  /* elements compared */
-  double err_sq, ref_sq, floor_sq; /* sums over pairs that are both finite */
-  double rel_rms;                 /* sqrt(err_sq / ref_sq) (0 when both are zero) */
-  double floor_rel_rms;           /* rel RMS of rounding the reference to `format` */
+  double err_sq, ref_sq;          /* sums of (x - r)^2 and r^2 over pairs that are both finite */
+  double floor_sq;                /* sum of (r rounded to `format` - r)^2 over the same pairs */
   double max_abs;
   int64_t max_abs_index;
   double max_ulp;                 /* in ulps of `format` at the reference */
@@ -87,6 +88,11 @@ typedef struct {
 
 /* precision 0: the fp64 reference (mutation must be 0); 1: fp32 arithmetic. */
 int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mutation, void* stream);
+
+/* The code of a name: kind "format" (the policy table's fp64, fp32, bf16, fp16: a k3gc_dtype),
+ * "gate" (log_decay, softplus, lower_bound) or "beta" (as_given, sigmoid, two_sigmoid);
+ * -1 for a name or kind it does not know. */
+int k3gc_code(const char* kind, const char* name);
 
 const char* k3gc_mutation_name(int mutation);
 const char* k3gc_last_error(void);

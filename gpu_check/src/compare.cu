@@ -381,8 +381,6 @@ extern "C" int k3gc_compare(const void* candidate, int candidate_dtype, const vo
   out->err_sq = total.err_sq;
   out->ref_sq = total.ref_sq;
   out->floor_sq = total.floor_sq;
-  out->rel_rms = total.ref_sq > 0 ? std::sqrt(total.err_sq / total.ref_sq) : (total.err_sq > 0 ? INFINITY : 0.0);
-  out->floor_rel_rms = total.ref_sq > 0 ? std::sqrt(total.floor_sq / total.ref_sq) : 0.0;
   out->max_abs = total.max_abs < 0 ? 0 : total.max_abs;
   out->max_abs_index = total.max_abs_index;
   out->max_ulp = total.max_ulp < 0 ? 0 : total.max_ulp;

@@ -171,6 +171,20 @@ void register_check(py::module_& m) {
     return check::rel_rms_by_window(flat(candidate), flat(reference), Shape(reference.shape(), reference.shape() + reference.ndim()),
                                     axis, window);
   }, py::arg("candidate"), py::arg("reference"), py::arg("axis"), py::arg("window"));
+  // Elementwise over two equally long lists: libk3gc's totals or its per-window sums.
+  m.def("rel_rms_of_sums", [](const std::vector<double>& err_sq, const std::vector<double>& ref_sq) {
+    if (err_sq.size() != ref_sq.size()) throw InvalidArgument("rel_rms_of_sums: the two lists differ in length");
+    std::vector<double> out(err_sq.size());
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = check::rel_rms_of_sums(err_sq[i], ref_sq[i]);
+    return out;
+  }, py::arg("err_sq"), py::arg("ref_sq"));
+  m.def("judge_agreement", [](double rel_rms, std::int64_t first_nonfinite_mismatch, double nominal_floor, double least,
+                              double multiple) {
+    using namespace pybind11::literals;
+    const check::Agreement a = check::judge_agreement(rel_rms, first_nonfinite_mismatch, nominal_floor, least, multiple);
+    return py::dict("passed"_a = a.passed, "ratio"_a = a.ratio, "reason"_a = a.reason);
+  }, py::arg("rel_rms"), py::arg("first_nonfinite_mismatch"), py::arg("nominal_floor"), py::arg("least"),
+        py::arg("multiple"));
   m.def("describe_index", &check::describe_index, py::arg("axes"), py::arg("index"), py::arg("cu_seqlens"),
         py::arg("v_first"));
   m.def("expand_outputs", &check::expand_outputs, py::arg("spec"));

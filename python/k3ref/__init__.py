@@ -31,6 +31,8 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Sequence
 
+from . import _data
+
 if TYPE_CHECKING:  # annotations only: `import k3ref` imports neither torch nor NumPy
     import numpy as np
     import torch
@@ -87,24 +89,7 @@ KDA_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "
 KDA_COTANGENTS = ("d_o", "d_final_state")
 
 _INDEX_INPUTS = ("cu_seqlens", "splits")
-_core_module: Any = None
-
-
-def _compiled() -> Any:
-    """The compiled half (k3ref._core), imported on first use. A source checkout's tests point
-    K3REF_CORE_PATH at the build directory that holds it."""
-    global _core_module
-    if _core_module is None:
-        extra = os.environ.get("K3REF_CORE_PATH")
-        if extra and extra not in __path__:
-            __path__.append(extra)
-        try:
-            _core_module = importlib.import_module("._core", __name__)
-        except ImportError as e:
-            raise ImportError(f"k3ref's compiled references (k3ref._core) are not available ({e}); install the "
-                              "package (docs/python.md) or set K3REF_CORE_PATH to the build's python/ directory"
-                              ) from None
-    return _core_module
+_compiled = _data.compiled  # the compiled half (k3ref._core), imported on first use
 
 
 def _torch() -> Any:
@@ -222,6 +207,16 @@ def _count(fn: str, name: str, value: Any, minimum: int, maximum: int = MAX_COUN
     if value > maximum:
         _fail(fn, ValueError, f"option '{name}' must be at most {maximum}, not {value}")
     return value
+
+
+def kda_options(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The kda / kda_contract keyword arguments of a KDA parameter object (a golden's params,
+    a prop case, an adapter's params): the golden schema's names mapped once onto this
+    module's option names (`qk_l2norm` -> `l2norm`); a key absent takes the option's default."""
+    return dict(gate=params.get("gate", "log_decay"), gate_base=params.get("gate_base", "e"),
+                lower_bound=params.get("lower_bound"), beta=params.get("beta", "as_given"),
+                l2norm=bool(params.get("qk_l2norm")), scale=params.get("scale"),
+                state_layout=params.get("state_layout", "k_first"))
 
 
 def _kda_options(fn: str, gate: Any, gate_base: Any, lower_bound: Any, beta: Any, l2norm: Any, scale: Any,

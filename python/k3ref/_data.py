@@ -1,6 +1,13 @@
-"""The data files k3ref ships (policy/*.json): next to the package's modules in an installed
-package, else in the checkout's policy/ folder (python/k3ref/ -> policy/)."""
+"""What k3ref ships beside its Python modules: the data files (policy/*.json), next to the
+package's modules in an installed package, else in the checkout's policy/ folder
+(python/k3ref/ -> policy/); and the compiled half, k3ref._core."""
+import importlib
+import os
+import sys
 from pathlib import Path
+from typing import Any
+
+_core_module: Any = None
 
 
 def shipped_file(name: str, what: str) -> Path:
@@ -12,3 +19,21 @@ def shipped_file(name: str, what: str) -> Path:
         if p.is_file():
             return p
     raise FileNotFoundError(f"k3ref {what} not found: looked for {places[0]} and {places[1]}")
+
+
+def compiled() -> Any:
+    """The compiled half (k3ref._core), imported on first use. A source checkout's tests point
+    K3REF_CORE_PATH at the build directory that holds it."""
+    global _core_module
+    if _core_module is None:
+        package = sys.modules[__package__]
+        extra = os.environ.get("K3REF_CORE_PATH")
+        if extra and extra not in package.__path__:
+            package.__path__.append(extra)
+        try:
+            _core_module = importlib.import_module("._core", __package__)
+        except ImportError as e:
+            raise ImportError(f"k3ref's compiled references (k3ref._core) are not available ({e}); install the "
+                              "package (docs/python.md) or set K3REF_CORE_PATH to the build's python/ directory"
+                              ) from None
+    return _core_module

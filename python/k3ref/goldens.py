@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from . import _safetensors
+from . import kda_options  # noqa: F401 (k3ref.goldens.kda_options: a golden's params as k3ref.kda options)
 
 if TYPE_CHECKING:
     from .policy import PolicyTable, Rule
@@ -102,16 +103,6 @@ def read_tensors(path: str | os.PathLike[str], reader: str = "auto") -> tuple[di
 def expand_outputs(spec: str) -> list[str]:
     from .policy import expand_outputs as expand
     return expand(spec)
-
-
-def kda_options(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The k3ref.kda / kda_contract keyword arguments of a KDA parameter object (a golden's
-    params, a prop case, an adapter's params): the golden schema's names mapped once onto the
-    module's option names (`qk_l2norm` -> `l2norm`); a key absent takes the option's default."""
-    return dict(gate=params.get("gate", "log_decay"), gate_base=params.get("gate_base", "e"),
-                lower_bound=params.get("lower_bound"), beta=params.get("beta", "as_given"),
-                l2norm=bool(params.get("qk_l2norm")), scale=params.get("scale"),
-                state_layout=params.get("state_layout", "k_first"))
 
 
 @dataclass

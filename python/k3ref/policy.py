@@ -53,20 +53,14 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ._data import compiled as _core
 from ._data import shipped_file
 
 TABLE_VERSION = 1
 EXIT_PASS, EXIT_FAIL, EXIT_UNUSABLE = 0, 1, 2
-REQUIRED_ROLES = ("output", "gradient")  # a stage tensor is judged when the candidate has it
 
 # The table's format names of torch's floating dtypes.
 FORMAT_OF = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def _core() -> Any:
-    from . import _compiled
-
-    return _compiled()
 
 
 class PolicyTableError(ValueError):
@@ -152,71 +146,12 @@ def load_table(path: str | os.PathLike[str] | None = None) -> PolicyTable:
     return _DEFAULT
 
 
-MAX_OUTPUT_NAMES = 131_072
-MAX_OUTPUT_NAME_BYTES = 16 << 20
-
-
 def expand_outputs(spec: str) -> list[str]:
-    """Names of a golden's `k3ref.outputs`: comma-separated, where an item may hold brace
-    groups, each expanded in order: "{qb,sign}_{bias,loads}" -> qb_bias, qb_loads, sign_bias,
-    sign_loads. Raises ValueError on unbalanced or nested braces."""
-    shown = spec if len(spec) <= 200 else spec[:200] + f"... ({len(spec)} characters)"
-    # Every character but a separator or a brace is in some name at least once: a pattern
-    # longer than the byte limit is refused before the character-by-character scan below.
-    if len(spec) - spec.count(",") - spec.count("{") - spec.count("}") > MAX_OUTPUT_NAME_BYTES:
-        raise ValueError(f"k3ref.outputs '{shown}': expands to more than {MAX_OUTPUT_NAME_BYTES} bytes of names "
-                         "(the limit)")
-    items: list[str]
-    items, depth, cur = [], 0, ""
-    for ch in spec:
-        if ch == "{":
-            depth += 1
-            if depth > 1:
-                raise ValueError(f"k3ref.outputs '{spec}': nested braces")
-        elif ch == "}":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"k3ref.outputs '{spec}': unbalanced braces")
-        if ch == "," and depth == 0:
-            items.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if depth != 0:
-        raise ValueError(f"k3ref.outputs '{spec}': unbalanced braces")
-    items.append(cur)
-    names: list[str]
-    names, name_bytes = [], 0
-
-    def bounded(count: int, size: int) -> None:
-        # The C++ limits (check::expand_outputs): "{a,b}" x 40 is 2^40 names, and 2^17 names of
-        # 100 KB each are 13 GB; both are refused before they are built.
-        if len(names) + count > MAX_OUTPUT_NAMES:
-            raise ValueError(f"k3ref.outputs '{shown}': expands to more than {MAX_OUTPUT_NAMES} names (the limit)")
-        if name_bytes + size > MAX_OUTPUT_NAME_BYTES:
-            raise ValueError(f"k3ref.outputs '{shown}': expands to more than {MAX_OUTPUT_NAME_BYTES} bytes of names "
-                             "(the limit)")
-
-    for item in items:
-        if not item:
-            continue
-        expanded = [""]
-        rest = item
-        while rest:
-            i = rest.find("{")
-            if i < 0:
-                expanded = [e + rest for e in expanded]
-                break
-            j = rest.index("}", i)
-            alternatives = rest[i + 1:j].split(",")
-            bounded(len(expanded) * len(alternatives),
-                    sum(len(e) + i + len(a) for e in expanded for a in alternatives))
-            expanded = [e + rest[:i] + alt for e in expanded for alt in alternatives]
-            rest = rest[j + 1:]
-        bounded(len(expanded), sum(len(e) for e in expanded))
-        names += expanded
-        name_bytes += sum(len(e) for e in expanded)
-    return names
+    """Names of a golden's `k3ref.outputs` (check::expand_outputs): comma-separated, where an
+    item may hold brace groups, each expanded in order: "{qb,sign}_{bias,loads}" -> qb_bias,
+    qb_loads, sign_bias, sign_loads. Raises ValueError on unbalanced or nested braces and past
+    the C++ limits on the names' count and bytes."""
+    return list(_core().expand_outputs(spec))
 
 
 # ------------------------------------------------------------------------------- the figures

@@ -45,7 +45,7 @@ CUDA_WORDS = ("CUDA", "cuda", "illegal memory access", "device-side assert", "cu
 
 
 def pytest_addoption(parser):
-    from k3ref.gpu_check.plan import KERNEL_PATHS
+    from k3ref.gpu_check.protocol import KERNEL_PATHS
 
     g = parser.getgroup("k3ref", "kernels against the k3ref goldens")
     add = g.addoption

@@ -189,6 +189,22 @@ std::string describe_index(const std::vector<std::string>& axes, const std::vect
   return s + ")";
 }
 
+Agreement judge_agreement(double rel_rms, std::int64_t first_nonfinite_mismatch, double nominal_floor, double least,
+                          double multiple) {
+  if (first_nonfinite_mismatch >= 0)
+    return {false, INFINITY, "NaN/Inf in one run only, first at flat index " + std::to_string(first_nonfinite_mismatch)};
+  const double scale = std::max(nominal_floor, least);
+  Agreement a;
+  a.ratio = scale > 0 ? rel_rms / scale : INFINITY;
+  a.passed = rel_rms <= multiple * scale;
+  const std::string what = scale == nominal_floor ? "nominal floor " + e3(nominal_floor)
+                                                  : "the carried-state error " + e3(least) +
+                                                        " (above the nominal floor " + e3(nominal_floor) + ")";
+  a.reason = "not bitwise equal; rel RMS of the difference " + e3(rel_rms) + (a.passed ? " <= " : " > ") +
+             fmt("%g", multiple) + " x " + what + " (" + fmt("%.3g", a.ratio) + "x)";
+  return a;
+}
+
 const char* CaseJudgement::verdict() const {
   return exit_code == 0 ? "pass" : exit_code == 1 ? "fail" : "unusable";
 }

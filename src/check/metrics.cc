@@ -107,9 +107,13 @@ Metrics compare(const std::vector<double>& candidate, const std::vector<double>&
       m.max_ulp_index = static_cast<std::int64_t>(i);
     }
   }
-  m.rel_rms = ref_sq > 0 ? std::sqrt(err_sq / ref_sq) : (err_sq > 0 ? std::numeric_limits<double>::infinity() : 0);
-  m.floor_rel_rms = ref_sq > 0 ? std::sqrt(floor_sq / ref_sq) : 0;
+  m.rel_rms = rel_rms_of_sums(err_sq, ref_sq);
+  m.floor_rel_rms = rel_rms_of_sums(floor_sq, ref_sq);  // 0 with ref_sq: zeros round to zeros
   return m;
+}
+
+double rel_rms_of_sums(double err_sq, double ref_sq) {
+  return ref_sq > 0 ? std::sqrt(err_sq / ref_sq) : (err_sq > 0 ? std::numeric_limits<double>::infinity() : 0);
 }
 
 std::vector<double> rel_rms_by_window(const std::vector<double>& candidate, const std::vector<double>& reference,
@@ -139,8 +143,7 @@ std::vector<double> rel_rms_by_window(const std::vector<double>& candidate, cons
   }
   std::vector<double> out(windows);
   for (std::int64_t w = 0; w < windows; ++w) {
-    // A window without a reference gives its error's RMS in units of the window's largest value.
-    out[w] = ref[w] > 0 ? std::sqrt(err[w] / ref[w]) : (err[w] > 0 ? std::numeric_limits<double>::infinity() : 0);
+    out[w] = rel_rms_of_sums(err[w], ref[w]);
   }
   return out;
 }

@@ -23,6 +23,15 @@ TEST(Metrics, HandDerivedFigures) {
   EXPECT_EQ(m.floor_rel_rms, 0);
 }
 
+TEST(Metrics, RelRmsOfSumsIsTheOneRuleFromSumsToAFigure) {
+  // err_sq 0.25, ref_sq 25 (the sums of HandDerivedFigures): sqrt(0.25 / 25) = 0.1, compare's figure.
+  EXPECT_EQ(rel_rms_of_sums(0.25, 25), 0.1);
+  EXPECT_EQ(rel_rms_of_sums(0.25, 25), compare({3, 4.5}, {3, 4}, Format::fp64).rel_rms);
+  EXPECT_EQ(rel_rms_of_sums(0, 0), 0);  // nothing to compare, no error
+  EXPECT_EQ(rel_rms_of_sums(1, 0), std::numeric_limits<double>::infinity());  // an error against zeros
+  EXPECT_EQ(rel_rms_of_sums(0, 4), 0);
+}
+
 TEST(Metrics, UlpsInBf16) {
   // bf16 has 7 stored mantissa bits: the ulp at 1 is 2^-7, at 0.75 (in [0.5, 1)) 2^-8.
   EXPECT_EQ(ulp_distance(Format::bf16, 1 + 0x1p-7, 1), 1);

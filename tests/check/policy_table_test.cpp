@@ -474,5 +474,27 @@ RC_GTEST_PROP(Judgement, TheGoldenRoundedToTheContractDtypeIsExactlyAtTheFloor, 
   }
 }
 
+TEST(Agreement, TwoRunsAgreeWithinTheMultipleOfTheLargerOfFloorAndCarriedError) {
+  // rel RMS 3e-3 against 2 x the nominal floor 2e-3: 3e-3 <= 4e-3, ratio 1.5.
+  const Agreement a = judge_agreement(3e-3, -1, 2e-3, 0.0, 2.0);
+  EXPECT_TRUE(a.passed);
+  EXPECT_EQ(a.ratio, 3e-3 / 2e-3);
+  EXPECT_EQ(a.reason, "not bitwise equal; rel RMS of the difference 3.000e-03 <= 2 x nominal floor 2.000e-03 (1.5x)");
+  // A carried-state error above the floor is the scale: 3e-3 > 1 x 2.5e-3.
+  const Agreement carried = judge_agreement(3e-3, -1, 2e-3, 2.5e-3, 1.0);
+  EXPECT_FALSE(carried.passed);
+  EXPECT_EQ(carried.ratio, 3e-3 / 2.5e-3);
+  EXPECT_NE(carried.reason.find("> 1 x the carried-state error 2.500e-03 (above the nominal floor 2.000e-03)"),
+            std::string::npos);
+  // NaN/Inf in one run only fails, whatever the figure.
+  const Agreement nonfinite = judge_agreement(0.0, 7, 2e-3, 0.0, 2.0);
+  EXPECT_FALSE(nonfinite.passed);
+  EXPECT_EQ(nonfinite.ratio, std::numeric_limits<double>::infinity());
+  EXPECT_EQ(nonfinite.reason, "NaN/Inf in one run only, first at flat index 7");
+  // No scale (values that round exactly): any difference fails, its ratio is infinite.
+  EXPECT_FALSE(judge_agreement(1e-9, -1, 0.0, 0.0, 2.0).passed);
+  EXPECT_EQ(judge_agreement(1e-9, -1, 0.0, 0.0, 2.0).ratio, std::numeric_limits<double>::infinity());
+}
+
 }  // namespace
 }  // namespace k3ref::check

@@ -70,6 +70,16 @@ def test_windows():
     assert m.window_rel_rms == [0.0, 0.5]
 
 
+def test_libk3gc_sums_become_figures_by_the_one_rule():
+    # libk3gc returns sums; check::rel_rms_of_sums makes them figures: per window (err 0, ref 4)
+    # and (err 1, ref 4) give 0 and sqrt(1/4), an error over zeros is infinite, nothing is 0.
+    from k3ref import policy
+
+    assert policy._core().rel_rms_of_sums([0.0, 1.0, 1.0, 0.0], [4.0, 4.0, 0.0, 0.0]) == [0.0, 0.5, math.inf, 0.0]
+    with pytest.raises(ValueError, match="differ in length"):
+        policy._core().rel_rms_of_sums([0.0], [])
+
+
 # --------------------------------------------------------------------------- timing
 
 FAKE_TRITON = {

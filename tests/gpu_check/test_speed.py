@@ -203,7 +203,7 @@ class TestDeep:
         from k3ref import goldens
 
         case = goldens.load_case(ROOT / "goldens" / "kda_t100.safetensors")
-        res = autotune.golden_all_configs(Autotuned(), case, "cpu")
+        res = checks.golden_all_configs(Autotuned(), case, "cpu")
         rows = {r["config"]: r["status"] for r in res.extra["configs"]}
         # The winner (block 64) passes; block 32 is 0.01 off: fails; block 128 does not fit.
         assert rows == ({"BLOCK=16, num_warps=4, num_stages=2": "pass",
@@ -496,50 +496,59 @@ class TestWarmup:
         assert g_follower["waited_for"] == warmup.short_group(lead[1])
         assert g_other["started"] < g_lead["finished"], "a unit of other dims did not run beside"
 
-    def test_checks_of_an_adapter_start_when_its_own_units_are_done(self):
+    @staticmethod
+    def warm_up_with(run_selected, pending, tmp_path, monkeypatch):
+        """The plan's warm-up (plan._warm_up_of) over a stand-in scheduler, and its status file."""
+        from k3ref.gpu_check import plan
+
+        monkeypatch.setenv(warmup.CACHE_VARIABLE, str(tmp_path))
+        monkeypatch.setattr(warmup, "run_selected", run_selected)
+        speed, lines = {"warmup_pending": dict(pending)}, []
+        warm_up = plan._warm_up_of(([], []), plan.RunOptions(), "cpu", speed, lines.append)
+        return plan, warm_up, tmp_path / "warmup_status.json", speed, lines
+
+    def test_checks_of_an_adapter_start_when_its_own_units_are_done(self, tmp_path, monkeypatch):
         import threading
 
         release = threading.Event()
 
-        class Stand:  # what Background needs of an adapter in a unit
-            def __init__(self, name):
-                self.name = name
-
-        a = Stand("triton.kernel")
-        todo = [(a, (("H", 1),), []), (a, (("H", 2),), [])]
-
-        def run(selected, on_unit_done):
-            for unit in selected[0]:
+        def run_selected(selected, device, jobs=None, timeout=None, progress=None, on_unit_done=None):
+            for _ in range(2):
                 release.wait(10)
-                on_unit_done(unit[0].name)
-            return {"groups": [], "wall_s": 0.0, "totals": {}, "jobs": 1, "errors": 0}
+                on_unit_done("triton.kernel")
+            return {"groups": [], "wall_s": 0.0, "totals": {"compile_s": 0.0, "autotune_s": 0.0}, "jobs": 1,
+                    "errors": 0}
 
-        bg = warmup.Background(todo, [], run)
-        assert bg.waiting(["triton.kernel"]) == 2
-        assert bg.waiting(["aot.kernel"]) == 0
-        bg.wait(["aot.kernel"])  # nothing to compile: returns at once
-        waiter = threading.Thread(target=bg.wait, args=(["triton.kernel"],))
+        plan, warm_up, status, speed, _ = self.warm_up_with(run_selected, {"triton.kernel": 2}, tmp_path, monkeypatch)
+        compiler = threading.Thread(target=warm_up, args=(status,))
+        compiler.start()
+        # nothing of its own to compile: returns at once, while the other kernel's units are pending
+        waited, why = plan.wait_for_warmup(status, "aot.kernel", 10)
+        assert why == "its units are compiled" and waited < 5
+        waiter = threading.Thread(target=plan.wait_for_warmup, args=(status, "triton.kernel", 20))
         waiter.start()
-        waiter.join(0.3)
+        waiter.join(0.5)
         assert waiter.is_alive(), "the Triton adapter's checks did not wait for its warm-up"
         release.set()
-        waiter.join(10)
-        assert not waiter.is_alive()
-        assert bg.finish()["errors"] == 0
+        waiter.join(20)
+        compiler.join(20)
+        assert not waiter.is_alive() and not compiler.is_alive()
+        done = json.loads(status.read_text())
+        assert done["done"] and done["pending"] == {"triton.kernel": 0} and speed["warmup"]["errors"] == 0
 
-    def test_a_broken_warm_up_is_one_error_in_its_record_not_a_lost_run(self):
-        def run(selected, on_unit_done):
+    def test_a_broken_warm_up_is_one_error_in_its_record_not_a_lost_run(self, tmp_path, monkeypatch):
+        def run_selected(*args, **kw):
             raise RuntimeError("scheduler broke")
 
-        class Stand:
-            name = "triton.kernel"
-
-        bg = warmup.Background([(Stand(), (), [])], [], run)
-        bg.wait(["triton.kernel"])  # released, not left waiting
-        rec = bg.finish()
-        assert rec["errors"] == 1
+        plan, warm_up, status, speed, lines = self.warm_up_with(run_selected, {"triton.kernel": 1}, tmp_path,
+                                                                 monkeypatch)
+        rec = warm_up(status)
+        assert rec["errors"] == 1 and speed["warmup"] is rec
         assert "scheduler broke" in rec["groups"][0]["reason"]
-        assert "warm-up: 1 groups" in warmup.table(rec)
+        assert "warm-up: 1 groups" in lines[-1]
+        assert plan.wait_for_warmup(status, "triton.kernel", 10)[1] == "the warm-up ended"  # released, not left waiting
+        assert json.loads(status.read_text())["record"]["errors"] == 1
+        assert json.loads((tmp_path / "warmup.json").read_text())["errors"] == 1
 
 
 class TestCommandLine:

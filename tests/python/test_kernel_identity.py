@@ -1,6 +1,6 @@
 """Reports name a kernel's source, not only its package version: the commit of the git
 checkout it lies in, else a hash of its package's files; FLA's dispatch variables are pinned
-before it is imported and recorded (k3ref.gpu_check.adapters)."""
+before it is imported and recorded (k3ref.gpu_check.protocol; the pinning: k3ref.gpu_check.adapters)."""
 import importlib
 import os
 import subprocess
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 pytest.importorskip("torch")
-from k3ref.gpu_check import adapters  # noqa: E402
+from k3ref.gpu_check import adapters, protocol  # noqa: E402
 
 
 def make_package(root, name, body="x = 1\n"):
@@ -32,7 +32,7 @@ def imported(root, name):
 def test_a_package_outside_git_is_named_by_a_hash_of_its_files(tmp_path):
     a = imported(tmp_path / "a", make_package(tmp_path / "a", "kernel_a").name)
     b = imported(tmp_path / "b", make_package(tmp_path / "b", "kernel_b", "x = 2\n").name)
-    ia, ib = adapters.source_identity(a), adapters.source_identity(b)
+    ia, ib = protocol.source_identity(a), protocol.source_identity(b)
     assert ia.startswith("files sha256:") and ib.startswith("files sha256:") and ia != ib
 
 
@@ -46,10 +46,10 @@ def test_a_package_in_a_git_checkout_is_named_by_its_commit(tmp_path):
     subprocess.run(["git", "-C", str(repo), "commit", "-qm", "one"], check=True, env=env)
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], check=True, capture_output=True,
                           text=True).stdout.strip()
-    assert adapters.source_identity(imported(repo, "kernel_git")) == f"git {head}"
+    assert protocol.source_identity(imported(repo, "kernel_git")) == f"git {head}"
     subprocess.run(["git", "-C", str(repo), "pack-refs", "--all"], check=True, env=env)  # refs only in packed-refs
-    adapters._SOURCE_IDENTITY.clear()
-    assert adapters.source_identity(imported(repo, "kernel_git")) == f"git {head}"
+    protocol._SOURCE_IDENTITY.clear()
+    assert protocol.source_identity(imported(repo, "kernel_git")) == f"git {head}"
 
 
 def test_a_package_in_an_ignored_folder_of_a_checkout_is_not_named_by_that_commit(tmp_path):
@@ -64,8 +64,8 @@ def test_a_package_in_an_ignored_folder_of_a_checkout_is_not_named_by_that_commi
     subprocess.run(["git", "-C", str(repo), "add", "."], check=True, env=env)
     subprocess.run(["git", "-C", str(repo), "commit", "-qm", "one"], check=True, env=env)
     make_package(repo / "third", "kernel_copied")
-    adapters._SOURCE_IDENTITY.clear()
-    assert adapters.source_identity(imported(repo / "third", "kernel_copied")).startswith("files sha256:")
+    protocol._SOURCE_IDENTITY.clear()
+    assert protocol.source_identity(imported(repo / "third", "kernel_copied")).startswith("files sha256:")
 
 
 def test_fla_dispatch_is_pinned_and_recorded(tmp_path, monkeypatch):

@@ -47,6 +47,11 @@ double ulp_distance(num::Format format, double x, double ref);
 // (the metamorphic checks), where no exact value exists; 0 when there is no finite value.
 double nominal_floor(const std::vector<double>& values, num::Format format);
 
+// The relative RMS error of accumulated sums of squares: sqrt(err_sq / ref_sq); infinite
+// when only the error is non-zero, 0 when both are. The one rule that makes a comparator's
+// sums a figure: compare's, rel_rms_by_window's, and libk3gc's (summed on the device).
+double rel_rms_of_sums(double err_sq, double ref_sq);
+
 // Compares elementwise; `format` is the format whose rounding of the reference is the floor
 // (and whose ulps max_ulp counts): the contract dtype the policy table gives, not the storage dtype.
 Metrics compare(const std::vector<double>& candidate, const std::vector<double>& reference, num::Format format);

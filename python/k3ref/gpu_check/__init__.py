@@ -4,17 +4,18 @@ section 9; docs/verify-your-kernel.md for your own kernel's CI).
     python3 -m k3ref.gpu_check run [--adapter MOD:NAME ...] --out report/
     python3 -m k3ref.gpu_check prop --kernel NAME
 
-Modules: `adapters` (the adapter protocol and the built-in adapters), `registry` (entry
-points, --adapter specs, conftest lists), `collection` (the tests: adapter x case x check,
-known limitations, verdicts), `plan` (the run's options, adapters, tests and warm-up, decided
-once), `execute` (one test in the worker that holds its kernel),
+Modules: `protocol` (the adapter protocol, CheckResult, the run configuration RunOptions),
+`adapters` (the built-in KDA adapters), `registry` (entry points, --adapter specs, conftest
+lists; the built-ins by spec), `selection` (the adapters and goldens a run selects),
+`collection` (the tests: adapter x case x check, known limitations, verdicts), `plan` (the
+run's adapters, tests and warm-up, decided once), `execute` (one test in the worker that holds its kernel),
 `checks` (golden and metamorphic KDA checks), `attnres_check`, `qb_check`, `serving_check`
 (the other families), `metrics` (error metrics, on the GPU through libk3gc when available),
 `lib` (ctypes binding of libk3gc.so), `references` (the one reference path: k3ref._core, libk3gc fp64 for long cases), `torch_model` (the KDA recurrence in PyTorch fp64: a kernel under test), `timing`
 (import, Triton compile, autotune and check time), `report` (HTML and JSON from pytest's results), `prop`
 (property tests), `backward` (gradients), `cp_check` (context parallelism over P ranks), `bench`
-(comparator and reference speed), `cli` (the `run` front end of the pytest plugin, `prop`,
-`warmup`). The runner is the pytest plugin, k3ref.pytest_plugin.
+(comparator and reference speed), `warmup` (the cache directory and the warm-up's workers),
+`cli` (the `run` front end of the pytest plugin, `prop`, `warmup`). The runner is the pytest plugin, k3ref.pytest_plugin.
 """
-__all__ = ["adapters", "registry", "collection", "plan", "execute", "checks", "attnres_check", "qb_check", "serving_check",
-           "metrics", "lib", "references", "torch_model", "timing", "report", "prop", "backward", "cp_check", "bench", "cli"]
+__all__ = ["protocol", "adapters", "registry", "selection", "collection", "plan", "execute", "checks", "attnres_check", "qb_check", "serving_check",
+           "metrics", "lib", "references", "torch_model", "timing", "report", "prop", "backward", "cp_check", "bench", "warmup", "cli"]

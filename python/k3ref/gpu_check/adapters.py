@@ -33,10 +33,8 @@ K3REF_TORCHTITAN_PATH, and K3GC_LIB for libk3gc.so.
 Adapters are built anew in every process that runs their checks (a pytest-xdist worker), from
 the same specs the plan read: construct one without importing its kernel (that is load()'s work).
 """
-import hashlib
 import importlib
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +45,7 @@ from . import lib, torch_model
 from .protocol import outside_domain
 from .protocol import KDA_METAMORPHIC, Adapter, BrokenAdapter, CheckResult, LoadableAdapter  # noqa: F401 (the protocol's names, here as before)
 from .protocol import shapes_of as _shapes
+from .protocol import source_identity  # noqa: F401 (adapters.source_identity, as before)
 
 
 class KdaAdapter(Adapter):
@@ -98,7 +97,7 @@ class KdaAdapter(Adapter):
             from . import autotune
 
             if autotune.deep_mode():  # --autotune-configs all: once per autotune configuration
-                return autotune.golden_all_configs(self, case, device)
+                return checks.golden_all_configs(self, case, device)
             return checks.golden_check(self, case, device)
         return checks.METAMORPHIC_BY_NAME[check](self, device)
 
@@ -119,71 +118,6 @@ def _env_path(variable, override=None):
 def _need_cuda():
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device")
-
-
-def _tracked_by_git(where):
-    """Whether git tracks the files of `where` in the work tree holding it: a package copied
-    into an ignored folder of another checkout (k3ref's own .thirdparty/, measured on the H200:
-    FLA was reported as k3ref's commit) is not that checkout's source. False without git."""
-    try:
-        out = subprocess.run(["git", "-C", str(where), "ls-files", "--", "."], capture_output=True, text=True,
-                             timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return out.returncode == 0 and bool(out.stdout.strip())
-
-
-def _git_commit(start):
-    """The commit checked out in the git work tree holding `start` (read from .git's files),
-    or None; None too when that work tree does not track `start`'s files (_tracked_by_git)."""
-    if not _tracked_by_git(start):
-        return None
-    for d in [start, *start.parents][:6]:
-        git = d / ".git"
-        try:
-            if git.is_file():  # a worktree or submodule: "gitdir: <path>"
-                git = (d / git.read_text(errors="replace").strip().partition("gitdir:")[2].strip()).resolve()
-            if not git.is_dir():
-                continue
-            head = (git / "HEAD").read_text().strip()
-            if not head.startswith("ref:"):
-                return head[:40]
-            ref = head.partition("ref:")[2].strip()
-            bases = [git]
-            if (git / "commondir").is_file():  # a worktree keeps its refs in the main .git
-                bases.append((git / (git / "commondir").read_text().strip()).resolve())
-            for base in bases:
-                if (base / ref).is_file():
-                    return (base / ref).read_text().strip()[:40]
-                if (base / "packed-refs").is_file():
-                    for line in (base / "packed-refs").read_text().splitlines():
-                        if line.endswith(" " + ref):
-                            return line.split()[0][:40]
-        except OSError:
-            return None
-    return None
-
-
-_SOURCE_IDENTITY = {}
-
-
-def source_identity(mod):
-    """Which source a kernel module is: 'git <commit>' of the checkout it lies in, else
-    'files sha256:<12 hex>' over its package's .py files (relative paths and contents), so that
-    two trees of one package version months apart are told apart in every report."""
-    where = Path(getattr(mod, "__file__", "") or "").resolve().parent
-    if where in _SOURCE_IDENTITY:
-        return _SOURCE_IDENTITY[where]
-    commit = _git_commit(where) if where.name else None
-    if commit:
-        ident = f"git {commit}"
-    else:
-        h = hashlib.sha256()
-        for f in sorted(where.rglob("*.py")):
-            h.update(str(f.relative_to(where)).encode() + b"\0" + f.read_bytes() + b"\0")
-        ident = f"files sha256:{h.hexdigest()[:12]}"
-    _SOURCE_IDENTITY[where] = ident
-    return ident
 
 
 def _module_version(name):
@@ -488,8 +422,3 @@ def torch_test_kernels():
     """The CPU test kernels (not run unless named): the correct one and its mutants. Register
     them with `--adapter k3ref.gpu_check.adapters:torch_test_kernels`."""
     return [TorchKernelAdapter(mutation=m) for m in TorchKernelAdapter.MUTATIONS]
-
-
-def all_adapters(include_mutants=True):
-    """The built-in KDA adapters (kept for scripts of earlier versions)."""
-    return kda_adapters(include_mutants)

@@ -78,50 +78,21 @@ def describe(config):
     return ", ".join(parts) or str(config)
 
 
-def golden_all_configs(adapter, case, device, check=None):
-    """The golden check of `case` once with the autotuners' winners and then once per
-    configuration of every autotuner the call uses. One CheckResult: its extra['configs']
-    lists {kernel, index, config, status, reason, ratio} for every configuration run."""
-    from . import checks as C
-    from .shapes import kernel_name
+def _unwrap(fn, limit=8):
+    """The chain fn, fn.fn, ... (Autotuner -> Heuristics -> JITFunction)."""
+    chain = []
+    while fn is not None and len(chain) < limit:
+        chain.append(fn)
+        fn = getattr(fn, "fn", None)
+    return chain
 
-    check = check or C.golden_check
-    with recording() as used:
-        winner = check(adapter, case, device)
-    rows = []
-    for tuner in used:
-        name = kernel_name(tuner)
-        for i, config in enumerate(list(tuner.configs)):
-            with pinned(tuner, config):
-                res = check(adapter, case, device)
-            status = res.status
-            if status == "error" and res.reason.split(":")[0].strip() in NOT_APPLICABLE:
-                status = "not applicable"
-            rows.append({"kernel": name, "index": i, "config": describe(config), "status": status,
-                         "reason": res.reason[:300], "ratio": res.ratio})
-    bad = [r for r in rows if r["status"] in ("fail", "error")]
-    ran = [r for r in rows if r["status"] in ("pass", "fail")]
-    if winner.status in ("pass", "fail", "error") and rows:
-        skipped = len(rows) - len(ran) - len([r for r in bad if r["status"] == "error"])
-        summary = (f"{len(rows)} configurations of {len(used)} autotuned kernels"
-                   + (f" ({skipped} not applicable to this shape)" if skipped else ""))
-        if bad:
-            first = bad[0]
-            winner.status = "fail" if winner.status != "error" else "error"
-            winner.reason = (f"{len(bad)} of {summary} fail, first {first['kernel']} config {first['index']} "
-                             f"[{first['config']}]: {first['reason']}; with the winners: {winner.reason}")[:600]
-        else:
-            worst = max((r for r in ran if r["ratio"] is not None), key=lambda r: r["ratio"], default=None)
-            winner.reason = (f"{summary} pass" + (f" (worst {worst['ratio']:.3g} at {worst['kernel']} config "
-                                                  f"{worst['index']})" if worst else "")
-                             + f"; with the winners: {winner.reason}")[:600]
-            if worst is not None and winner.ratio is not None:
-                winner.ratio = max(winner.ratio, worst["ratio"])
-    elif not rows:
-        winner.reason = (f"no autotuned Triton kernel in this call (one configuration): {winner.reason}")[:600]
-    winner.extra["configs"] = rows
-    winner.extra["autotune_configs"] = "all"
-    return winner
+
+def kernel_name(obj):
+    for f in _unwrap(obj):
+        name = getattr(f, "__name__", None)
+        if isinstance(name, str):
+            return name
+    return type(obj).__name__
 
 
 # --------------------------------------------------------------------------- prop's outside draws

@@ -2,13 +2,16 @@
 
 Every check returns CheckResult objects with status pass | fail | skip | error and a
 one-line reason that gives the measured figure and the bound."""
+import functools
 import math
 import time
 import traceback
 
 import torch
 
+from .. import policy
 from . import metrics as M
+from .autotune import NOT_APPLICABLE, describe, kernel_name, pinned, recording
 from .protocol import CheckResult  # noqa: F401 (checks.CheckResult, as before)
 from .protocol import shapes_of as _shapes
 
@@ -103,16 +106,10 @@ def _agree(a, b, policy_mult, fmt=torch.bfloat16, least=0.0):
     if _bitwise_equal(a, b):
         return True, "bitwise equal", 0.0
     m = M.compare(a, b.to(a.dtype), fmt)
-    if m.first_nonfinite_mismatch >= 0:
-        return False, f"NaN/Inf in one run only, first at flat index {m.first_nonfinite_mismatch}", math.inf
-    floor = M.nominal_floor(b, fmt)
-    base = max(floor, least)
-    ratio = m.rel_rms / base if base > 0 else math.inf
-    ok = m.rel_rms <= policy_mult * base
-    what = (f"nominal floor {floor:.3e}" if base == floor else
-            f"the carried-state error {least:.3e} (above the nominal floor {floor:.3e})")
-    return ok, (f"not bitwise equal; rel RMS of the difference {m.rel_rms:.3e} {'<=' if ok else '>'} "
-                f"{policy_mult:g} x {what} ({ratio:.3g}x)"), ratio
+    # The verdict is the one judge's (check::judge_agreement), on the figure of either comparator.
+    v = policy._core().judge_agreement(m.rel_rms, m.first_nonfinite_mismatch, M.nominal_floor(b, fmt), least,
+                                       policy_mult)
+    return v["passed"], v["reason"], v["ratio"]
 
 
 def carried_state_error(inputs, params, split, state_dtype):
@@ -166,6 +163,23 @@ def _run(adapter, inputs, params, out=None):
     return o, final
 
 
+def _metamorphic(name):
+    """A metamorphic check `name`: run on the adapter's first supported configuration c
+    (pick_config), skipped without one; an exception is the check's error (_guard)."""
+    def wrap(body):
+        @functools.wraps(body)
+        def check(adapter, device, *args, **kw):
+            c = pick_config(adapter)
+            if c is None:
+                return CheckResult(adapter.name, name, "-", "skip", "no supported configuration")
+            return _guard(adapter, name, c["name"], lambda: body(adapter, device, c, *args, **kw))
+
+        check.check_name = name
+        return check
+
+    return wrap
+
+
 def _guard(adapter, check, case, fn):
     t0 = time.time()
     try:
@@ -181,8 +195,6 @@ def _guard(adapter, check, case, fn):
 
 def policy_rule(adapter, tensor="o", op="kda.recurrent"):
     """The rule of the policy table (k3ref.policy) for the adapter's policy, or None."""
-    from .. import policy
-
     try:
         return policy.load_table().rules(adapter.policy, op).get(tensor)
     except (KeyError, ValueError):
@@ -206,8 +218,6 @@ def judge_golden(adapter, case, o, final, window_tokens=8):
     (k3ref.policy, the rules `k3ref compare` applies, same table, same figures) under the
     adapter's policy, or under its precision contract's rules when it declares one
     (docs/contracts.md), plus the error by token window for the report's plot."""
-    from .. import policy
-
     s = _shapes(case.inputs)
     candidate = {"o": o}
     if final is not None:
@@ -285,134 +295,103 @@ P_SPLIT = 41      # a split point inside a chunk
 P_CAUSAL = 37
 
 
-def check_causality(adapter, device, seed=1):
-    c = pick_config(adapter)
-    if c is None:
-        return CheckResult(adapter.name, "causality", "-", "skip", "no supported configuration")
-
-    def body():
-        inputs, params = make_problem(c, T_META, seed, device)
-        o1, _ = _run(adapter, _snapshot(inputs), params)
-        gen = torch.Generator().manual_seed(seed + 1000)
-        pert = _snapshot(inputs)
-        for name in ("q", "k", "v", "g", "beta"):
-            fresh, _ = make_problem(c, T_META, seed + 7, device)
-            pert[name][:, P_CAUSAL:] = fresh[name][:, P_CAUSAL:]
-        o2, _ = _run(adapter, pert, params)
-        first = _first_diff_token(o1[:, :P_CAUSAL], o2[:, :P_CAUSAL])
-        if first < 0:
-            return CheckResult(adapter.name, "causality", c["name"], "pass",
-                               f"outputs before token {P_CAUSAL} bitwise unchanged when tokens >= {P_CAUSAL} change")
-        return CheckResult(adapter.name, "causality", c["name"], "fail",
-                           f"output of token {first} changed when only tokens >= {P_CAUSAL} changed")
-
-    return _guard(adapter, "causality", c["name"], body)
+@_metamorphic("causality")
+def check_causality(adapter, device, c, seed=1):
+    inputs, params = make_problem(c, T_META, seed, device)
+    o1, _ = _run(adapter, _snapshot(inputs), params)
+    pert = _snapshot(inputs)
+    for name in ("q", "k", "v", "g", "beta"):
+        fresh, _ = make_problem(c, T_META, seed + 7, device)
+        pert[name][:, P_CAUSAL:] = fresh[name][:, P_CAUSAL:]
+    o2, _ = _run(adapter, pert, params)
+    first = _first_diff_token(o1[:, :P_CAUSAL], o2[:, :P_CAUSAL])
+    if first < 0:
+        return CheckResult(adapter.name, "causality", c["name"], "pass",
+                           f"outputs before token {P_CAUSAL} bitwise unchanged when tokens >= {P_CAUSAL} change")
+    return CheckResult(adapter.name, "causality", c["name"], "fail",
+                       f"output of token {first} changed when only tokens >= {P_CAUSAL} changed")
 
 
-def check_suffix(adapter, device, seed=2):
-    c = pick_config(adapter)
-    if c is None:
-        return CheckResult(adapter.name, "suffix", "-", "skip", "no supported configuration")
-
-    def body():
-        inputs, params = make_problem(c, T_META + 28, seed, device)
-        short = token_range(inputs, 0, T_META)
-        o_long, _ = _run(adapter, inputs, params)
-        o_short, _ = _run(adapter, short, params)
-        ok, reason, ratio = _agree(o_short, o_long[:, :T_META].contiguous(), _multiple(adapter))
-        return CheckResult(adapter.name, "suffix", c["name"], "pass" if ok else "fail",
-                           f"first {T_META} tokens with 28 appended: " + reason, ratio=ratio)
-
-    return _guard(adapter, "suffix", c["name"], body)
+@_metamorphic("suffix")
+def check_suffix(adapter, device, c, seed=2):
+    inputs, params = make_problem(c, T_META + 28, seed, device)
+    short = token_range(inputs, 0, T_META)
+    o_long, _ = _run(adapter, inputs, params)
+    o_short, _ = _run(adapter, short, params)
+    ok, reason, ratio = _agree(o_short, o_long[:, :T_META].contiguous(), _multiple(adapter))
+    return CheckResult(adapter.name, "suffix", c["name"], "pass" if ok else "fail",
+                       f"first {T_META} tokens with 28 appended: " + reason, ratio=ratio)
 
 
-def check_varlen(adapter, device, seed=3):
-    c = pick_config(adapter)
-    if c is None:
-        return CheckResult(adapter.name, "varlen", "-", "skip", "no supported configuration")
+@_metamorphic("varlen")
+def check_varlen(adapter, device, c, seed=3):
     lengths = [37, 1, 62]
     cu = [0, 37, 38, 100]
-
-    def body():
-        inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=cu)
-        o_var, f_var = _run(adapter, inputs, params)
-        worst = (True, "bitwise equal", 0.0)
-        for n, (b, e) in enumerate(zip(cu[:-1], cu[1:])):
-            part = token_range(inputs, b, e)
-            part.pop("cu_seqlens")
-            part["initial_state"] = inputs["initial_state"][n : n + 1].contiguous()
-            p = dict(params, cu_seqlens=None)
-            o_n, f_n = _run(adapter, part, p)
-            for what, x, y in (("o", o_var[:, b:e].contiguous(), o_n), ("final_state", f_var[n : n + 1].contiguous(), f_n)):
-                ok, reason, ratio = _agree(x, y, _multiple(adapter))
-                if not ok or (worst[0] and ratio > worst[2]):
-                    worst = (ok, f"sequence {n} ({lengths[n]} tokens) {what}: {reason}", ratio)
-                if not ok:
-                    break
-            if not worst[0]:
+    inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=cu)
+    o_var, f_var = _run(adapter, inputs, params)
+    worst = (True, "bitwise equal", 0.0)
+    for n, (b, e) in enumerate(zip(cu[:-1], cu[1:])):
+        part = token_range(inputs, b, e)
+        part.pop("cu_seqlens")
+        part["initial_state"] = inputs["initial_state"][n : n + 1].contiguous()
+        p = dict(params, cu_seqlens=None)
+        o_n, f_n = _run(adapter, part, p)
+        for what, x, y in (("o", o_var[:, b:e].contiguous(), o_n), ("final_state", f_var[n : n + 1].contiguous(), f_n)):
+            ok, reason, ratio = _agree(x, y, _multiple(adapter))
+            if not ok or (worst[0] and ratio > worst[2]):
+                worst = (ok, f"sequence {n} ({lengths[n]} tokens) {what}: {reason}", ratio)
+            if not ok:
                 break
-        return CheckResult(adapter.name, "varlen", c["name"], "pass" if worst[0] else "fail",
-                           f"cu_seqlens {cu} vs separate runs: " + worst[1], ratio=worst[2])
-
-    return _guard(adapter, "varlen", c["name"], body)
-
-
-def check_split(adapter, device, seed=4):
-    c = pick_config(adapter)
-    if c is None:
-        return CheckResult(adapter.name, "split", "-", "skip", "no supported configuration")
-
-    def body():
-        inputs, params = make_problem(c, T_META, seed, device)
-        o_full, f_full = _run(adapter, inputs, params)
-        first = token_range(inputs, 0, P_SPLIT)
-        second = token_range(inputs, P_SPLIT, None)
-        o1, f1 = _run(adapter, first, params)
-        second["initial_state"] = f1.float().contiguous()
-        o2, f2 = _run(adapter, second, params)
-        if adapter.contract_name:  # bound: the contract's own split difference on the same inputs
-            from . import contracts
-            co, cf = contracts.contract_outputs(adapter.contract_name, inputs, params)
-            c1o, c1f = contracts.contract_outputs(adapter.contract_name, first, params)
-            c2o, c2f = contracts.contract_outputs(adapter.contract_name, dict(second, initial_state=c1f.float()), params)
-            m = contracts.multiple(adapter.contract_name)
-            ok, reason, ratio = contracts.agreement(torch.cat([o1, o2], dim=1).cpu(), o_full.cpu(),
-                                                    torch.cat([c1o, c2o], dim=1), co, m)
-            okf, reasonf, ratiof = contracts.agreement(f2.float().cpu(), f_full.float().cpu(), c2f, cf, m)
-        else:
-            # What carrying the state in the kernel's declared state format costs a correct
-            # kernel, computed on the fp64 recurrence: bound = multiple x max(nominal floor, it).
-            carry_o, carry_f = carried_state_error(inputs, params, P_SPLIT, adapter.state_dtype)
-            mult = _multiple(adapter)
-            ok, reason, ratio = _agree(torch.cat([o1, o2], dim=1), o_full, mult, least=carry_o)
-            okf, reasonf, ratiof = _agree(f2.float(), f_full.float(), mult, least=carry_f)
-            if f1.dtype != adapter.state_dtype:
-                ok, reason = False, (f"the kernel returned its final state as {f1.dtype}, but declares state_dtype "
-                                     f"{adapter.state_dtype}: declare the format it carries; " + reason)
-        return CheckResult(adapter.name, "split", c["name"], "pass" if ok and okf else "fail",
-                           f"[0,{P_SPLIT}) then [{P_SPLIT},{T_META}) with the state carried: o {reason}; "
-                           f"final_state {reasonf}", ratio=max(ratio, ratiof))
-
-    return _guard(adapter, "split", c["name"], body)
+        if not worst[0]:
+            break
+    return CheckResult(adapter.name, "varlen", c["name"], "pass" if worst[0] else "fail",
+                       f"cu_seqlens {cu} vs separate runs: " + worst[1], ratio=worst[2])
 
 
-def check_determinism(adapter, device, seed=5, runs=3):
-    c = pick_config(adapter)
-    if c is None:
-        return CheckResult(adapter.name, "determinism", "-", "skip", "no supported configuration")
+@_metamorphic("split")
+def check_split(adapter, device, c, seed=4):
+    inputs, params = make_problem(c, T_META, seed, device)
+    o_full, f_full = _run(adapter, inputs, params)
+    first = token_range(inputs, 0, P_SPLIT)
+    second = token_range(inputs, P_SPLIT, None)
+    o1, f1 = _run(adapter, first, params)
+    second["initial_state"] = f1.float().contiguous()
+    o2, f2 = _run(adapter, second, params)
+    if adapter.contract_name:  # bound: the contract's own split difference on the same inputs
+        from . import contracts
+        co, cf = contracts.contract_outputs(adapter.contract_name, inputs, params)
+        c1o, c1f = contracts.contract_outputs(adapter.contract_name, first, params)
+        c2o, c2f = contracts.contract_outputs(adapter.contract_name, dict(second, initial_state=c1f.float()), params)
+        m = contracts.multiple(adapter.contract_name)
+        ok, reason, ratio = contracts.agreement(torch.cat([o1, o2], dim=1).cpu(), o_full.cpu(),
+                                                torch.cat([c1o, c2o], dim=1), co, m)
+        okf, reasonf, ratiof = contracts.agreement(f2.float().cpu(), f_full.float().cpu(), c2f, cf, m)
+    else:
+        # What carrying the state in the kernel's declared state format costs a correct
+        # kernel, computed on the fp64 recurrence: bound = multiple x max(nominal floor, it).
+        carry_o, carry_f = carried_state_error(inputs, params, P_SPLIT, adapter.state_dtype)
+        mult = _multiple(adapter)
+        ok, reason, ratio = _agree(torch.cat([o1, o2], dim=1), o_full, mult, least=carry_o)
+        okf, reasonf, ratiof = _agree(f2.float(), f_full.float(), mult, least=carry_f)
+        if f1.dtype != adapter.state_dtype:
+            ok, reason = False, (f"the kernel returned its final state as {f1.dtype}, but declares state_dtype "
+                                 f"{adapter.state_dtype}: declare the format it carries; " + reason)
+    return CheckResult(adapter.name, "split", c["name"], "pass" if ok and okf else "fail",
+                       f"[0,{P_SPLIT}) then [{P_SPLIT},{T_META}) with the state carried: o {reason}; "
+                       f"final_state {reasonf}", ratio=max(ratio, ratiof))
 
-    def body():
-        inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=[0, 37, 38, 100])
-        first = _run(adapter, inputs, params)
-        for r in range(1, runs):
-            again = _run(adapter, inputs, params)
-            for what, x, y in (("o", first[0], again[0]), ("final_state", first[1], again[1])):
-                if not _bitwise_equal(x, y):
-                    return CheckResult(adapter.name, "determinism", c["name"], "fail",
-                                       f"run {r + 1} differs from run 1 in {what}")
-        return CheckResult(adapter.name, "determinism", c["name"], "pass", f"{runs} runs bitwise identical")
 
-    return _guard(adapter, "determinism", c["name"], body)
+@_metamorphic("determinism")
+def check_determinism(adapter, device, c, seed=5, runs=3):
+    inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=[0, 37, 38, 100])
+    first = _run(adapter, inputs, params)
+    for r in range(1, runs):
+        again = _run(adapter, inputs, params)
+        for what, x, y in (("o", first[0], again[0]), ("final_state", first[1], again[1])):
+            if not _bitwise_equal(x, y):
+                return CheckResult(adapter.name, "determinism", c["name"], "fail",
+                                   f"run {r + 1} differs from run 1 in {what}")
+    return CheckResult(adapter.name, "determinism", c["name"], "pass", f"{runs} runs bitwise identical")
 
 
 def _poisoned_copy(t, pad=4096):
@@ -433,61 +412,47 @@ def _poison_allocator(nbytes_list, device):
     del blocks
 
 
-def check_poison(adapter, device, seed=6):
-    c = pick_config(adapter)
-    if c is None:
-        return CheckResult(adapter.name, "poisoned_memory", "-", "skip", "no supported configuration")
-
-    def body():
-        inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=[0, 37, 38, 100])
-        clean_o, _ = _run(adapter, _snapshot(inputs), params)
-        poisoned = {k: (_poisoned_copy(v) if k != "cu_seqlens" else v) for k, v in inputs.items()}
-        out = None
-        if adapter.accepts_out:
-            out = torch.full(clean_o.shape, float("nan"), dtype=clean_o.dtype, device=clean_o.device)
-        else:
-            _poison_allocator([clean_o.numel() * clean_o.element_size()] * 4, device)
-        o, final = _run(adapter, poisoned, params, out=out)
-        bad_o = int((~o.isfinite()).sum())
-        bad_f = int((~final.isfinite()).sum())
-        if bad_o or bad_f:
-            tok = int((~o.isfinite()).reshape(o.shape[0], o.shape[1], -1).any(2).any(0).nonzero()[0, 0]) if bad_o else -1
-            return CheckResult(adapter.name, "poisoned_memory", c["name"], "fail",
-                               f"{bad_o} non-finite outputs (first at token {tok}), {bad_f} in the final state, "
-                               f"with NaN around the inputs and in the output buffers")
-        if not _bitwise_equal(o, clean_o):
-            return CheckResult(adapter.name, "poisoned_memory", c["name"], "fail",
-                               "outputs changed when the memory around the inputs was poisoned")
-        return CheckResult(adapter.name, "poisoned_memory", c["name"], "pass",
-                           "inputs inside NaN-filled buffers, outputs pre-filled with NaN: all written, finite, "
-                           "bitwise equal to the clean run")
-
-    return _guard(adapter, "poisoned_memory", c["name"], body)
+@_metamorphic("poisoned_memory")
+def check_poison(adapter, device, c, seed=6):
+    inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=[0, 37, 38, 100])
+    clean_o, _ = _run(adapter, _snapshot(inputs), params)
+    poisoned = {k: (_poisoned_copy(v) if k != "cu_seqlens" else v) for k, v in inputs.items()}
+    out = None
+    if adapter.accepts_out:
+        out = torch.full(clean_o.shape, float("nan"), dtype=clean_o.dtype, device=clean_o.device)
+    else:
+        _poison_allocator([clean_o.numel() * clean_o.element_size()] * 4, device)
+    o, final = _run(adapter, poisoned, params, out=out)
+    bad_o = int((~o.isfinite()).sum())
+    bad_f = int((~final.isfinite()).sum())
+    if bad_o or bad_f:
+        tok = int((~o.isfinite()).reshape(o.shape[0], o.shape[1], -1).any(2).any(0).nonzero()[0, 0]) if bad_o else -1
+        return CheckResult(adapter.name, "poisoned_memory", c["name"], "fail",
+                           f"{bad_o} non-finite outputs (first at token {tok}), {bad_f} in the final state, "
+                           f"with NaN around the inputs and in the output buffers")
+    if not _bitwise_equal(o, clean_o):
+        return CheckResult(adapter.name, "poisoned_memory", c["name"], "fail",
+                           "outputs changed when the memory around the inputs was poisoned")
+    return CheckResult(adapter.name, "poisoned_memory", c["name"], "pass",
+                       "inputs inside NaN-filled buffers, outputs pre-filled with NaN: all written, finite, "
+                       "bitwise equal to the clean run")
 
 
-def check_inputs_unchanged(adapter, device, seed=7):
-    c = pick_config(adapter)
-    if c is None:
-        return CheckResult(adapter.name, "inputs_unchanged", "-", "skip", "no supported configuration")
-
-    def body():
-        inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=[0, 37, 38, 100])
-        before = _snapshot(inputs)
-        _run(adapter, inputs, params)
-        changed = [k for k in inputs if not _bitwise_equal(inputs[k], before[k])]
-        if changed:
-            return CheckResult(adapter.name, "inputs_unchanged", c["name"], "fail",
-                               "the kernel modified its inputs: " + ", ".join(changed))
-        return CheckResult(adapter.name, "inputs_unchanged", c["name"], "pass", "all inputs bitwise unchanged")
-
-    return _guard(adapter, "inputs_unchanged", c["name"], body)
+@_metamorphic("inputs_unchanged")
+def check_inputs_unchanged(adapter, device, c, seed=7):
+    inputs, params = make_problem(c, T_META, seed, device, cu_seqlens=[0, 37, 38, 100])
+    before = _snapshot(inputs)
+    _run(adapter, inputs, params)
+    changed = [k for k in inputs if not _bitwise_equal(inputs[k], before[k])]
+    if changed:
+        return CheckResult(adapter.name, "inputs_unchanged", c["name"], "fail",
+                           "the kernel modified its inputs: " + ", ".join(changed))
+    return CheckResult(adapter.name, "inputs_unchanged", c["name"], "pass", "all inputs bitwise unchanged")
 
 
 METAMORPHIC = [check_causality, check_suffix, check_varlen, check_split, check_determinism, check_poison,
                check_inputs_unchanged]
-METAMORPHIC_BY_NAME = {"causality": check_causality, "suffix": check_suffix, "varlen": check_varlen,
-                       "split": check_split, "determinism": check_determinism, "poisoned_memory": check_poison,
-                       "inputs_unchanged": check_inputs_unchanged}
+METAMORPHIC_BY_NAME = {check.check_name: check for check in METAMORPHIC}
 
 
 def run_all(adapters, cases, device, budget_s=0.0, progress=None):
@@ -515,17 +480,6 @@ def run_all(adapters, cases, device, budget_s=0.0, progress=None):
     return results
 
 
-def mutant_kills(results):
-    """{mutant: [checks that caught it]} over the mutant adapters' results."""
-    kills = {}
-    for r in results:
-        if r.adapter.startswith("mutant."):
-            kills.setdefault(r.adapter, [])
-            if r.status in ("fail", "error"):
-                kills[r.adapter].append(f"{r.check}:{r.case}")
-    return kills
-
-
 def run_op_adapters(adapters, cases, device, progress=None):
     """Golden checks of the AttnRes and QB adapters (attnres_check, qb_check) on the cases
     of their operators; an unavailable implementation is one skipped result with the reason."""
@@ -542,3 +496,46 @@ def run_op_adapters(adapters, cases, device, progress=None):
                 r = results[-1]
                 progress(f"{r.adapter} {r.check}[{r.case}] {r.status} {r.seconds:.1f}s: {r.reason[:160]}")
     return results
+
+
+def golden_all_configs(adapter, case, device, check=None):
+    """The golden check of `case` once with the autotuners' winners and then once per
+    configuration of every autotuner the call uses. One CheckResult: its extra['configs']
+    lists {kernel, index, config, status, reason, ratio} for every configuration run."""
+    check = check or golden_check
+    with recording() as used:
+        winner = check(adapter, case, device)
+    rows = []
+    for tuner in used:
+        name = kernel_name(tuner)
+        for i, config in enumerate(list(tuner.configs)):
+            with pinned(tuner, config):
+                res = check(adapter, case, device)
+            status = res.status
+            if status == "error" and res.reason.split(":")[0].strip() in NOT_APPLICABLE:
+                status = "not applicable"
+            rows.append({"kernel": name, "index": i, "config": describe(config), "status": status,
+                         "reason": res.reason[:300], "ratio": res.ratio})
+    bad = [r for r in rows if r["status"] in ("fail", "error")]
+    ran = [r for r in rows if r["status"] in ("pass", "fail")]
+    if winner.status in ("pass", "fail", "error") and rows:
+        skipped = len(rows) - len(ran) - len([r for r in bad if r["status"] == "error"])
+        summary = (f"{len(rows)} configurations of {len(used)} autotuned kernels"
+                   + (f" ({skipped} not applicable to this shape)" if skipped else ""))
+        if bad:
+            first = bad[0]
+            winner.status = "fail" if winner.status != "error" else "error"
+            winner.reason = (f"{len(bad)} of {summary} fail, first {first['kernel']} config {first['index']} "
+                             f"[{first['config']}]: {first['reason']}; with the winners: {winner.reason}")[:600]
+        else:
+            worst = max((r for r in ran if r["ratio"] is not None), key=lambda r: r["ratio"], default=None)
+            winner.reason = (f"{summary} pass" + (f" (worst {worst['ratio']:.3g} at {worst['kernel']} config "
+                                                  f"{worst['index']})" if worst else "")
+                             + f"; with the winners: {winner.reason}")[:600]
+            if worst is not None and winner.ratio is not None:
+                winner.ratio = max(winner.ratio, worst["ratio"])
+    elif not rows:
+        winner.reason = (f"no autotuned Triton kernel in this call (one configuration): {winner.reason}")[:600]
+    winner.extra["configs"] = rows
+    winner.extra["autotune_configs"] = "all"
+    return winner

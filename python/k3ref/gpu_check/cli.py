@@ -10,13 +10,14 @@ without a result, a report that could not be written), 2 on a usage error (one l
 `prop` and `warmup` are commands of their own.
 """
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 
-from .plan import KERNEL_PATHS
+from .protocol import KERNEL_PATHS
 from .registry import AdapterSpecError
 from .selection import UsageError
 
@@ -40,9 +41,7 @@ def parser():
     r.add_argument("--out", default="gpu_check_report")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     _kernel_options(r)
-    from . import warmup  # the shape plan, the warm-up and the deep mode (warmup.py)
-
-    warmup.add_run_options(r)
+    run_options(r)
     r.add_argument("--no-builtin", action="store_true", help="leave out the built-in adapters and installed entry points")
     r.add_argument("--only", help="comma-separated adapter names to run (each must exist; each counts as asked for)")
     r.add_argument("--no-mutants", action="store_true", help="leave out mutants not named in --only or --adapter")
@@ -71,9 +70,81 @@ def parser():
     p.add_argument("--replay", help="run the kernel on one golden file (a written failure) and judge it")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     _kernel_options(p)
-    warmup.add_prop_options(p)
-    warmup.add_subparser(sub, _kernel_options)
+    prop_options(p)
+    warmup_parser(sub, _kernel_options)
     return ap
+
+
+def run_options(p):
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up before the checks")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="warm-up worker processes at a time (default: the CPU count)")
+    p.add_argument("--warmup-timeout", type=float, default=1800.0, help="seconds one warm-up worker may take")
+    p.add_argument("--check-jobs", type=int, default=1,
+                   help="isolation groups (adapters) whose checks run at the same time, each in its own child "
+                        "(default 1: one after the other)")
+    p.add_argument("--autotune-configs", choices=("winner", "all"), default="winner",
+                   help="all: run every golden check once per autotune configuration of each autotuned kernel "
+                        "(deep mode, slow); winner: only the configuration the autotuner picks (default)")
+
+
+def warmup_parser(sub, kernel_options):
+    w = sub.add_parser("warmup", help="compile the planned shapes into the cache directory, in parallel")
+    w.add_argument("--goldens", help="golden directory (default: $K3REF_GOLDENS, else the checkout's goldens/)")
+    w.add_argument("--device", default=None)
+    kernel_options(w)
+    w.add_argument("--no-builtin", action="store_true")
+    w.add_argument("--only", help="comma-separated adapter names")
+    w.add_argument("--no-mutants", action="store_true")
+    w.add_argument("--checks", help="comma-separated check names")
+    w.add_argument("--cases", help="comma-separated golden case names")
+    w.add_argument("--jobs", type=int, default=None, help="worker processes at a time (default: the CPU count)")
+    w.add_argument("--warmup-timeout", type=float, default=1800.0)
+    w.add_argument("--plan", action="store_true", help="print the shape plan and exit without compiling")
+    return w
+
+
+def warmup_command(args):
+    """`warmup`: exit 0 when every group warmed up (or was skipped: kernel not here), 1 when
+    a worker erred (the cache may be incomplete; the run would report the checks' errors)."""
+    from . import collection, selection, shapes, warmup
+    from .protocol import RunOptions
+
+    csv = selection.csv_list
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    opts = RunOptions(adapters=tuple(args.adapter), builtin=not args.no_builtin, only=csv(args.only),
+                      no_mutants=args.no_mutants, checks=csv(args.checks), cases=csv(args.cases), goldens=args.goldens,
+                      device=args.device)
+    adapters, _, suite = selection.select_adapters(opts, goldens_option="--goldens")  # as the run selects them
+    tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases)
+    plan = shapes.build(tests, suite)
+    s = plan.summary()
+    print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
+          f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS); "
+          f"cache {os.environ.get(warmup.CACHE_VARIABLE)}", flush=True)
+    for a, b in s["by_adapter"].items():
+        print(f"  {a}: {b['groups']} groups, {b['shapes']} shapes; metamorphic: {s['metamorphic_configs'].get(a, '-')}")
+    if args.plan:
+        print(json.dumps(s["shapes"]))
+        return 0
+    record = warmup.run(plan, adapters, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
+                        progress=lambda line: print(line, flush=True),
+                        warm=warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
+    record["shape_plan"] = s
+    warmup.write_record(record, os.environ.get(warmup.CACHE_VARIABLE))
+    print(warmup.table(record))
+    print(json.dumps({"groups": len(record["groups"]), "wall_s": round(record["wall_s"], 1),
+                      **{k: round(v, 1) for k, v in record["totals"].items()}, "errors": record["errors"]}))
+    return 1 if record["errors"] else 0
+
+
+def prop_options(p):
+    p.add_argument("--outside-share", type=float, default=0.004,
+                   help="share of draws outside the compiled shape buckets (default 0.004; 1: no buckets; kernels "
+                        "built ahead of time draw without buckets)")
+    p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before drawing")
+    p.add_argument("--jobs", type=int, default=None, help="warm-up worker processes at a time (default: CPU count)")
+    p.add_argument("--warmup-timeout", type=float, default=1800.0)
 
 
 def apply_kernel_options(args):
@@ -186,10 +257,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         if args.cmd == "warmup":
-            from . import warmup
-
             apply_kernel_options(args)
-            return warmup.command(args)
+            return warmup_command(args)
         if args.cmd == "prop":
             if os.environ.get(PROP_VERDICT_VARIABLE) is None:
                 return prop_in_child(argv if argv is not None else sys.argv[1:])

@@ -53,7 +53,7 @@ def contract_outputs(contract, inputs, params):
         if t is not None and t.dtype != torch.bfloat16:
             raise ValueError(f"contracts: contract {contract!r} models bf16 q, k, v and o; tensor '{name}' is {t.dtype}")
     tensors = {n: t.detach().cpu() for n, t in inputs.items() if n in _INPUTS and t is not None}
-    from ..goldens import kda_options
+    from .. import kda_options
 
     opts = kda_options(params)
     if contract == "flashkda" and opts["beta"] == "sigmoid" and "beta" in tensors:
@@ -68,7 +68,7 @@ def contract_outputs(contract, inputs, params):
 def reference_outputs(inputs, params):
     """(o, final_state) of the recurrence in double (k3ref.kda), as the contract sees them."""
     tensors = {n: t.detach().cpu() for n, t in inputs.items() if n in _INPUTS and t is not None}
-    from ..goldens import kda_options
+    from .. import kda_options
 
     out = _k3ref().kda(tensors, **kda_options(params), threads=params.get("threads", 2))
     return out["o"], out.get("final_state")

@@ -1,6 +1,6 @@
 """Running one planned test in the process that holds its kernel (a pytest-xdist worker).
 
-The adapters are selected here as the plan selected them (plan.select_adapters, the first time
+The adapters are selected here as the plan selected them (selection.select_adapters, the first time
 a test needs them), each kernel is loaded once per process, and every call into adapter code
 is guarded: an exception, a SystemExit or any other BaseException but KeyboardInterrupt
 becomes that check's error with its traceback. A crash, a hang or an exit of the process is
@@ -10,7 +10,7 @@ import os
 import time
 import traceback
 
-from . import plan as run_plan
+from . import selection
 from .protocol import CheckResult
 from .collection import Test, mutant_outcome, outcome
 
@@ -26,7 +26,7 @@ class Executor:
     def __init__(self, opts, conftest_objects=()):
         self.opts = opts
         self.conftest_objects = conftest_objects
-        self.device = run_plan.device_of(opts)
+        self.device = selection.device_of(opts)
         self._adapters = None
         self.requested = set()
         self.loaded = {}     # adapter name -> {available, reason, version, import_s, timing}
@@ -34,7 +34,7 @@ class Executor:
 
     def adapter(self, name):
         if self._adapters is None:
-            adapters, self.requested, _ = run_plan.select_adapters(self.opts, self.conftest_objects)
+            adapters, self.requested, _ = selection.select_adapters(self.opts, self.conftest_objects)
             self._adapters = {a.name: a for a in adapters}
         if name not in self._adapters:
             raise LookupError(f"adapter {name} is in the plan but not selected in this process")

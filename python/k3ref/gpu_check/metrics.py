@@ -58,7 +58,13 @@ def compare(candidate, reference, fmt=None, window_shape=None, backend="auto"):
 
         if lib.available():
             d = lib.compare(candidate, reference, fmt, window_shape=window_shape)
-            return Metrics(backend="cuda", window_rel_rms=d.get("window_rel_rms"), **{k: d[k] for k in _FIELDS})
+            # The device's sums made figures by the one rule of k3ref::check (rel_rms_of_sums).
+            d["rel_rms"], d["floor_rel_rms"] = policy._core().rel_rms_of_sums([d["err_sq"], d["floor_sq"]],
+                                                                             [d["ref_sq"], d["ref_sq"]])
+            windows = None
+            if "window_err_sq" in d:
+                windows = list(policy._core().rel_rms_of_sums(d["window_err_sq"], d["window_ref_sq"]))
+            return Metrics(backend="cuda", window_rel_rms=windows, **{k: d[k] for k in _FIELDS})
         if backend == "cuda":
             raise RuntimeError("libk3gc is not loaded: " + lib.load_error())
     d = policy.measure(candidate, reference, fmt)

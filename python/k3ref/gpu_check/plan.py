@@ -7,51 +7,16 @@ arguments and conftest files) for the plan, a JSON file this module writes and r
 pytest-xdist workers build their test items from that file and import the adapters they
 run. Without isolation (`--k3ref-no-isolation`) the plan is made in the test process itself.
 """
-import dataclasses
 import json
 import os
 import threading
 import time
 from pathlib import Path
 
+from .protocol import KERNEL_PATHS, RunOptions
+from .selection import device_of, select_adapters
+
 PLAN_VERSION = 1
-
-# The checkout paths of the kernels, as the environment variables the adapters read.
-KERNEL_PATHS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla package"),
-                ("flashkda_path", "K3REF_FLASHKDA_PATH", "directory holding the flash_kda package and its extension"),
-                ("liger_path", "K3REF_LIGER_PATH", "Liger-Kernel checkout (holding src/liger_kernel) for its AttnRes "
-                                                   "kernel"),
-                ("torchtitan_path", "K3REF_TORCHTITAN_PATH", "torchtitan checkout (holding torchtitan/) for its "
-                                                             "Quantile Balancing"),
-                ("lib", "K3GC_LIB", "path of libk3gc.so (default: build*/gpu_check/)"))
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """Every option of a run, as the plugin's command line gave it (`--k3ref-*`)."""
-
-    adapters: tuple = ()          # MODULE:NAME specs
-    builtin: bool = False         # also the built-in adapters and installed entry points
-    only: tuple = None            # adapter names (each must exist)
-    no_mutants: bool = False
-    checks: tuple = None
-    cases: tuple = None
-    goldens: str = None
-    device: str = None
-    known_limitations: str = None
-    policy: str = None            # every KDA adapter judged under this policy instead of its own
-    check_timeout: float = 900.0
-    load_timeout: float = 900.0
-    budget: float = 0.0
-    isolate: bool = True
-    report: str = None            # directory of report.html / report.json
-    warmup: bool = True
-    warmup_jobs: int = None
-    warmup_timeout: float = 1800.0
-    autotune_configs: str = "winner"
-    cache_dir: str = None
-    kernel_paths: tuple = ()      # ((environment variable, path), ...)
-
 
 def _csv(text):
     return tuple(s for s in text.split(",") if s) if text else None
@@ -85,14 +50,6 @@ def apply_environment(opts):
     os.environ[autotune.MODE_VARIABLE] = opts.autotune_configs or "winner"
 
 
-def device_of(opts):
-    if opts.device:
-        return opts.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def group_of(adapter):
     """The adapter's isolation group: the tests of one group run on one worker, in order."""
     fn = getattr(adapter, "isolation_group", None)
@@ -104,42 +61,6 @@ def scope_name(group):
     before its last '::'. Brackets would start pytest's parameter part, so they are spelled
     as '(' and ')' here."""
     return "".join(ch if ch.isalnum() or ch in "-_.()" else {"[": "(", "]": ")"}.get(ch, "_") for ch in group)
-
-
-def select_adapters(opts, conftest_objects=()):
-    """(adapters, requested names, golden suite) of a run; raises selection.UsageError (one
-    line) for a selector that names nothing or an adapter spec that does not load. The
-    metamorphic configurations are chosen on the suite's shapes (shapes.choose_all), the
-    same in every process that calls this."""
-    from . import collection, selection, shapes
-    from .registry import AdapterSpecError, discover
-
-    try:
-        adapters, requested = discover(specs=opts.adapters, conftest_specs=conftest_objects,
-                                       entry_points=opts.builtin)
-    except AdapterSpecError as e:
-        raise selection.UsageError(str(e)) from e
-    try:
-        if opts.only:
-            collection.validate(adapters, [], only=opts.only)
-            adapters = [a for a in adapters if a.name in opts.only]
-            requested |= set(opts.only)
-        if opts.no_mutants:
-            adapters = [a for a in adapters if a.kind != "mutant" or a.name in requested]
-        suite = selection.load_suite(opts.goldens or selection.default_goldens("--k3ref-goldens"), adapters)
-        collection.validate(adapters, suite, checks=opts.checks, cases=opts.cases)
-    except collection.SelectorError as e:
-        raise selection.UsageError(str(e)) from e
-    if opts.policy:  # --policy: the user's choice of bound for every KDA kernel, validated below
-        for a in adapters:
-            if a.family == "kda":
-                a.policy, a.policy_reason = opts.policy, "given on the command line (--policy / --k3ref-policy)"
-        try:
-            collection.validate(adapters, suite)
-        except collection.SelectorError as e:
-            raise selection.UsageError(str(e)) from e
-    shapes.choose_all(adapters, suite)
-    return adapters, requested, suite
 
 
 def _entry(t):
@@ -226,8 +147,14 @@ def _warm_up_of(selected, opts, device, speed, progress):
                 write_status()
 
         write_status()
-        record = warmup.run_selected(selected, device, jobs=opts.warmup_jobs, timeout=opts.warmup_timeout,
-                                     progress=progress, on_unit_done=on_unit_done)
+        try:
+            record = warmup.run_selected(selected, device, jobs=opts.warmup_jobs, timeout=opts.warmup_timeout,
+                                         progress=progress, on_unit_done=on_unit_done)
+        except Exception as e:  # the scheduler itself broke: the checks compile what they need
+            reason = f"the warm-up stopped: {type(e).__name__}: {e}"[:300]
+            record = {"jobs": 0, "wall_s": 0.0, "errors": 1, "error": reason,
+                      "groups": [{"adapter": "-", "group": {}, "status": "error", "reason": reason}],
+                      "totals": {"compile_s": 0.0, "autotune_s": 0.0, "compiles": 0, "configs_benchmarked": 0}}
         speed["warmup"] = record
         if any(g.get("status") not in ("skipped", "warm") for g in record["groups"]):
             warmup.write_record(record, os.environ.get(warmup.CACHE_VARIABLE) or ".")

@@ -304,6 +304,60 @@ def replay(adapter, path, device):
     return judge(adapter, case.inputs, case.params, o, final, case.expected["o"], case.expected["final_state"])
 
 
+def prepare(args, adapter, fixed):
+    """(buckets, outside share, the flags that replay this choice) for `prop`: the buckets
+    (shapes.prop_buckets on the golden directory's cases), warmed up in parallel (one unit per
+    bucket on the warm-up's workers) unless --no-warmup or the share is 1."""
+    from . import shapes, warmup
+
+    share = float(getattr(args, "outside_share", 1.0))
+    if not 0 <= share <= 1:
+        from .selection import UsageError
+
+        raise UsageError(f"--outside-share {share}: must be in [0, 1]")
+    flags = f" --outside-share {share:g}"
+    if share >= 1:
+        return None, share, flags
+    if not shapes.compiles_at_run_time(adapter):
+        print(f"prop: draws without shape buckets: {adapter.name} is built {shapes.compiler_of(adapter)}", flush=True)
+        return None, 1.0, flags
+    suite = []
+    try:
+        from .. import goldens
+
+        suite = goldens.load_suite(goldens.directory(), ops=("kda.recurrent",))
+    except Exception as e:  # no golden directory here: the coverage buckets alone
+        print(f"prop: golden directory not read ({type(e).__name__}); buckets without the goldens' shapes")
+    buckets = shapes.prop_buckets(adapter, fixed, suite)
+    print(f"prop: {len(buckets)} shape buckets, {share:.0%} of draws outside them "
+          f"(cache {os.environ.get(warmup.CACHE_VARIABLE)})", flush=True)
+    if buckets and not getattr(args, "no_warmup", False) and shapes.compiler_of(adapter) == "triton":
+        work = [(adapter, tuple(sorted(b.items())), [{"prop_case": c} for c in shapes.bucket_cases(b, args.max_T, fixed)])
+                for b in buckets]
+        record = warmup.run_units(work, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
+                           progress=lambda line: print(line, flush=True))
+        print(warmup.table(record), flush=True)
+        warmup.write_record(dict(record, prop_buckets=buckets),
+                            Path(os.environ.get(warmup.CACHE_VARIABLE) or ".") / "prop")
+    return buckets, share, flags
+
+
+def rate(seconds, examples):
+    """Examples per minute overall and after the first minute of drawing (autotune.DRAWN)."""
+    from .autotune import DRAWN
+
+    times = DRAWN["times"]
+    rate = 60.0 * examples / seconds if seconds > 0 else float("nan")
+    after = [t for t in times if times and t - times[0] >= 60.0]
+    late = float("nan")
+    if times and times[-1] - times[0] > 60.0:
+        late = 60.0 * len(after) / (times[-1] - times[0] - 60.0) if times[-1] - times[0] > 60.0 else float("nan")
+    return (f"prop rate: {rate:.1f} examples/minute overall, {late:.1f} after the first minute; "
+            f"draws inside buckets {DRAWN['inside']}, outside {DRAWN['outside']} "
+            f"({DRAWN['outside_retried_with_autotune']} re-run with the autotuner), without buckets "
+            f"{DRAWN['unbucketed']}")
+
+
 def main(args):
     """`prop`: fails closed. An unknown kernel is a usage error (exit 2); a kernel that is not
     available, or a replayed file it does not support, exits 1 with the reason."""
@@ -330,9 +384,7 @@ def main(args):
     flags = (f" --fla-path {args.fla_path}" if args.fla_path else "") + (
         f" --flashkda-path {args.flashkda_path}" if args.flashkda_path else "") + "".join(
         f" --adapter {spec}" for spec in args.adapter)
-    from . import warmup
-
-    buckets, share, bucket_flags = warmup.prop_prepare(args, adapter, fixed_for(adapter))  # shapes.py
+    buckets, share, bucket_flags = prepare(args, adapter, fixed_for(adapter))  # shapes.py
     flags += bucket_flags
     print(f"prop: kernel {adapter.name}, {args.examples} examples, T <= {args.max_T}, seed {seed}", flush=True)
     print(f"replay the whole run: {_env_prefix()} {_interpreter()} -m k3ref.gpu_check prop "
@@ -340,7 +392,7 @@ def main(args):
     res = property_run(adapter, args.examples, seed, args.max_T, args.out, args.device, buckets=buckets,
                        outside_share=share)
     if res.get("seconds"):
-        print(warmup.prop_rate(res["seconds"], res["examples"]), flush=True)
+        print(rate(res["seconds"], res["examples"]), flush=True)
     if res["passed"] is None:
         print(f"FAIL {adapter.name}: not available, nothing was tested: {res['skipped']}")
         return 1

@@ -3,13 +3,55 @@
 An adapter (a subclass of `Adapter`) states what it is (`name`, `family`, `kind`), what it
 supports (`checks`, `golden_ops`, `domain`, `case_unsupported`), how it runs (`load`, `run_check`,
 returning a `CheckResult`) and its precision contract and policy (adapters.py documents
-the fields in full). This module imports nothing else of the harness: the checks import it,
-the adapters import it and the checks, the registry imports the adapters, the front ends the
-registry.
+the fields in full); `source_identity` names the source a kernel module was loaded from. The
+run configuration is `RunOptions` (frozen) with `KERNEL_PATHS`, the kernels' checkout paths.
+This module imports nothing else of the harness: the checks import it, the adapters import
+it and the checks, the registry resolves the adapters by name (never importing them), the
+front ends use the registry.
 """
+import hashlib
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+
+# The checkout paths of the kernels, as the environment variables the adapters read.
+KERNEL_PATHS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla package"),
+                ("flashkda_path", "K3REF_FLASHKDA_PATH", "directory holding the flash_kda package and its extension"),
+                ("liger_path", "K3REF_LIGER_PATH", "Liger-Kernel checkout (holding src/liger_kernel) for its AttnRes "
+                                                   "kernel"),
+                ("torchtitan_path", "K3REF_TORCHTITAN_PATH", "torchtitan checkout (holding torchtitan/) for its "
+                                                             "Quantile Balancing"),
+                ("lib", "K3GC_LIB", "path of libk3gc.so (default: build*/gpu_check/)"))
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Every option of a run, as the plugin's command line gave it (`--k3ref-*`)."""
+
+    adapters: tuple = ()          # MODULE:NAME specs
+    builtin: bool = False         # also the built-in adapters and installed entry points
+    only: tuple = None            # adapter names (each must exist)
+    no_mutants: bool = False
+    checks: tuple = None
+    cases: tuple = None
+    goldens: str = None
+    device: str = None
+    known_limitations: str = None
+    policy: str = None            # every KDA adapter judged under this policy instead of its own
+    check_timeout: float = 900.0
+    load_timeout: float = 900.0
+    budget: float = 0.0
+    isolate: bool = True
+    report: str = None            # directory of report.html / report.json
+    warmup: bool = True
+    warmup_jobs: int = None
+    warmup_timeout: float = 1800.0
+    autotune_configs: str = "winner"
+    cache_dir: str = None
+    kernel_paths: tuple = ()      # ((environment variable, path), ...)
 
 
 @dataclass
@@ -149,3 +191,68 @@ class BrokenAdapter(Adapter):
 
     def load(self):
         raise RuntimeError(self.reason)
+
+
+def _tracked_by_git(where):
+    """Whether git tracks the files of `where` in the work tree holding it: a package copied
+    into an ignored folder of another checkout (k3ref's own .thirdparty/, measured on the H200:
+    FLA was reported as k3ref's commit) is not that checkout's source. False without git."""
+    try:
+        out = subprocess.run(["git", "-C", str(where), "ls-files", "--", "."], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
+def _git_commit(start):
+    """The commit checked out in the git work tree holding `start` (read from .git's files),
+    or None; None too when that work tree does not track `start`'s files (_tracked_by_git)."""
+    if not _tracked_by_git(start):
+        return None
+    for d in [start, *start.parents][:6]:
+        git = d / ".git"
+        try:
+            if git.is_file():  # a worktree or submodule: "gitdir: <path>"
+                git = (d / git.read_text(errors="replace").strip().partition("gitdir:")[2].strip()).resolve()
+            if not git.is_dir():
+                continue
+            head = (git / "HEAD").read_text().strip()
+            if not head.startswith("ref:"):
+                return head[:40]
+            ref = head.partition("ref:")[2].strip()
+            bases = [git]
+            if (git / "commondir").is_file():  # a worktree keeps its refs in the main .git
+                bases.append((git / (git / "commondir").read_text().strip()).resolve())
+            for base in bases:
+                if (base / ref).is_file():
+                    return (base / ref).read_text().strip()[:40]
+                if (base / "packed-refs").is_file():
+                    for line in (base / "packed-refs").read_text().splitlines():
+                        if line.endswith(" " + ref):
+                            return line.split()[0][:40]
+        except OSError:
+            return None
+    return None
+
+
+_SOURCE_IDENTITY = {}
+
+
+def source_identity(mod):
+    """Which source a kernel module is: 'git <commit>' of the checkout it lies in, else
+    'files sha256:<12 hex>' over its package's .py files (relative paths and contents), so that
+    two trees of one package version months apart are told apart in every report."""
+    where = Path(getattr(mod, "__file__", "") or "").resolve().parent
+    if where in _SOURCE_IDENTITY:
+        return _SOURCE_IDENTITY[where]
+    commit = _git_commit(where) if where.name else None
+    if commit:
+        ident = f"git {commit}"
+    else:
+        h = hashlib.sha256()
+        for f in sorted(where.rglob("*.py")):
+            h.update(str(f.relative_to(where)).encode() + b"\0" + f.read_bytes() + b"\0")
+        ident = f"files sha256:{h.hexdigest()[:12]}"
+    _SOURCE_IDENTITY[where] = ident
+    return ident

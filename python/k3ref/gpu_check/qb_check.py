@@ -214,3 +214,8 @@ class TorchtitanQbAdapter(Adapter):
                            f"{aff.shape[0]} batches: max |bias + beta| {worst:.3e} (tolerance {tol:.3e}); "
                            f"{mismatched} token selections differ outside ties ({ties} near-tie tokens)",
                            ratio=worst / tol)
+
+
+def torchtitan_adapters():
+    """torchtitan's Quantile Balancing: its own loads, and with the histogram argument."""
+    return [TorchtitanQbAdapter(), TorchtitanQbAdapter(histogram=True)]

@@ -3,7 +3,6 @@ or at 256 bits) for CPU-sized cases, libk3gc's fp64 recurrence on the GPU for lo
 Nothing else is a reference: the PyTorch recurrence (torch_model.py) is a kernel under test."""
 import torch
 
-from .. import goldens
 from . import lib
 from .protocol import shapes_of
 
@@ -31,7 +30,7 @@ def module_reference(inputs, params, precision="double"):
     if k3ref is None:
         raise ReferenceUnavailable("no KDA reference: k3ref._core is not importable (build it: meson setup build && "
                                    "meson compile -C build, then K3REF_CORE_PATH=build/python; or pip install k3ref)")
-    out = k3ref.kda({n: t.cpu() for n, t in inputs.items()}, **goldens.kda_options(params), precision=precision,
+    out = k3ref.kda({n: t.cpu() for n, t in inputs.items()}, **k3ref.kda_options(params), precision=precision,
                     threads=2)
     return out["o"], out["final_state"]
 

@@ -156,24 +156,26 @@ def _broken(name, reason):
     return BrokenAdapter(name, reason)
 
 
+# The built-in adapters, one spec per upstream project's module, resolved as any entry point
+# is (never imported here): adding one is one line.
+BUILTIN_SPECS = ("k3ref.gpu_check.adapters:kda_adapters",          # libk3gc, FLA, FlashKDA
+                 "k3ref.gpu_check.attnres_check:LigerAttnResAdapter",
+                 "k3ref.gpu_check.qb_check:torchtitan_adapters",
+                 "k3ref.gpu_check.serving_check:serving_adapters")  # FLA's serving paths
+TEST_KERNELS = "k3ref.gpu_check.adapters:torch_test_kernels"
+
+
 def builtin_adapters():
     """The adapters of the kernels k3ref knows (the package's own `k3ref.adapters` entry
     point): libk3gc's fp64 reference and fp32 kernel and its mutants, FLA, FlashKDA, Liger's
     AttnRes, torchtitan's Quantile Balancing, and FLA's serving paths (serving_check.py)."""
-    from . import attnres_check, qb_check, serving_check
-    from .adapters import kda_adapters
-
-    return kda_adapters(include_mutants=True) + [
-        attnres_check.LigerAttnResAdapter(), qb_check.TorchtitanQbAdapter(),
-        qb_check.TorchtitanQbAdapter(histogram=True)] + serving_check.serving_adapters()
+    return [a for spec in BUILTIN_SPECS for a in resolve(spec)]
 
 
 def kernel_by_name(name, extra=()):
     """The adapter called `name` (as reports print it): built-in, a CPU test kernel, or one of
     `extra`. Unknown names raise ValueError with the known ones."""
-    from .adapters import torch_test_kernels
-
-    known = list(extra) + builtin_adapters() + torch_test_kernels()
+    known = list(extra) + builtin_adapters() + resolve(TEST_KERNELS)
     for a in known:
         if a.name == name:
             return a

@@ -84,7 +84,7 @@ def reference_versions(golden_dir=None):
     of its MANIFEST.json) and the policy table (its sha256)."""
     import k3ref
     from .. import goldens, policy
-    from .adapters import source_identity
+    from .protocol import source_identity
 
     v = {"k3ref": f"{getattr(k3ref, '__version__', '?')}, {source_identity(k3ref)}"}
     try:
@@ -167,9 +167,6 @@ def summary(rows, results, kernels, device, seconds, passed, failures, n_goldens
 
 
 # --------------------------------------------------------------------------- from pytest's reports
-
-STDERR_TAIL_LINES = 40
-
 
 def stderr_summary(tail):
     """One line from a process's stderr: Python's fatal-error line and the innermost frame when

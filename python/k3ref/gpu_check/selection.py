@@ -27,24 +27,51 @@ def csv_list(text):
     return [s for s in text.split(",") if s] if text else None
 
 
-def select(args):
-    """(adapters, requested names) after --only / --no-mutants / --no-builtin; raises UsageError."""
-    try:
-        adapters, requested = discover(specs=args.adapter, entry_points=not args.no_builtin)
-    except AdapterSpecError as e:
-        raise UsageError(str(e)) from e
-    only = csv_list(args.only)
-    if only:
-        collection.validate(adapters, [], only=only)
-        adapters = [a for a in adapters if a.name in only]
-        requested |= set(only)
-    if args.no_mutants:
-        adapters = [a for a in adapters if a.kind != "mutant" or a.name in requested]
-    return adapters, requested
-
-
 def load_suite(goldens, adapters):
     ops = sorted({op for a in adapters for op in a.golden_ops})
     if not Path(goldens).is_dir():
         raise UsageError(f"--goldens {goldens}: not a directory")
     return collection.load_suite(goldens, ops) if ops else []
+
+
+def device_of(opts):
+    if opts.device:
+        return opts.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def select_adapters(opts, conftest_objects=(), goldens_option="--k3ref-goldens"):
+    """(adapters, requested names, golden suite) of a run; raises UsageError (one
+    line) for a selector that names nothing or an adapter spec that does not load. The
+    metamorphic configurations are chosen on the suite's shapes (shapes.choose_all), the
+    same in every process that calls this."""
+    from . import shapes
+
+    try:
+        adapters, requested = discover(specs=opts.adapters, conftest_specs=conftest_objects,
+                                       entry_points=opts.builtin)
+    except AdapterSpecError as e:
+        raise UsageError(str(e)) from e
+    try:
+        if opts.only:
+            collection.validate(adapters, [], only=opts.only)
+            adapters = [a for a in adapters if a.name in opts.only]
+            requested |= set(opts.only)
+        if opts.no_mutants:
+            adapters = [a for a in adapters if a.kind != "mutant" or a.name in requested]
+        suite = load_suite(opts.goldens or default_goldens(goldens_option), adapters)
+        collection.validate(adapters, suite, checks=opts.checks, cases=opts.cases)
+    except collection.SelectorError as e:
+        raise UsageError(str(e)) from e
+    if opts.policy:  # --policy: the user's choice of bound for every KDA kernel, validated below
+        for a in adapters:
+            if a.family == "kda":
+                a.policy, a.policy_reason = opts.policy, "given on the command line (--policy / --k3ref-policy)"
+        try:
+            collection.validate(adapters, suite)
+        except collection.SelectorError as e:
+            raise UsageError(str(e)) from e
+    shapes.choose_all(adapters, suite)
+    return adapters, requested, suite

@@ -27,6 +27,7 @@ causes are measured (timing.py), and the report gives both.
 """
 import math
 from dataclasses import dataclass, field
+from .autotune import _unwrap, kernel_name
 
 # --------------------------------------------------------------------------- the key model
 
@@ -409,23 +410,6 @@ def order(tests, plan):
 
 
 # --------------------------------------------------------------------------- Triton introspection
-
-def _unwrap(fn, limit=8):
-    """The chain fn, fn.fn, ... (Autotuner -> Heuristics -> JITFunction)."""
-    chain = []
-    while fn is not None and len(chain) < limit:
-        chain.append(fn)
-        fn = getattr(fn, "fn", None)
-    return chain
-
-
-def kernel_name(obj):
-    for f in _unwrap(obj):
-        name = getattr(f, "__name__", None)
-        if isinstance(name, str):
-            return name
-    return type(obj).__name__
-
 
 def autotuner_info(autotuner):
     """What an autotuned kernel specialises on, read from its decorators: {name,
