@@ -480,7 +480,7 @@ def kda_adapters(include_mutants=True):
         LibKernelAdapter(0),
     ]
     if include_mutants:
-        adapters += [LibKernelAdapter(m) for m in range(1, len(lib.MUTATIONS))]
+        adapters += [LibKernelAdapter(m) for m in range(1, len(lib.MUTATIONS)) if lib.MUTATIONS[m] not in lib.SCALE_MUTANTS]
     return adapters
 
 
