@@ -141,8 +141,8 @@ def trial_device(adapter):
 
 
 def gva_trial(adapter, params, shapes, call):
-    """Runs the kernel once on 16 tokens at these head counts and options (the shapes the case
-    compiles anyway); sets adapter.gva. Returns the refusal's reason or None."""
+    """Runs the kernel once at these shapes and options (those the case compiles and autotunes
+    anyway, T capped at 4,096); sets adapter.gva. Returns the refusal's reason or None."""
     from . import checks
 
     c = dict(name="probe", H=shapes["H"], HV=shapes["HV"], K=shapes["K"], V=shapes["V"],
@@ -150,7 +150,11 @@ def gva_trial(adapter, params, shapes, call):
              g_range=(-1.0, 0.0) if params.get("gate", "log_decay") == "log_decay" else (-4.0, 4.0),
              beta=params.get("beta", "as_given"), qk_l2norm=bool(params.get("qk_l2norm")),
              state_layout=params.get("state_layout", "k_first"))
-    inputs, p = checks.make_problem(c, 16, 0, trial_device(adapter))
+    T = max(1, min(int(shapes.get("T") or 16), 4096))
+    cu = params.get("cu_seqlens")
+    cu = list(cu) if cu and cu[-1] == T else None
+    inputs, p = checks.make_problem(c, T, 0, trial_device(adapter), cu_seqlens=cu,
+                                    initial_state=bool(params.get("initial_state", True)))
     try:
         call_with_gva_trial(adapter, lambda x: call(x, p), inputs)
     except NotSupported as e:
