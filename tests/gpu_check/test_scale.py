@@ -27,7 +27,7 @@ except ImportError:
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = scale.Limits(index=2**12, grid=64, long_T=256, window=64, H=1, HV=2, K=8, V=8, packed_T=256, doc_max=8,
-                     index_doc=40, chunk=16, sample_heads=2, threads=2)
+                     index_doc=40, chunk=16, sample_heads=2, contract_tokens=128, threads=2)
 TILE = 16  # libk3gc's fp32 kernel stages 16 tokens at a time (its read-past mutant's tile)
 
 
@@ -202,3 +202,19 @@ def test_the_default_tier_misses_the_scale_mutants_at_the_real_limits():
         bad = [(r.check, r.case, r.reason[:200]) for r in ran if r.status != "pass"]
         assert not bad, (mutant, bad)
         assert not math.isnan(sum(r.ratio or 0.0 for r in ran))
+
+
+def test_a_kernel_with_a_contract_is_judged_by_it_on_the_sampled_heads():
+    a = StandIn(None, SMALL)
+    a.contract_name = "fla_recurrent"  # its contract: the fp32 recurrence, bf16 output (1.0x the floor)
+    rows = {r.case: r for r in scale.run_kernel(a, SMALL, "cpu", cases=("long_sequence", "packed_documents"))}
+    for case, r in rows.items():
+        assert r.status == "pass", (case, r.reason)
+        o = r.metrics["o"]
+        assert o["multiple"] == 1.5 and 0 < o["contract"] and o["bound"] == 1.5 * max(o["floor"], o["contract"])
+    # one sequence of 256 tokens, the contract on its first 128: windows 2 and 3 take the larger of 0 and 1
+    inputs, params = scale.make_inputs(SMALL.long_T, SMALL.H, SMALL.HV, SMALL, 11, "cpu")
+    ref_o, ref_f = scale.reference(inputs, params, "cpu")
+    c_o, c_f, c_w = scale.contract_errors(a, inputs, params, ref_o, ref_f, SMALL, window=SMALL.window)
+    assert len(c_w) == 4 and c_w[2] == c_w[3] == max(c_w[:2]) and min(c_w) > 0 and c_f > 0
+    assert len(rows["long_sequence"].metrics["o"]["window_ratios"]) == 4
