@@ -9,9 +9,11 @@
 #
 #   [STEPS="build cold default warm"] gpu_check/device_scale.sh [OUT_DIR]   # default $OUT, else .scratch/scale
 #   env: TP (third-party root, default .thirdparty), BUILD (build directory, default
-#        .scratch/scale_build, reused when it is there), KERNEL_TIMEOUT (seconds per kernel and
-#        pass, default 240), WARM_IF_UNDER (run the warm pass only when the script has taken
-#        fewer seconds than this, default 200), PYTHON (default python3)
+#        .scratch/scale_build, reused when it is there), CACHE (Triton's cache, default
+#        .scratch/scale_cache: emptied by the cold step, kept for the warm one, also across
+#        calls on one machine: STEPS="build cold" then STEPS="default warm"), KERNEL_TIMEOUT
+#        (seconds per kernel and pass, default 240), WARM_IF_UNDER (the warm pass runs only when
+#        the script has taken fewer seconds than this, default 200), PYTHON (default python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -23,7 +25,7 @@ STEPS=${STEPS:-build cold default warm}
 KERNEL_TIMEOUT=${KERNEL_TIMEOUT:-240}
 WARM_IF_UNDER=${WARM_IF_UNDER:-200}
 mkdir -p "$OUT_DIR"
-CACHE=$OUT_DIR/cache
+CACHE=${CACHE:-$ROOT/.scratch/scale_cache}
 START=$(date +%s.%N)
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 elapsed() { awk -v a="$(date +%s.%N)" -v b="$1" 'BEGIN{printf "%.1f", a-b}'; }
