@@ -34,19 +34,8 @@ if has build; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT_DIR/gpu.txt"
   t0=$(date +%s.%N)
   build_rc=0
-  { [ -f "$BUILD/build.ninja" ] || { rm -rf "$BUILD"; meson setup "$BUILD" -Dgpu_check=enabled -Dpython=enabled \
-      -Dtests=disabled -Dbenchmarks=disabled > "$OUT_DIR/meson.txt" 2>&1; }; } &&
-    targets=$(ninja -C "$BUILD" -t targets all | sed -n 's/^\(python\/_core[^:]*\.so\|gpu_check\/libk3gc\.so\): .*/\1/p') &&
-    ninja -C "$BUILD" $targets > "$OUT_DIR/ninja.txt" 2>&1 || build_rc=$?
-  if [ "$build_rc" != 0 ]; then
-    # Without k3ref._core the contracts cannot be evaluated (those verdicts fail closed);
-    # libk3gc alone still gives the reference, the fp32 kernel and the mutants.
-    echo "meson build failed (rc $build_rc):"; tail -5 "$OUT_DIR/meson.txt" "$OUT_DIR/ninja.txt" 2>/dev/null
-    mkdir -p "$BUILD/gpu_check"
-    ${NVCC:-nvcc} -O3 -std=c++17 --fmad=false -shared -Xcompiler -fPIC \
-      -gencode="arch=compute_${GPU_CHECK_ARCH:-90},code=[sm_${GPU_CHECK_ARCH:-90},compute_${GPU_CHECK_ARCH:-90}]" \
-      -Igpu_check/include -o "$BUILD/gpu_check/libk3gc.so" gpu_check/src/*.cu || build_rc=1
-  fi
+  . gpu_check/device_build.sh
+  device_build "$BUILD" "$OUT_DIR" || build_rc=$?
   echo "{\"rc\": $build_rc, \"wall_s\": $(elapsed "$t0")}" > "$OUT_DIR/build.json"
 fi
 export K3GC_LIB=$BUILD/gpu_check/libk3gc.so K3REF_CORE_PATH=$BUILD/python
