@@ -93,6 +93,11 @@ def test_keywords_read_from_kwargs_are_accepted_and_others_refused():
     with pytest.raises(probe.NotSupported, match="option x \\(no such parameter\\)"):
         probe.refuse_unknown(closed, dict(x=1.0))
 
+    def opaque(*args, **kwargs):  # a wrapper without functools.wraps: nothing to tell
+        return kernel(*args, **kwargs)
+
+    assert probe.unsupported_keyword(opaque, dict(unknown=True)) is None
+
 
 def test_an_old_version_gets_not_applicable_never_a_numeric_failure():
     res = _golden_results(StandInFla(old_fla))

@@ -66,8 +66,12 @@ def neutral(value):
 
 
 def unsupported_keyword(fn, kwargs):
-    """The first keyword of `kwargs` (at a non-neutral value) that fn does not accept, or None."""
-    named, read, _ = accepted_keywords(fn)
+    """The first keyword of `kwargs` (at a non-neutral value) that fn does not accept, or None.
+    A signature of (*args, **kwargs) alone (a wrapper that hides the function) says nothing:
+    None."""
+    named, read, var_kw = accepted_keywords(fn)
+    if var_kw and not named:
+        return None
     for name, value in kwargs.items():
         if not neutral(value) and name not in named and name not in read:
             return name
