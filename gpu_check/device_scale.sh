@@ -44,7 +44,8 @@ export FLA_FLASH_KDA=0 FLA_TILELANG=0 FLA_DISABLE_BACKEND_DISPATCH=1  # the harn
 PATHS="--fla-path $TP/fla_pkg --flashkda-path $TP/FlashKDA"
 KERNELS="fla.chunk_kda fla.fused_recurrent_kda flashkda.fwd k3gc.fp32 mutant.int32_offset_wrap mutant.grid_drops_sequences mutant.last_chunk_read_past_end mutant.bf16_state_long_t"
 
-if ! K3REF_FLASHKDA_PATH=$TP/FlashKDA $PY -c "import flash_kda" > "$OUT_DIR/flashkda_import.txt" 2>&1; then
+# as the adapter imports it: $TP/FlashKDA first on sys.path
+if ! $PY -c "import sys; sys.path.insert(0, sys.argv[1]); import flash_kda" "$TP/FlashKDA" > "$OUT_DIR/flashkda_import.txt" 2>&1; then
   echo "FlashKDA skipped: not importable ($(tail -1 "$OUT_DIR/flashkda_import.txt"))"
   KERNELS=${KERNELS/flashkda.fwd /}
 fi
