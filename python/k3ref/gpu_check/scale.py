@@ -525,8 +525,8 @@ def command(args):
     from .selection import UsageError
 
     kernels = builtin_kernels(include_mutants=not args.no_mutants)
-    for spec in args.adapter:
-        kernels += registry.resolve(spec)
+    for spec in args.adapter:  # the tier runs KDA forward kernels (KdaAdapter.run)
+        kernels += [a for a in registry.resolve(spec) if getattr(a, "family", "") == "kda" and hasattr(a, "unsupported")]
     if args.only:
         names = args.only.split(",")
         unknown = [n for n in names if n not in {a.name for a in kernels}]
