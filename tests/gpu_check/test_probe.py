@@ -39,12 +39,10 @@ def old_fla(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     return _model(q, k, v, g, beta, initial_state, cu_seqlens, dict(scale=scale, qk_l2norm=use_qk_l2norm_in_kernel))
 
 
-def fla_without_gva(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, **kwargs):
-    """Every option (A_log and dt_bias read from kwargs, as FLA's chunk_kda does), but no GVA."""
-    if not q.shape == k.shape == g.shape:
-        raise AssertionError("q, k, g must have the same shape")
+def fla_current(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, **kwargs):
+    """Every option, A_log and dt_bias read from kwargs (as FLA's chunk_kda does), and GVA."""
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
     HV, K = v.shape[2], q.shape[3]
     gate = "log_decay" if not use_gate_in_kernel else ("lower_bound" if lower_bound is not None else "softplus")
@@ -56,6 +54,17 @@ def fla_without_gva(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     return o, (f.transpose(-1, -2).contiguous() if state_v_first else f)
 
 
+def fla_without_gva(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, **kwargs):
+    """fla_current without GVA."""
+    if not q.shape == k.shape == g.shape:
+        raise AssertionError("q, k, g must have the same shape")
+    return fla_current(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
+                       cu_seqlens, **kwargs)
+
+
 class StandInFla(FlaAdapter):
     requires_cuda = False
 
@@ -65,6 +74,7 @@ class StandInFla(FlaAdapter):
         self.stand_in = fn
         self.contract_name = None  # the stand-ins are the exact recurrence rounded to bf16: the floor rule
         self.policy = "recurrent"
+        self.requires_cuda = False
 
     def load(self):
         self.fn = self.stand_in

@@ -218,3 +218,19 @@ def test_a_kernel_with_a_contract_is_judged_by_it_on_the_sampled_heads():
     c_o, c_f, c_w = scale.contract_errors(a, inputs, params, ref_o, ref_f, SMALL, window=SMALL.window)
     assert len(c_w) == 4 and c_w[2] == c_w[3] == max(c_w[:2]) and min(c_w) > 0 and c_f > 0
     assert len(rows["long_sequence"].metrics["o"]["window_ratios"]) == 4
+
+
+def test_the_fla_adapter_runs_the_tier_with_its_contract():
+    # FLA's adapter class itself (keywords, the version probe, its own output allocation, the
+    # chunk contract on the sampled heads) around a CPU stand-in of chunk_kda with GVA.
+    from test_probe import StandInFla, fla_current
+
+    a = StandInFla(fla_current)
+    a.contract_name, a.policy = "fla_chunk", "chunk"
+    L = scale.replace(SMALL, H=1, HV=4)
+    rows = {r.case: r for r in scale.run_kernel(a, L, "cpu", cases=tuple(scale.CASE_FUNCTIONS))}
+    assert a.gva is True and set(rows) == set(scale.CASE_FUNCTIONS)
+    for case, r in rows.items():
+        assert r.status == "pass", (case, r.reason)
+        assert r.extra["H"] == 1 and r.extra["HV"] == 4
+        assert all(m["multiple"] == 2.0 for m in r.metrics.values())  # fla-chunk-contract: m = 2 for o and states
