@@ -108,6 +108,11 @@ def test_keywords_read_from_kwargs_are_accepted_and_others_refused():
 
     assert probe.unsupported_keyword(opaque, dict(unknown=True)) is None
 
+    def forwarding(q, scale=None, **kwargs):  # passes them on: the callee decides
+        return closed(q, **kwargs)
+
+    assert probe.unsupported_keyword(forwarding, dict(unknown=True)) is None
+
 
 def test_an_old_version_gets_not_applicable_never_a_numeric_failure():
     res = _golden_results(StandInFla(old_fla))

@@ -4,7 +4,8 @@ not applicable, "not supported by this version: option X", never a numeric failu
 
 - Options: a keyword is accepted when the function names it as a parameter, or when it has
   **kwargs and its source reads that key from them (`kwargs.get("A_log")`, `kwargs["x"]`,
-  `kwargs.pop("x")`, `"x" in kwargs`: FLA's chunk_kda takes A_log and dt_bias so). A keyword
+  `kwargs.pop("x")`, `"x" in kwargs`: FLA's chunk_kda takes A_log and dt_bias so), or passes
+  them on (`f(**kwargs)`: the callee takes them or refuses them itself). A keyword
   that would only fall into **kwargs is swallowed by an older version that ignores it, and
   its results would then be judged as errors of 1e2 to 1e32x: such a call is refused.
   Keywords at a neutral value (None, False) change nothing and are not refused.
@@ -26,6 +27,7 @@ class NotSupported(Exception):
 
 
 _ACCEPTED = {}
+FORWARDS = "**"  # in the keys read: the function passes its **kwargs on to another call
 
 
 def accepted_keywords(fn):
@@ -52,6 +54,9 @@ def accepted_keywords(fn):
             elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == var_kw
                   and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
                 read.add(node.slice.value)
+            elif isinstance(node, ast.Call) and any(kw.arg is None and isinstance(kw.value, ast.Name)
+                                                    and kw.value.id == var_kw for kw in node.keywords):
+                read.add(FORWARDS)  # f(**kwargs): the callee takes them, or refuses them itself
             elif (isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
                   and isinstance(node.left.value, str) and len(node.comparators) == 1
                   and isinstance(node.comparators[0], ast.Name) and node.comparators[0].id == var_kw):
@@ -70,7 +75,7 @@ def unsupported_keyword(fn, kwargs):
     A signature of (*args, **kwargs) alone (a wrapper that hides the function) says nothing:
     None."""
     named, read, var_kw = accepted_keywords(fn)
-    if var_kw and not named:
+    if var_kw and (not named or FORWARDS in read):
         return None
     for name, value in kwargs.items():
         if not neutral(value) and name not in named and name not in read:
