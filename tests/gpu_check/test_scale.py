@@ -234,3 +234,12 @@ def test_the_fla_adapter_runs_the_tier_with_its_contract():
         assert r.status == "pass", (case, r.reason)
         assert r.extra["H"] == 1 and r.extra["HV"] == 4
         assert all(m["multiple"] == 2.0 for m in r.metrics.values())  # fla-chunk-contract: m = 2 for o and states
+
+
+def test_limits_from_text():
+    L = scale.limits_from("HV=16, long_T=0x4000")
+    assert (L.HV, L.long_T, L.index) == (16, 16384, 2**31)
+    with pytest.raises(ValueError, match="unknown name 'hv'"):
+        scale.limits_from("hv=16")
+    with pytest.raises(ValueError, match="long_T='big' is not an integer"):
+        scale.limits_from("long_T=big")

@@ -64,6 +64,22 @@ class Limits:
 
 
 FULL = Limits()
+
+
+def limits_from(text, base=FULL):
+    """Limits from "name=value,..." ($K3REF_SCALE_LIMITS: a smaller tier for a first look on a
+    new machine); unknown names and non-integers are a one-line ValueError."""
+    fields = {f: type(v) for f, v in asdict(base).items()}
+    changes = {}
+    for item in filter(None, (x.strip() for x in (text or "").split(","))):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise ValueError(f"scale limits: unknown name {name!r} (names: {', '.join(fields)})")
+        try:
+            changes[name] = int(value, 0)
+        except ValueError:
+            raise ValueError(f"scale limits: {name}={value!r} is not an integer") from None
+    return replace(base, **changes)
 # In this order: a case that ends the process (a CUDA error is sticky) loses only those after it.
 CASES = ("reference_vs_goldens", "ragged_tail", "long_sequence", "packed_documents", "many_sequences", "index_limit")
 # Raw gate inputs of the lower-bound gate (-5 sigmoid(exp(A_log)(x + dt_bias))): decays from
@@ -540,7 +556,11 @@ def command(args):
         bad = [c for c in cases if c not in CASES]
         if bad:
             raise UsageError(f"--cases: unknown scale case {bad[0]!r} (cases: {', '.join(CASES)})")
-    result = run(kernels, FULL, args.device, cases, args.goldens,
+    try:
+        limits = limits_from(os.environ.get("K3REF_SCALE_LIMITS"))
+    except ValueError as e:
+        raise UsageError(f"$K3REF_SCALE_LIMITS: {e}") from None
+    result = run(kernels, limits, args.device, cases, args.goldens,
                  progress=lambda line: print(line, file=sys.stderr, flush=True),
                  asked=set(args.only.split(",")) if args.only else ())
     os.makedirs(args.out, exist_ok=True)
