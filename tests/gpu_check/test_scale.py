@@ -243,3 +243,12 @@ def test_limits_from_text():
         scale.limits_from("hv=16")
     with pytest.raises(ValueError, match="long_T='big' is not an integer"):
         scale.limits_from("long_T=big")
+
+
+def test_a_tier_in_which_nothing_ran_fails():
+    a = StandIn(None, SMALL)
+    skipped = [scale.CheckResult(a.name, "scale", c, "skip", "not available: no CUDA device") for c in scale.CASE_FUNCTIONS]
+    s = scale.summarize(skipped, [a])
+    assert s["verdict"] == "FAIL" and s["failures"] == ["no kernel ran a case: nothing is vouched for"]
+    asked = scale.summarize(skipped + [scale.CheckResult(a.name, "scale", "x", "pass", "")], [a], asked={a.name})
+    assert asked["verdict"] == "FAIL" and len(asked["failures"]) == len(skipped)  # asked for, not available

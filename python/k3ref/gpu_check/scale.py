@@ -488,6 +488,8 @@ def summarize(results, kernels, asked=()):
                 m["ran"] += 1
         elif r.status in ("fail", "error") or (r.adapter in asked and r.reason.startswith("not available")):
             failures.append(f"{r.adapter} {r.case}: {r.reason[:300]}")
+    if not any(r.status != "skip" for r in results if kinds.get(r.adapter) in ("kernel", "mutant")):
+        failures.append("no kernel ran a case: nothing is vouched for")
     verdict = {n: ("caught" if m["caught_by"] else ("missed" if m["ran"] else "could not run")) for n, m in mutants.items()}
     ok = not failures and all(v == "caught" for v in verdict.values())
     return {"verdict": "PASS" if ok else "FAIL", "failures": failures, "mutants": verdict,
