@@ -12,8 +12,11 @@
 #        .scratch/scale_build, reused when it is there), CACHE (Triton's cache, default
 #        .scratch/scale_cache: emptied by the cold step, kept for the warm one, also across
 #        calls on one machine: STEPS="build cold" then STEPS="default warm"), KERNEL_TIMEOUT
-#        (seconds per kernel and pass, default 240), WARM_IF_UNDER (the warm pass runs only when
-#        the script has taken fewer seconds than this, default 200), PYTHON (default python3)
+#        (seconds per kernel and pass, default 240), BUDGET (seconds for the whole script, default
+#        540, for one 10-minute call: a kernel's limit is cut to what is left less 40 s for the
+#        summary, a kernel with under 30 s left is not started, the default step needs 120 s),
+#        WARM_IF_UNDER (the warm pass runs only when the script has taken fewer seconds than
+#        this, default 200), PYTHON (default python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -24,11 +27,13 @@ BUILD=${BUILD:-$ROOT/.scratch/scale_build}
 STEPS=${STEPS:-build cold default warm}
 KERNEL_TIMEOUT=${KERNEL_TIMEOUT:-240}
 WARM_IF_UNDER=${WARM_IF_UNDER:-200}
+BUDGET=${BUDGET:-540}
 mkdir -p "$OUT_DIR"
 CACHE=${CACHE:-$ROOT/.scratch/scale_cache}
 START=$(date +%s.%N)
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 elapsed() { awk -v a="$(date +%s.%N)" -v b="$1" 'BEGIN{printf "%.1f", a-b}'; }
+left() { awk -v e="$(elapsed "$START")" -v b="$BUDGET" 'BEGIN{printf "%d", b-e}'; }
 
 if has build; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT_DIR/gpu.txt"
@@ -54,10 +59,13 @@ scale_pass() {  # $1 = cold | warm: every kernel in its own process; the goldens
   local first=1
   for k in $KERNELS; do
     local cases=""
-    [ $first = 1 ] || cases="--cases long_sequence,packed_documents,many_sequences,ragged_tail,index_limit"
+    [ $first = 1 ] || cases="--cases ragged_tail,long_sequence,packed_documents,many_sequences,index_limit"
     first=0
+    local limit=$(( $(left) - 40 ))
+    [ "$limit" -gt "$KERNEL_TIMEOUT" ] && limit=$KERNEL_TIMEOUT
+    if [ "$limit" -lt 30 ]; then echo "$1 $k: not started, $(left) s of BUDGET left"; continue; fi
     local t0=$(date +%s.%N)
-    timeout -k 10 "$KERNEL_TIMEOUT" $PY -m k3ref.gpu_check run --tier scale --only "$k" $cases --out "$OUT_DIR/$1/$k" \
+    timeout -k 10 "$limit" $PY -m k3ref.gpu_check run --tier scale --only "$k" $cases --out "$OUT_DIR/$1/$k" \
       --cache-dir "$CACHE" $PATHS > "$OUT_DIR/$1/$k.log" 2>&1
     local rc=$?
     echo "{\"rc\": $rc, \"wall_s\": $(elapsed "$t0")}" > "$OUT_DIR/$1/$k.rc.json"
@@ -66,11 +74,12 @@ scale_pass() {  # $1 = cold | warm: every kernel in its own process; the goldens
 }
 
 if has cold; then rm -rf "$CACHE" "$OUT_DIR/cold"; mkdir -p "$OUT_DIR/cold"; echo "== scale tier, cold"; scale_pass cold; fi
-if has default; then
+if has default && [ "$(left)" -lt 120 ]; then echo "default step left out: $(left) s of BUDGET left"; fi
+if has default && [ "$(left)" -ge 120 ]; then
   echo "== default tier on the scale mutants (each must be missed there)"
   t0=$(date +%s.%N)
-  $PY -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.scale:scale_mutants --out "$OUT_DIR/default_mutants" \
-    --cache-dir "$CACHE" > "$OUT_DIR/default_mutants.log" 2>&1
+  timeout -k 10 $(( $(left) - 40 )) $PY -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.scale:scale_mutants \
+    --out "$OUT_DIR/default_mutants" --cache-dir "$CACHE" > "$OUT_DIR/default_mutants.log" 2>&1
   echo "{\"rc\": $?, \"wall_s\": $(elapsed "$t0")}" > "$OUT_DIR/default_mutants.rc.json"
   tail -3 "$OUT_DIR/default_mutants.log"
 fi
@@ -100,11 +109,15 @@ for p in ("cold", "warm"):
     for rc in sorted((out / p).glob("*.rc.json")):
         k = rc.name[: -len(".rc.json")]
         walls[k] = load(rc)
-        res = load(out / p / k / "scale.json")
+        res = load(out / p / k / "scale.json")  # written after each case: a process ended from outside keeps its rows
         if res is None:
             rows.append({"kernel": k, "case": "(all)", "verdict": "error", "reason": f"no scale.json (rc {walls[k]})"})
             continue
         rows += res["results"]
+        done = {r["case"] for r in res["results"] if r["kernel"] == k}
+        if walls[k] and walls[k]["rc"] not in (0, 1):
+            rows.append({"kernel": k, "case": "(rest)", "verdict": "error",
+                         "reason": f"the process ended with rc {walls[k]['rc']} after {sorted(done)}"})
         mutants.update(res["summary"]["mutants"])
     summary["passes"][p] = {"rows": rows, "kernel_wall": walls, "mutants": mutants,
                             "wall_s": round(sum(w["wall_s"] for w in walls.values() if w), 1)}

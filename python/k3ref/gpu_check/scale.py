@@ -434,27 +434,31 @@ def reference_vs_goldens(device, goldens=None, reference_adapter=None):
     return [res]
 
 
-def run_kernel(adapter, L=FULL, device="cuda", cases=CASES, progress=None):
-    """The tier's results of one kernel: one CheckResult per case (skip with the reason when the
-    kernel is unavailable or the case is outside its domain; error with the exception)."""
+def run_kernel(adapter, L=FULL, device="cuda", cases=CASES, progress=None, on_result=None):
+    """The tier's results of one kernel: one CheckResult per case, in CASES' order (skip with the
+    reason when the kernel is unavailable or the case is outside its domain; error with the
+    exception); on_result(result) after each."""
     adapter.device_sync = str(device).startswith("cuda")
     out = []
+    todo = [c for c in CASE_FUNCTIONS if c in cases]
     if not adapter.available():
-        return [CheckResult(adapter.name, "scale", c, "skip", "not available: " + adapter.unavailable_reason)
-                for c in cases if c in CASE_FUNCTIONS]
+        out = [CheckResult(adapter.name, "scale", c, "skip", "not available: " + adapter.unavailable_reason) for c in todo]
+        for r in out if on_result else ():
+            on_result(r)
+        return out
     hv = heads_for(adapter, L)
-    for c in cases:
-        if c not in CASE_FUNCTIONS:
-            continue
+    for c in todo:
         if hv is None:
-            out.append(CheckResult(adapter.name, "scale", c, "skip", "n/a (outside the kernel's domain: K3's "
-                                   f"configuration at K = {L.K}, V = {L.V}, HV = {L.HV})"))
-            continue
-        t0 = time.time()
-        res = checks._guard(adapter, "scale", c, lambda c=c: CASE_FUNCTIONS[c](adapter, *hv, L, device))
-        res.seconds = time.time() - t0
-        _free(device)
+            res = CheckResult(adapter.name, "scale", c, "skip", "n/a (outside the kernel's domain: K3's "
+                              f"configuration at K = {L.K}, V = {L.V}, HV = {L.HV})")
+        else:
+            t0 = time.time()
+            res = checks._guard(adapter, "scale", c, lambda c=c: CASE_FUNCTIONS[c](adapter, *hv, L, device))
+            res.seconds = time.time() - t0
+            _free(device)
         out.append(res)
+        if on_result:
+            on_result(res)
         if progress:
             progress(f"{adapter.name} {c}: {res.status} {res.seconds:.1f} s: {res.reason[:300]}")
     return out
@@ -521,18 +525,30 @@ def table(rows):
     return "\n".join(lines)
 
 
-def run(kernels, L=FULL, device="cuda", cases=CASES, goldens=None, progress=None, reference_adapter=None, asked=()):
-    """The whole tier: {limits, device, results (rows), summary, wall_s}."""
+def run(kernels, L=FULL, device="cuda", cases=CASES, goldens=None, progress=None, reference_adapter=None, asked=(),
+        checkpoint=None):
+    """The whole tier: {limits, device, results (rows), summary, wall_s}; checkpoint(that dict so
+    far) after each result (a run ended from outside keeps what it did)."""
     t0 = time.time()
     results = []
+
+    def state():
+        return {"tier": "scale", "limits": asdict(L), "device": str(device),
+                "gpu": torch.cuda.get_device_name() if str(device).startswith("cuda") else None,
+                "results": [result_row(r) for r in results], "summary": summarize(results, kernels, asked),
+                "wall_s": round(time.time() - t0, 2)}
+
+    def add(r):
+        results.append(r)
+        if checkpoint:
+            checkpoint(state())
+
     if "reference_vs_goldens" in cases:
-        results += reference_vs_goldens(device, goldens, reference_adapter)
+        for r in reference_vs_goldens(device, goldens, reference_adapter):
+            add(r)
     for a in kernels:
-        results += run_kernel(a, L, device, cases, progress)
-    rows = [result_row(r) for r in results]
-    return {"tier": "scale", "limits": asdict(L), "device": str(device),
-            "gpu": torch.cuda.get_device_name() if str(device).startswith("cuda") else None,
-            "results": rows, "summary": summarize(results, kernels, asked), "wall_s": round(time.time() - t0, 2)}
+        run_kernel(a, L, device, cases, progress, on_result=add)
+    return state()
 
 
 def command(args):
@@ -562,13 +578,18 @@ def command(args):
         limits = limits_from(os.environ.get("K3REF_SCALE_LIMITS"))
     except ValueError as e:
         raise UsageError(f"$K3REF_SCALE_LIMITS: {e}") from None
-    result = run(kernels, limits, args.device, cases, args.goldens,
-                 progress=lambda line: print(line, file=sys.stderr, flush=True),
-                 asked=set(args.only.split(",")) if args.only else ())
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "scale.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+
+    def write(result):
+        with open(path + ".part", "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        os.replace(path + ".part", path)
+
+    result = run(kernels, limits, args.device, cases, args.goldens,
+                 progress=lambda line: print(line, file=sys.stderr, flush=True),
+                 asked=set(args.only.split(",")) if args.only else (), checkpoint=write)
+    write(result)
     print(table(result["results"]))
     s = result["summary"]
     for n, v in s["mutants"].items():
