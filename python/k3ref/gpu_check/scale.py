@@ -82,9 +82,11 @@ def limits_from(text, base=FULL):
     return replace(base, **changes)
 # In this order: a case that ends the process (a CUDA error is sticky) loses only those after it.
 CASES = ("reference_vs_goldens", "ragged_tail", "long_sequence", "packed_documents", "many_sequences", "index_limit")
-# Raw gate inputs of the lower-bound gate (-5 sigmoid(exp(A_log)(x + dt_bias))): decays from
-# about exp(-3.5) to 1 - 1e-5, so that some channels remember thousands of tokens.
-GATE_RANGE = (-8.0, 0.0)
+# Raw gate inputs of the lower-bound gate, -5 sigmoid(exp(A_log)(x + dt_bias)) with A_log and
+# dt_bias in [-0.5, 0.5]: decays from exp(-3.47) to 1 - 5.7e-4, so that the slowest channels
+# remember about 1,750 tokens (an e-fold), and a correct kernel's error is stationary past the
+# first 4,096-token window: the contract on a long sequence's first 8,192 tokens bounds the rest.
+GATE_RANGE = (-5.0, 0.0)
 
 
 def k3_params(cu_seqlens=None, initial_state=True):
