@@ -8,21 +8,21 @@ query heads, or 64 over 64 for a kernel without GVA):
 
 - reference_vs_goldens: the device reference against every KDA golden inside its domain
   (the 256-bit goldens judge the judge);
+- ragged_tail: T = 64 + r for every r in 0..63, one sequence, the inputs inside NaN-filled
+  buffers (64 tokens of NaN after them) and the outputs pre-filled with NaN;
 - long_sequence: one sequence of 65,536 tokens, the error of o judged per 4,096-token window;
 - packed_documents: about 4,000 documents of 1-32 tokens packed into 65,536;
 - many_sequences: N * HV > 65,535 (sequence, head) pairs, more than a grid's y or z extent;
-- ragged_tail: T = 64 + r for every r in 0..63, one sequence, the inputs inside NaN-filled
-  buffers (64 tokens of NaN after them) and the outputs pre-filled with NaN;
 - index_limit: v, g and o past 2^31 elements (documents of 4,000 tokens); only the documents
   that straddle element 2^31, the one before it, the last one and the first one (where wrapped
-  offsets land) are judged, each against the recurrence of that document alone.
+  offsets land) are judged, against the recurrence of those documents alone.
 
 Every verdict is the kernel's contract (docs/contracts.md): rel RMS <= m x max(bf16 floor,
 the contract's own rel RMS), per window where there are windows, m the multiple of its policy
 table rule; a kernel without a contract has a floor rule (m x floor). The contract is
-evaluated on the CPU on two value heads (the first and the last) of the judged tokens: its
-error on those heads stands for the kernel's on all of them. A non-finite output where the
-reference is finite fails.
+evaluated on the CPU on two value heads (the first and the last) of the judged tokens (of a
+single long sequence, its first L.contract_tokens): its error there stands for the kernel's
+on all of them. A non-finite output where the reference is finite fails.
 
 The four scale mutants of libk3gc (lib.SCALE_MUTANTS) must each fail at least one case;
 `python3 -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.scale:scale_mutants`
@@ -172,14 +172,18 @@ def reference(inputs, params, device):
     return references.module_reference(inputs, params)
 
 
-def document(inputs, params, n):
-    """The inputs and params of document n alone (its tokens, its initial state)."""
+def documents(inputs, params, ns):
+    """The inputs and params of documents `ns` alone, packed in that order (their tokens, their
+    initial states), and their cu_seqlens (a list)."""
     cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
-    part = checks.token_range(inputs, cu[n], cu[n + 1])
-    part.pop("cu_seqlens")
-    if "initial_state" in part:
-        part["initial_state"] = inputs["initial_state"][n : n + 1].contiguous()
-    return part, dict(params, cu_seqlens=None)
+    part = {k: torch.cat([inputs[k][:, cu[n] : cu[n + 1]] for n in ns], dim=1).contiguous() for k in checks.TOKEN_INPUTS}
+    for k in ("A_log", "dt_bias"):
+        part[k] = inputs[k]
+    if "initial_state" in inputs:
+        part["initial_state"] = inputs["initial_state"][list(ns)].contiguous()
+    sub_cu = cumulative([cu[n + 1] - cu[n] for n in ns])
+    part["cu_seqlens"] = torch.tensor(sub_cu, dtype=torch.int64, device=inputs["cu_seqlens"].device)
+    return part, dict(params, cu_seqlens=sub_cu), sub_cu
 
 
 def sampled_heads(inputs, HV, count):
@@ -391,16 +395,18 @@ def case_index_limit(adapter, H, HV, L, device, seed=15):
     s = shapes_of(inputs)
     out = _poison_outputs(adapter, (s["B"], s["T"], s["HV"], s["V"]), device)
     o, final = checks._run(adapter, inputs, params, out=out)
+    # The judged documents alone, packed: one reference run (the recurrence of those documents
+    # only) and one contract run for them all.
+    part, p, sub_cu = documents(inputs, params, judged)
+    ref_o, ref_f = reference(part, p, device)
+    c_o, c_f, _ = contract_errors(adapter, part, p, ref_o, ref_f, L)
     vs = []
-    for n in judged:
-        part, p = document(inputs, params, n)
-        ref_o, ref_f = reference(part, p, device)
-        c_o, c_f, _ = contract_errors(adapter, part, p, ref_o, ref_f, L)
+    for i, n in enumerate(judged):
         got_o = o[:, cu[n] : cu[n + 1]].contiguous()
-        got_f = final[n : n + 1].contiguous()
-        for v in (judge_tensor(f"o[doc {n}]", got_o, ref_o, multiple(adapter, "o"), c_o),
-                  judge_tensor(f"final_state[doc {n}]", got_f, ref_f, multiple(adapter, "final_state"), c_f)):
-            vs.append(v)
+        want_o = ref_o[:, sub_cu[i] : sub_cu[i + 1]].contiguous()
+        vs.append(judge_tensor(f"o[doc {n}]", got_o, want_o, multiple(adapter, "o"), c_o))
+        vs.append(judge_tensor(f"final_state[doc {n}]", final[n : n + 1].contiguous(), ref_f[i : i + 1].contiguous(),
+                               multiple(adapter, "final_state"), c_f))
     elements = {k: inputs[k].numel() for k in ("q", "v")}
     return _verdict(adapter, "index_limit", vs, extra={
         "documents": len(cu) - 1, "T": cu[-1], "judged_documents": judged, "elements": elements,
