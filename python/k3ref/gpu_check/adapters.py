@@ -10,7 +10,9 @@ the class `Adapter`. An adapter states:
   operators whose cases it takes), `domain` (the inputs and options it accepts, in the schema
   of policy/kernel_domains.json, where the built-in kernels' domains are; None: everything)
   and, per case, `case_unsupported(case)`: None, or the reason the case is outside the
-  kernel's domain (reported as `n/a (outside the kernel's domain: <reason>)`, not a failure);
+  kernel's domain (reported as `n/a (outside the kernel's domain: <reason>)`, not a failure),
+  and for KDA adapters `version_unsupported(params, shapes)`: what the installed version lacks
+  (probe.py; `n/a (not supported by this version: <what>)`);
 - how it runs: `load()` imports the kernel and raises when it is unavailable (the reason is
   kept and reported); `run_check(check, case, device)` runs one check on one case and
   returns a `checks.CheckResult`. KDA adapters implement only `run(inputs, params, out=None)`
