@@ -7,10 +7,10 @@
 # them. Writes JSON under OUT_DIR (scale_summary.json: kernel x case, figure, bound, verdict,
 # wall times; each kernel's scale.json; the default run's report) and prints a short table last.
 #
-#   [STEPS="build cold default warm"] gpu_check/device_scale.sh [OUT_DIR]   # default $OUT, else .scratch/scale
+#   [STEPS="build cold default warm"] gpu_check/device_scale.sh [OUT_DIR]   # default $OUT, else .cache_k3ref/scale
 #   env: TP (third-party root, default .thirdparty), BUILD (build directory, default
-#        .scratch/scale_build, reused when it is there), CACHE (Triton's cache, default
-#        .scratch/scale_cache: emptied by the cold step, kept for the warm one, also across
+#        .cache_k3ref/scale_build, reused when it is there), CACHE (Triton's cache, default
+#        .cache_k3ref/scale_cache: emptied by the cold step, kept for the warm one, also across
 #        calls on one machine: STEPS="build cold" then STEPS="default warm"), KERNEL_TIMEOUT
 #        (seconds per kernel and pass, default 240), BUDGET (seconds for the whole script, default
 #        540, for one 10-minute call: a kernel's limit is cut to what is left less 40 s for the
@@ -20,16 +20,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-OUT_DIR=${1:-${OUT:-$ROOT/.scratch/scale}}
+OUT_DIR=${1:-${OUT:-$ROOT/.cache_k3ref/scale}}
 PY=${PYTHON:-python3}
 TP=${TP:-$ROOT/.thirdparty}
-BUILD=${BUILD:-$ROOT/.scratch/scale_build}
+BUILD=${BUILD:-$ROOT/.cache_k3ref/scale_build}
 STEPS=${STEPS:-build cold default warm}
 KERNEL_TIMEOUT=${KERNEL_TIMEOUT:-240}
 WARM_IF_UNDER=${WARM_IF_UNDER:-200}
 BUDGET=${BUDGET:-540}
 mkdir -p "$OUT_DIR"
-CACHE=${CACHE:-$ROOT/.scratch/scale_cache}
+CACHE=${CACHE:-$ROOT/.cache_k3ref/scale_cache}
 START=$(date +%s.%N)
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 elapsed() { awk -v a="$(date +%s.%N)" -v b="$1" 'BEGIN{printf "%.1f", a-b}'; }
