@@ -220,9 +220,12 @@ __global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel
     const Acc scale = Acc(a.scale);
     for (int tt = 0; tt < rows; ++tt) {
       Acc ks = 0;
+      // The bf16-state mutant stores its state in bf16: each write (the decay, the update) rounds.
+      const bool bf16_state = MUT == K3GC_MUT_BF16_STATE_LONG_T && t0 + tt - bos >= kLongT;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         S[r] *= tile.d[tt][s + kSlices * r];
+        if (bf16_state) S[r] = Acc(__bfloat162float(__float2bfloat16(static_cast<float>(S[r]))));
         ks += tile.k[tt][s + kSlices * r] * S[r];
       }
 #pragma unroll
@@ -232,8 +235,7 @@ __global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         S[r] += tile.k[tt][s + kSlices * r] * u;
-        if (MUT == K3GC_MUT_BF16_STATE_LONG_T && t0 + tt - bos >= kLongT)
-          S[r] = Acc(__bfloat162float(__float2bfloat16(static_cast<float>(S[r]))));
+        if (bf16_state) S[r] = Acc(__bfloat162float(__float2bfloat16(static_cast<float>(S[r]))));
         qs += tile.q[tt][s + kSlices * r] * S[r];
       }
 #pragma unroll

@@ -256,7 +256,7 @@ def test_a_tier_in_which_nothing_ran_fails():
 
 def test_the_bf16_state_mutant_at_k3_head_size_exceeds_the_window_bound():
     # Its CPU form at K = V = 128 on the tier's gates, one sequence of 8,192 tokens (2 heads):
-    # windows before token 4,096 are the floor itself, those after 1.65x-1.69x the floor
+    # windows before token 4,096 are the floor itself, those after 1.87x-1.92x the floor
     # (measured), above the fp32 kernel's 1.5x: the long_sequence case's windows catch it.
     L = scale.replace(scale.FULL, H=1, HV=2)
     inputs, params = scale.make_inputs(8192, 1, 2, L, 11, "cpu")
@@ -264,4 +264,4 @@ def test_the_bf16_state_mutant_at_k3_head_size_exceeds_the_window_bound():
     o, _ = StandIn("bf16_state_long_t", scale.FULL).run(inputs, params)
     v = scale.judge_tensor("o", o, ref_o, 1.5, window=1024)
     assert [round(r, 6) for r in v.window_ratios[:4]] == [1.0] * 4, v.window_ratios
-    assert min(v.window_ratios[4:]) > 1.6 and not v.ok, v.window_ratios
+    assert min(v.window_ratios[4:]) > 1.85 and not v.ok, v.window_ratios
