@@ -31,20 +31,8 @@ if has build; then
   echo "== meson build (libk3gc, k3ref._core)"
   t0=$(date +%s.%N)
   build_rc=0
-  { [ -f "$OUT/build/build.ninja" ] || { rm -rf "$OUT/build"; meson setup "$OUT/build" -Dgpu_check=enabled \
-      -Dpython=enabled -Dtests=disabled -Dbenchmarks=disabled > "$OUT/meson.txt" 2>&1; }; } &&
-    # only what the harness loads: k3ref._core and libk3gc (not the library's golden generators or the command)
-    targets=$(ninja -C "$OUT/build" -t targets all | sed -n 's/^\(python\/_core[^:]*\.so\|gpu_check\/libk3gc\.so\): .*/\1/p') &&
-    ninja -C "$OUT/build" $targets > "$OUT/ninja.txt" 2>&1 || build_rc=$?
-  if [ "$build_rc" != 0 ]; then
-    # Without the Meson build the golden verdicts fail closed (no k3ref._core); libk3gc alone
-    # still gives the mutant zoo and the fp32 kernel, built as gpu_check/meson.build does.
-    echo "meson build failed (rc $build_rc):"; tail -5 "$OUT/meson.txt" "$OUT/ninja.txt" 2>/dev/null
-    mkdir -p "$OUT/build/gpu_check"
-    ${NVCC:-nvcc} -O3 -std=c++17 --fmad=false -shared -Xcompiler -fPIC \
-      -gencode="arch=compute_${GPU_CHECK_ARCH:-90},code=[sm_${GPU_CHECK_ARCH:-90},compute_${GPU_CHECK_ARCH:-90}]" \
-      -Igpu_check/include -o "$OUT/build/gpu_check/libk3gc.so" gpu_check/src/*.cu || build_rc=1
-  fi
+  . gpu_check/device_build.sh
+  device_build "$OUT/build" "$OUT" || build_rc=$?
   echo "$build_rc $(elapsed "$t0")" > "$OUT/build.rc_wall"
 fi
 export K3GC_LIB=$OUT/build/gpu_check/libk3gc.so K3REF_CORE_PATH=$OUT/build/python

@@ -57,7 +57,17 @@ typedef enum {
   K3GC_MUT_NAN_RARE_BRANCH = 7,        /* NaN when a gate is below -6 */
   K3GC_MUT_FUTURE_ANCHOR = 8,          /* decay via a chunk-middle anchor (a future row) */
   K3GC_MUT_OVERWRITE_INPUT = 9,        /* writes beta * v back into v */
-  K3GC_MUT_COUNT = 10
+  /* The scale mutants: identical to the fp32 kernel below the sizes where they break, so only
+   * the scale tier (docs/gpu_check.md) can catch them. */
+  K3GC_MUT_INT32_OFFSET_WRAP = 10,     /* flat token-tensor offsets kept in 31 bits: past 2^31 elements
+                                          they wrap to the start of the tensor */
+  K3GC_MUT_GRID_DROPS_SEQUENCES = 11,  /* (sequence, head) pairs on a grid axis capped at 65,535:
+                                          the pairs beyond it are never computed */
+  K3GC_MUT_LAST_CHUNK_READ_PAST_END = 12, /* a last 16-token tile holding 1 to 8 tokens is loaded
+                                          whole, the rows past the end zeroed by multiplying with 0
+                                          (harmless on finite memory, NaN on NaN) */
+  K3GC_MUT_BF16_STATE_LONG_T = 13,     /* past 4,096 tokens of a sequence the state is kept in bf16 */
+  K3GC_MUT_COUNT = 14
 } k3gc_mutation;
 
 /* KDA forward, conventions of docs/conventions.md. Shapes: q, k [B,T,H,K]; v [B,T,HV,V];

@@ -15,6 +15,8 @@ namespace {
 
 constexpr int kMaxDim = 128;
 constexpr int kChunk = 16;  // the chunk size the chunk-related mutants think in
+constexpr int64_t kGridLimit = 65535;  // a grid's y and z extent: where the grid mutant caps its pairs
+constexpr int64_t kLongT = 4096;       // where the bf16-state mutant's "long-sequence path" starts
 
 template <typename Acc> struct Math;
 template <> struct Math<double> {
@@ -54,6 +56,13 @@ struct Tile {
 };
 
 __device__ __forceinline__ int64_t imin(int64_t x, int64_t y) { return x < y ? x : y; }
+
+// A flat offset into a token tensor as the kernel computes it: the int32-wrap mutant keeps 31
+// bits (a wrap to the tensor's start rather than a negative offset, so that it reads and writes
+// wrong elements of the allocation instead of ending the process).
+template <int MUT> __device__ __forceinline__ int64_t flat(int64_t idx) {
+  return MUT == K3GC_MUT_INT32_OFFSET_WRAP ? (idx & 0x7fffffffLL) : idx;
+}
 
 __device__ __forceinline__ int64_t next_pow2(int64_t x) {
   int64_t p = 1;
@@ -109,18 +118,26 @@ __global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel
 
   for (int64_t t0 = bos; t0 < end; t0 += TT) {
     const int count = static_cast<int>(imin(int64_t(TT), end - t0));
+    // The read-past-the-end mutant loads a short last tile whole and runs the recurrence over
+    // all of its rows, those past the end multiplied by 0: exact on finite memory.
+    const int rows = (MUT == K3GC_MUT_LAST_CHUNK_READ_PAST_END && count >= 1 && count <= TT / 2) ? TT : count;
     // Stage q, k, decay.
     for (int idx = tid; idx < TT * kMaxDim; idx += blockDim.x) {
       const int tt = idx / kMaxDim;
       const int64_t i = idx % kMaxDim;
       Acc qv = 0, kv = 0, dv = 1;
-      if (tt < count && i < k_read) {
+      if (tt < rows && i < k_read) {
         const int64_t t = t0 + tt + read_shift;
         const int64_t tq = (MUT == K3GC_MUT_READ_AHEAD && t + 1 < eos) ? t + 1 : t;
-        qv = Acc(load_as_double(a.q, a.input_dtype, (tq * a.H + h) * K + i));
-        kv = Acc(load_as_double(a.k, a.input_dtype, (t * a.H + h) * K + i));
-        const Acc raw = Acc(load_as_double(a.g, a.input_dtype, (t * a.HV + hv) * K + i));
-        const Acc g = (i < K) ? gate_value<Acc>(a, hv, i, raw) : raw;
+        qv = Acc(load_as_double(a.q, a.input_dtype, flat<MUT>((tq * a.H + h) * K + i)));
+        kv = Acc(load_as_double(a.k, a.input_dtype, flat<MUT>((t * a.H + h) * K + i)));
+        const Acc raw = Acc(load_as_double(a.g, a.input_dtype, flat<MUT>((t * a.HV + hv) * K + i)));
+        Acc g = (i < K) ? gate_value<Acc>(a, hv, i, raw) : raw;
+        if (tt >= count) {  // only the read-past-the-end mutant loads such rows
+          qv *= Acc(0);
+          kv *= Acc(0);
+          g *= Acc(0);
+        }
         dv = Math<Acc>::exp_(g);
         if (MUT == K3GC_MUT_NAN_RARE_BRANCH && g < Acc(-6)) dv = Acc(NAN);
         if (MUT == K3GC_MUT_DROP_LAST_CHUNK_DECAY && t0 + tt >= last_chunk_begin) dv = Acc(1);
@@ -133,15 +150,19 @@ __global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel
       const int tt = idx / kMaxDim;
       const int64_t c = idx % kMaxDim;
       Acc vv = 0;
-      if (tt < count && c < V) vv = Acc(load_as_double(a.v, a.input_dtype, ((t0 + tt + read_shift) * a.HV + hv) * V + c));
+      if (tt < rows && c < V) {
+        vv = Acc(load_as_double(a.v, a.input_dtype, flat<MUT>(((t0 + tt + read_shift) * a.HV + hv) * V + c)));
+        if (tt >= count) vv *= Acc(0);
+      }
       tile.v[tt][c] = vv;
     }
     if (tid < TT) {
       Acc bv = 0;
-      if (tid < count) {
-        bv = Acc(load_as_double(a.beta, a.input_dtype, (t0 + tid + read_shift) * a.HV + hv));
+      if (tid < rows) {
+        bv = Acc(load_as_double(a.beta, a.input_dtype, flat<MUT>((t0 + tid + read_shift) * a.HV + hv)));
         if (a.beta_mode == K3GC_BETA_SIGMOID) bv = sigmoid(bv);
         if (a.beta_mode == K3GC_BETA_TWO_SIGMOID) bv = Acc(2) * sigmoid(bv);
+        if (tid >= count) bv *= Acc(0);
       }
       tile.b[tid] = bv;
     }
@@ -197,11 +218,14 @@ __global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel
     }
 
     const Acc scale = Acc(a.scale);
-    for (int tt = 0; tt < count; ++tt) {
+    for (int tt = 0; tt < rows; ++tt) {
       Acc ks = 0;
+      // The bf16-state mutant stores its state in bf16: each write (the decay, the update) rounds.
+      const bool bf16_state = MUT == K3GC_MUT_BF16_STATE_LONG_T && t0 + tt - bos >= kLongT;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         S[r] *= tile.d[tt][s + kSlices * r];
+        if (bf16_state) S[r] = Acc(__bfloat162float(__float2bfloat16(static_cast<float>(S[r]))));
         ks += tile.k[tt][s + kSlices * r] * S[r];
       }
 #pragma unroll
@@ -211,11 +235,13 @@ __global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         S[r] += tile.k[tt][s + kSlices * r] * u;
+        if (bf16_state) S[r] = Acc(__bfloat162float(__float2bfloat16(static_cast<float>(S[r]))));
         qs += tile.q[tt][s + kSlices * r] * S[r];
       }
 #pragma unroll
       for (int off = SL / 2; off > 0; off /= 2) qs += __shfl_xor_sync(0xffffffffu, qs, off);
-      if (s == 0 && column) store_from_double(a.o, a.output_dtype, ((t0 + tt) * a.HV + hv) * V + j, double(qs * scale));
+      if (s == 0 && column && tt < count)
+        store_from_double(a.o, a.output_dtype, flat<MUT>(((t0 + tt) * a.HV + hv) * V + j), double(qs * scale));
     }
     __syncthreads();
   }
@@ -239,7 +265,9 @@ int launch(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t stream) {
   // Fewer threads when V is small; whole warps, whole columns.
   const int64_t cols = a.V < CB ? a.V : CB;
   const int threads = static_cast<int>((cols * SL + 31) / 32 * 32);
-  kda_kernel<Acc, TT, SL, CB, MUT><<<static_cast<unsigned>(n_seq * a.HV * col_blocks), threads, 0, stream>>>(a);
+  int64_t pairs = n_seq * a.HV;
+  if (MUT == K3GC_MUT_GRID_DROPS_SEQUENCES && pairs > kGridLimit) pairs = kGridLimit;
+  kda_kernel<Acc, TT, SL, CB, MUT><<<static_cast<unsigned>(pairs * col_blocks), threads, 0, stream>>>(a);
   return check_cuda(cudaGetLastError(), "kda_kernel launch");
 }
 
@@ -263,6 +291,10 @@ extern "C" const char* k3gc_mutation_name(int mutation) {
     case K3GC_MUT_NAN_RARE_BRANCH: return "nan_rare_branch";
     case K3GC_MUT_FUTURE_ANCHOR: return "future_anchor";
     case K3GC_MUT_OVERWRITE_INPUT: return "overwrite_input";
+    case K3GC_MUT_INT32_OFFSET_WRAP: return "int32_offset_wrap";
+    case K3GC_MUT_GRID_DROPS_SEQUENCES: return "grid_drops_sequences";
+    case K3GC_MUT_LAST_CHUNK_READ_PAST_END: return "last_chunk_read_past_end";
+    case K3GC_MUT_BF16_STATE_LONG_T: return "bf16_state_long_t";
     default: return nullptr;
   }
 }
@@ -300,6 +332,10 @@ extern "C" int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mu
     case 7: return launch_f32<7>(a, n_seq, s);
     case 8: return launch_f32<8>(a, n_seq, s);
     case 9: return launch_f32<9>(a, n_seq, s);
+    case 10: return launch_f32<10>(a, n_seq, s);
+    case 11: return launch_f32<11>(a, n_seq, s);
+    case 12: return launch_f32<12>(a, n_seq, s);
+    case 13: return launch_f32<13>(a, n_seq, s);
     default: return fail("k3gc_kda_forward: unknown mutation " + std::to_string(mutation));
   }
 }

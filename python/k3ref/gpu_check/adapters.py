@@ -10,7 +10,9 @@ the class `Adapter`. An adapter states:
   operators whose cases it takes), `domain` (the inputs and options it accepts, in the schema
   of policy/kernel_domains.json, where the built-in kernels' domains are; None: everything)
   and, per case, `case_unsupported(case)`: None, or the reason the case is outside the
-  kernel's domain (reported as `n/a (outside the kernel's domain: <reason>)`, not a failure);
+  kernel's domain (reported as `n/a (outside the kernel's domain: <reason>)`, not a failure),
+  and for KDA adapters `version_unsupported(params, shapes)`: what the installed version lacks
+  (probe.py; `n/a (not supported by this version: <what>)`);
 - how it runs: `load()` imports the kernel and raises when it is unavailable (the reason is
   kept and reported); `run_check(check, case, device)` runs one check on one case and
   returns a `checks.CheckResult`. KDA adapters implement only `run(inputs, params, out=None)`
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 
 from .. import kernel_domains
-from . import lib, torch_model
+from . import lib, probe, torch_model
 from .protocol import outside_domain
 from .protocol import KDA_METAMORPHIC, Adapter, BrokenAdapter, CheckResult, LoadableAdapter  # noqa: F401 (the protocol's names, here as before)
 from .protocol import shapes_of as _shapes
@@ -73,10 +75,17 @@ class KdaAdapter(Adapter):
         """None, or why (params, shapes) is outside the kernel: by default its `domain`."""
         return self.domain_reason(None, params, shapes)
 
+    def version_unsupported(self, params, shapes):
+        """None, or what of (params, shapes) the installed version lacks (probe.py), once loaded."""
+        return None
+
     def case_unsupported(self, case):
         if case.op not in self.golden_ops:
             return f"takes {', '.join(self.golden_ops)}"
         s = _shapes(case.inputs)
+        why = self.version_unsupported(case.params, s)
+        if why:
+            return f"n/a ({why})"
         return outside_domain(self.domain_reason(case.op, case.params, s, kernel_domains.input_dtype_of(case.inputs))
                               or self.unsupported(case.params, s))
 
@@ -223,6 +232,7 @@ class FlaAdapter(KdaAdapter):
     requires_cuda = True
 
     fla_path = None  # else $K3REF_FLA_PATH, else the installed fla
+    gva = None  # whether the loaded version takes HV > H (probe.py; None: not known yet)
     _unpicklable = ("fn",)
 
     def __init__(self, variant, safe_gate=False):
@@ -254,7 +264,7 @@ class FlaAdapter(KdaAdapter):
     def version(self):
         return fla_version()
 
-    def run(self, inputs, params, out=None):
+    def keywords(self, inputs, params):
         kw = dict(fla_option_kwargs(inputs, params), output_final_state=True,
                   state_v_first=params.get("state_layout") == "v_first")
         h0 = inputs.get("initial_state")
@@ -264,7 +274,24 @@ class FlaAdapter(KdaAdapter):
             kw["cu_seqlens"] = inputs["cu_seqlens"]
         if self.safe_gate:
             kw["safe_gate"] = True
-        o, final = self.fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], **kw)[:2]
+        return kw
+
+    def unsupported(self, params, shapes):
+        return self.domain_reason(None, params, shapes) or self.version_unsupported(params, shapes)
+
+    def version_unsupported(self, params, shapes):
+        # Known only once the kernel is loaded (in the process that runs it): probe.py.
+        if getattr(self, "fn", None) is None:
+            return None
+        return probe.version_reason(self, params, shapes, self._call)
+
+    def _call(self, inputs, params):
+        return self.fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                       **self.keywords(inputs, params))[:2]
+
+    def run(self, inputs, params, out=None):
+        probe.refuse_unknown(self.fn, self.keywords(inputs, params))
+        o, final = probe.call_with_gva_trial(self, lambda x: self._call(x, params), inputs)
         return o, final
 
 
@@ -414,7 +441,7 @@ def kda_adapters(include_mutants=True):
         LibKernelAdapter(0),
     ]
     if include_mutants:
-        adapters += [LibKernelAdapter(m) for m in range(1, len(lib.MUTATIONS))]
+        adapters += [LibKernelAdapter(m) for m in range(1, len(lib.MUTATIONS)) if lib.MUTATIONS[m] not in lib.SCALE_MUTANTS]
     return adapters
 
 

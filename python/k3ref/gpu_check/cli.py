@@ -59,6 +59,8 @@ def parser():
                    help="seconds starting a child and loading its kernel may take (default 900)")
     r.add_argument("--no-isolation", action="store_true", help="run every check in this process (a crash ends the run)")
     r.add_argument("--list", action="store_true", help="print the collected test node ids and exit")
+    r.add_argument("--tier", choices=("default", "scale"), default="default",
+                   help="scale: the built-in kernels at K3's production shapes and index limits (scale.py)")
     r.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARG",
                    help="after --: arguments passed to pytest as they are (-k EXPR, -x, -v, ...)")
     p = sub.add_parser("prop", help="property-based testing of one KDA kernel against the reference (Hypothesis)")
@@ -196,6 +198,11 @@ def run_command(args):
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
+    if args.tier == "scale":
+        from . import scale
+
+        apply_kernel_options(args)
+        return scale.command(args)
     if not args.no_isolation or args.list:
         return EXIT_CODES.get(int(pytest.main(pytest_args(args))), 1)
     # --no-isolation: the adapters run in the pytest process, where an exit of theirs would end

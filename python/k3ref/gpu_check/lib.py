@@ -12,7 +12,11 @@ from .. import policy
 MUTATIONS = [
     "none", "read_ahead", "drop_last_chunk_decay", "skip_partial_chunk", "ignore_initial_state",
     "varlen_off_by_one", "oob_head_read", "nan_rare_branch", "future_anchor", "overwrite_input",
+    "int32_offset_wrap", "grid_drops_sequences", "last_chunk_read_past_end", "bf16_state_long_t",
 ]
+# The mutants equal to the fp32 kernel below the sizes where they break (k3gc.h): the scale
+# tier's (scale.py), left out of the default matrix, which cannot reach those sizes.
+SCALE_MUTANTS = ("int32_offset_wrap", "grid_drops_sequences", "last_chunk_read_past_end", "bf16_state_long_t")
 
 
 class Stats(ctypes.Structure):

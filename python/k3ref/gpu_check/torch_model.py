@@ -46,8 +46,10 @@ def sequences(inputs):
     return [(b, 0, T) for b in range(B)]
 
 
-def kda_forward(inputs, params):
-    """Returns (o [B,T,HV,V] fp64, final_state fp64 in the params' layout)."""
+def kda_forward(inputs, params, state_hook=None):
+    """Returns (o [B,T,HV,V] fp64, final_state fp64 in the params' layout). state_hook(position
+    in the sequence, S [HV, K, V]) -> S, after each write of the state (its decay, then its
+    update): what a stand-in that stores its state differently does to it."""
     q, k, v, d, beta = prepare(inputs, params)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -71,8 +73,12 @@ def kda_forward(inputs, params):
             kt = k[b, t, heads]  # [HV, K]
             qt = q[b, t, heads] * scale
             S = S * d[b, t].unsqueeze(-1)
+            if state_hook is not None:
+                S = state_hook(t - begin, S)
             u = v[b, t] - torch.einsum("hk,hkv->hv", kt, S)
             S = S + beta[b, t].reshape(HV, 1, 1) * kt.unsqueeze(-1) * u.unsqueeze(1)
+            if state_hook is not None:
+                S = state_hook(t - begin, S)
             o[b, t] = torch.einsum("hk,hkv->hv", qt, S)
         final[n] = S
     if v_first:

@@ -1,0 +1,267 @@
+"""Host-side test of the scale tier (k3ref/gpu_check/scale.py) on a CPU PyTorch, at limits
+scaled down (2^12 elements for 2^31, 64 grid pairs for 65,535, 64-token windows for 4,096):
+the tier's own code (cases, slices, poisoning, windows, verdicts) as it runs on the H200.
+
+The four scale mutants of libk3gc have CPU forms here (the PyTorch recurrence with the same
+mistake, at a given limit). At the scaled limits the tier catches each of them, each in the
+case built for it, while the correct kernel passes every case; at the real limits the
+default tier (golden and metamorphic checks) runs them and they all pass: it cannot reach
+the sizes where they break. On the GPU, gpu_check/device_scale.sh shows both for the CUDA
+mutants. Skipped without torch or k3ref._core.
+"""
+import math
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from k3ref import goldens, kernel_domains  # noqa: E402
+from k3ref.gpu_check import checks, references, scale, torch_model  # noqa: E402
+from k3ref.gpu_check.adapters import KdaAdapter  # noqa: E402
+
+if references._module() is None:
+    pytest.skip("k3ref._core is not importable", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = scale.Limits(index=2**12, grid=64, long_T=256, window=64, H=1, HV=2, K=8, V=8, packed_T=256, doc_max=8,
+                     index_doc=40, chunk=16, sample_heads=2, contract_tokens=128, threads=2)
+TILE = 16  # libk3gc's fp32 kernel stages 16 tokens at a time (its read-past mutant's tile)
+SUITE = goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent",))
+
+
+def _storage_after(t):
+    """t's elements followed by whatever its storage holds after them (flat)."""
+    st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+    size = (st.nbytes() // t.element_size()) if hasattr(st, "nbytes") else st.size()
+    return torch.as_strided(t, (size - t.storage_offset(),), (1,), t.storage_offset())
+
+
+class StandIn(KdaAdapter):
+    """The PyTorch recurrence, bf16 output, fp32 state; with `mutation`, the CPU form of that
+    libk3gc scale mutant (k3gc.h) at `limits`."""
+
+    accepts_out = True
+    policy = "recurrent"
+
+    def __init__(self, mutation=None, limits=scale.FULL):
+        super().__init__()
+        self.mutation, self.limits = mutation, limits
+        self.name = "standin" + (f".{mutation}" if mutation else "")
+        self.kind = "mutant" if mutation else "kernel"
+        self.domain = kernel_domains.builtin("torch.fp64_bf16")
+
+    def run(self, inputs, params, out=None):
+        L, m = self.limits, self.mutation
+        x = dict(inputs)
+        hook = None
+        if m == "bf16_state_long_t":
+            hook = lambda pos, S: S.to(torch.bfloat16).to(torch.float64) if pos >= L.window else S  # noqa: E731
+        if m == "int32_offset_wrap":  # offsets wrap modulo the limit: reads past it come from the start
+            for n in checks.TOKEN_INPUTS:
+                t = x[n]
+                if t.numel() > L.index:
+                    x[n] = t.reshape(-1)[torch.arange(t.numel()) % L.index].view(t.shape)
+        o, final = torch_model.kda_forward(x, params, state_hook=hook)
+        o, final = o.to(torch.bfloat16), final.float()
+        buf = out if out is not None else torch.zeros_like(o)
+        HV = o.shape[2]
+        seqs = torch_model.sequences(inputs)
+        if m == "int32_offset_wrap" and o.numel() > L.index:
+            flat, src = buf.reshape(-1), o.reshape(-1)
+            flat[: L.index] = src[: L.index]
+            flat[: src.numel() - L.index] = src[L.index :]  # the wrapped writes land at the start
+            return buf, final
+        if m == "grid_drops_sequences":
+            for n, (b, begin, end) in enumerate(seqs):
+                for hv in range(HV):
+                    if n * HV + hv >= L.grid:  # never computed: the buffer and an unwritten state stay
+                        o[b, begin:end, hv] = buf[b, begin:end, hv]
+                        final[n, hv] = 0
+        if m == "last_chunk_read_past_end":
+            H = inputs["q"].shape[2]
+            T = inputs["q"].shape[1]
+            for n, (b, begin, end) in enumerate(seqs):
+                count = (end - begin) - TILE * ((end - begin - 1) // TILE) if end > begin else 0
+                if not 1 <= count <= TILE // 2:
+                    continue
+                rows = range(b * T + end, b * T + end + TILE - count)  # flat token rows read past the end
+                for hv in range(HV):
+                    bad = False
+                    for name, head, width in (("k", hv // (HV // H), inputs["k"].shape[3]),
+                                              ("v", hv, inputs["v"].shape[3]), ("g", hv, inputs["g"].shape[3]),
+                                              ("beta", hv, 1)):
+                        t = inputs[name]
+                        per_token = t[0, 0].numel()
+                        mem = _storage_after(t)
+                        for r in rows:
+                            lo = r * per_token + head * width
+                            if lo + width <= mem.numel():
+                                bad = bad or not bool(torch.isfinite(mem[lo : lo + width].double()).all())
+                    if bad:  # 0 * NaN in the state's update: the whole state of the head is NaN
+                        final[n, hv] = float("nan")
+        buf.copy_(o)
+        return buf, final
+
+
+class ModuleReference(KdaAdapter):
+    """k3ref's compiled reference in double: the tier's CPU reference, judged on the goldens."""
+
+    name = "k3ref.double"
+    kind = "reference"
+    policy = "rel-rms:1e-12"
+    output_dtype = torch.float64
+    checks = ("golden",)
+
+    def run(self, inputs, params, out=None):
+        return references.module_reference(inputs, params)
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    kernels = [StandIn(None, SMALL)] + [StandIn(m, SMALL) for m in scale.lib.SCALE_MUTANTS]
+    return scale.run(kernels, SMALL, "cpu", goldens=ROOT / "goldens", reference_adapter=ModuleReference())
+
+
+def _rows(result, kernel):
+    return {r["case"]: r for r in result["results"] if r["kernel"] == kernel}
+
+
+def test_the_correct_kernel_passes_every_case_and_the_reference_every_golden(small_run):
+    rows = _rows(small_run, "standin")
+    assert set(rows) == set(scale.CASE_FUNCTIONS)
+    for case, r in rows.items():
+        assert r["verdict"] == "pass", (case, r["reason"])
+        assert r["ratio"] == pytest.approx(1.0, rel=1e-6), (case, r["ratio"])  # the recurrence rounded once: the floor
+    ref = _rows(small_run, "k3ref.double")["reference_vs_goldens"]
+    in_domain = [c for c in SUITE if ModuleReference().case_unsupported(c) is None]
+    # double against 256 bits: 4.5e-16 measured at worst
+    assert ref["verdict"] == "pass" and ref["goldens"] == len(in_domain) and ref["figure"] <= 1e-15, ref["reason"]
+
+
+EXPECTED_CATCH = {"int32_offset_wrap": "index_limit", "grid_drops_sequences": "many_sequences",
+                  "last_chunk_read_past_end": "ragged_tail", "bf16_state_long_t": "long_sequence"}
+
+
+@pytest.mark.parametrize("mutant", scale.lib.SCALE_MUTANTS)
+def test_each_scale_mutant_is_caught_by_its_case(small_run, mutant):
+    rows = _rows(small_run, f"standin.{mutant}")
+    caught = sorted(c for c, r in rows.items() if r["verdict"] in ("fail", "error"))
+    assert EXPECTED_CATCH[mutant] in caught, (mutant, {c: r["reason"][:200] for c, r in rows.items()})
+    assert small_run["summary"]["mutants"][f"standin.{mutant}"] == "caught"
+
+
+def test_the_ragged_case_fails_exactly_the_residues_the_read_past_mutant_reads_poison_at(small_run):
+    r = _rows(small_run, "standin.last_chunk_read_past_end")["ragged_tail"]
+    # T = 16 + r: its last 16-token tile holds r tokens (16 when r = 0); 1..8 are loaded whole.
+    assert r["failing_residues"] == list(range(1, TILE // 2 + 1)), r["reason"]
+
+
+def test_the_index_case_judges_the_straddling_documents():
+    cu, judged = scale.index_layout(scale.FULL.H, scale.FULL.HV, scale.FULL)
+    per_token = scale.FULL.HV * scale.FULL.K
+    boundary = 2**31 // per_token  # 262,144 tokens
+    straddle = judged[2]
+    assert cu[straddle] < boundary < cu[straddle + 1]
+    assert judged == [0, straddle - 1, straddle, len(cu) - 2] and (len(cu) - 2) == straddle + 1
+    assert cu[-1] * per_token > 2**31 and (cu[-1] * scale.FULL.H * scale.FULL.K) < 2**31  # GVA: q, k stay below
+    assert cu[-1] * per_token * 2 / 1e9 < 4.5  # bf16 v (and g, o): 4.4 GB each
+
+
+def test_a_window_beyond_its_bound_fails_and_is_named():
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.rand((1, 256, 2, 8), generator=gen, dtype=torch.float64) + 0.5
+    cand = ref.to(torch.bfloat16)
+    ok = scale.judge_tensor("o", cand, ref, 1.5, window=64)
+    assert ok.ok and ok.ratio == pytest.approx(1.0) and len(ok.window_ratios) == 4
+    worse = cand.clone()
+    worse[:, 130] = (ref[:, 130] * 1.05).to(torch.bfloat16)  # 5 % on one token of window 2
+    v = scale.judge_tensor("o", worse, ref, 1.5, window=64)
+    assert not v.ok and v.worst_window == 2 and "worst window 2 (tokens 128-191)" in v.reason
+    nan = cand.clone()
+    nan[0, 255, 1, 7] = float("nan")
+    v = scale.judge_tensor("o", nan, ref, 1.5)
+    assert not v.ok and v.nonfinite == 1 and "non-finite" in v.reason
+
+
+def test_sampled_heads_are_the_recurrence_of_those_heads_alone():
+    inputs, params = scale.make_inputs(40, 2, 6, scale.replace(SMALL, HV=6, H=2), 3, "cpu")
+    heads = scale.sampled_heads(inputs, 6, 2)
+    assert heads == [0, 5]
+    o, f = references.module_reference(inputs, params)
+    so, sf = references.module_reference(scale.head_slice(inputs, heads), params)
+    assert torch.equal(so, o[:, :, heads]) and torch.equal(sf, f[:, heads])
+
+
+def test_the_default_tier_misses_the_scale_mutants_at_the_real_limits():
+    for mutant in scale.lib.SCALE_MUTANTS:
+        a = StandIn(mutant, scale.FULL)
+        results = checks.run_all([a], SUITE, "cpu")
+        ran = [r for r in results if r.status != "skip"]
+        assert len(ran) == len([c for c in SUITE if a.case_unsupported(c) is None]) + len(checks.METAMORPHIC)
+        bad = [(r.check, r.case, r.reason[:200]) for r in ran if r.status != "pass"]
+        assert not bad, (mutant, bad)
+        assert not math.isnan(sum(r.ratio or 0.0 for r in ran))
+
+
+def test_a_kernel_with_a_contract_is_judged_by_it_on_the_sampled_heads():
+    a = StandIn(None, SMALL)
+    a.contract_name = "fla_recurrent"  # its contract: the fp32 recurrence, bf16 output (1.0x the floor)
+    rows = {r.case: r for r in scale.run_kernel(a, SMALL, "cpu", cases=("long_sequence", "packed_documents"))}
+    for case, r in rows.items():
+        assert r.status == "pass", (case, r.reason)
+        o = r.metrics["o"]
+        assert o["multiple"] == 1.5 and 0 < o["contract"] and o["bound"] == 1.5 * max(o["floor"], o["contract"])
+    # one sequence of 256 tokens, the contract on its first 128: windows 2 and 3 take the larger of 0 and 1
+    inputs, params = scale.make_inputs(SMALL.long_T, SMALL.H, SMALL.HV, SMALL, 11, "cpu")
+    ref_o, ref_f = scale.reference(inputs, params, "cpu")
+    c_o, c_f, c_w = scale.contract_errors(a, inputs, params, ref_o, ref_f, SMALL, window=SMALL.window)
+    assert len(c_w) == 4 and c_w[2] == c_w[3] == max(c_w[:2]) and min(c_w) > 0 and c_f > 0
+    assert len(rows["long_sequence"].metrics["o"]["window_ratios"]) == 4
+
+
+def test_the_fla_adapter_runs_the_tier_with_its_contract():
+    # FLA's adapter class itself (keywords, the version probe, its own output allocation, the
+    # chunk contract on the sampled heads) around a CPU stand-in of chunk_kda with GVA.
+    from test_probe import StandInFla, fla_current
+
+    a = StandInFla(fla_current)
+    a.contract_name, a.policy = "fla_chunk", "chunk"
+    L = scale.replace(SMALL, H=1, HV=4)
+    rows = {r.case: r for r in scale.run_kernel(a, L, "cpu", cases=tuple(scale.CASE_FUNCTIONS))}
+    assert a.gva is True and set(rows) == set(scale.CASE_FUNCTIONS)
+    for case, r in rows.items():
+        assert r.status == "pass", (case, r.reason)
+        assert r.extra["H"] == 1 and r.extra["HV"] == 4
+        assert all(m["multiple"] == 2.0 for m in r.metrics.values())  # fla-chunk-contract: m = 2 for o and states
+
+
+def test_limits_from_text():
+    L = scale.limits_from("HV=16, long_T=0x4000")
+    assert (L.HV, L.long_T, L.index) == (16, 16384, 2**31)
+    with pytest.raises(ValueError, match="unknown name 'hv'"):
+        scale.limits_from("hv=16")
+    with pytest.raises(ValueError, match="long_T='big' is not an integer"):
+        scale.limits_from("long_T=big")
+
+
+def test_a_tier_in_which_nothing_ran_fails():
+    a = StandIn(None, SMALL)
+    skipped = [scale.CheckResult(a.name, "scale", c, "skip", "not available: no CUDA device") for c in scale.CASE_FUNCTIONS]
+    s = scale.summarize(skipped, [a])
+    assert s["verdict"] == "FAIL" and s["failures"] == ["no kernel ran a case: nothing is vouched for"]
+    asked = scale.summarize(skipped + [scale.CheckResult(a.name, "scale", "x", "pass", "")], [a], asked={a.name})
+    assert asked["verdict"] == "FAIL" and len(asked["failures"]) == len(skipped)  # asked for, not available
+
+
+def test_the_bf16_state_mutant_at_k3_head_size_exceeds_the_window_bound():
+    # Its CPU form at K = V = 128 on the tier's gates, one sequence of 8,192 tokens (2 heads):
+    # windows before token 4,096 are the floor itself, those after 1.87x-1.92x the floor
+    # (measured), above the fp32 kernel's 1.5x: the long_sequence case's windows catch it.
+    L = scale.replace(scale.FULL, H=1, HV=2)
+    inputs, params = scale.make_inputs(8192, 1, 2, L, 11, "cpu")
+    ref_o, _ = references.module_reference(inputs, params)
+    o, _ = StandIn("bf16_state_long_t", scale.FULL).run(inputs, params)
+    v = scale.judge_tensor("o", o, ref_o, 1.5, window=1024)
+    assert [round(r, 6) for r in v.window_ratios[:4]] == [1.0] * 4, v.window_ratios
+    assert min(v.window_ratios[4:]) > 1.85 and not v.ok, v.window_ratios
