@@ -49,13 +49,18 @@ from .. import goldens as golden_io, policy
 from . import references, torch_model
 from .adapters import (Adapter, _env_path, _module_version, _need_cuda, fla_option_kwargs, fla_version,
                        load_fla)
-from .protocol import CheckResult
+from .protocol import CheckResult, outside_domain
 
 PAD = -1
 POOL_OPS = ("serving.decode", "serving.verify")
+# GDN's pool goldens (docs/gdn.md): packed mixed_qkv, GDN's gating; run in KDA's form (gdn_as_kda).
+GDN_POOL_OPS = ("gdn.decode", "gdn.verify")
+REPLAY_OPS = ("gdn.replay_decode",)
 CHECKPOINT_OPS = ("serving.checkpoints",)
+DECODE_OPS = ("serving.decode", "gdn.decode")
 SERVING_CHECKS = ("golden", "slot_isolation", "layout_equivalence", "decode_after_prefill", "intermediate_states",
-                  "accepted_zero", "empty_sequences")
+                  "accepted_zero", "empty_sequences", "determinism")
+TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
 
 # --------------------------------------------------------------------------- pools
@@ -78,11 +83,11 @@ def named_slots(case):
     t, p = case.tensors, case.params
     cu = [int(x) for x in t["cu_seqlens"].tolist()]
     out = set()
-    if case.op == "serving.decode":
+    if case.op in DECODE_OPS:
         for n, s in enumerate(int(x) for x in t["slot_of_sequence"].tolist()):
             if s != PAD and cu[n + 1] > cu[n]:
                 out.add(s)
-    elif p["writes"] == "in_place":
+    elif (p.get("writes") or "in_place") == "in_place":
         idx, acc = t["state_indices"].tolist(), t["num_accepted"].tolist()
         for n in range(len(cu) - 1):
             if cu[n + 1] > cu[n] and idx[n][acc[n] - 1] != PAD:
@@ -94,14 +99,60 @@ def read_slots(case):
     """The slots the reference reads (entering states) in a pool golden."""
     t = case.tensors
     cu = [int(x) for x in t["cu_seqlens"].tolist()]
-    if case.op == "serving.decode":
+    if case.op in DECODE_OPS:
         return {s for n, s in enumerate(int(x) for x in t["slot_of_sequence"].tolist()) if s != PAD and cu[n + 1] > cu[n]}
     idx, acc = t["state_indices"].tolist(), t["num_accepted"].tolist()
     return {idx[n][acc[n] - 1] for n in range(len(cu) - 1) if cu[n + 1] > cu[n] and idx[n][acc[n] - 1] != PAD}
 
 
-def kda_inputs(t, device):
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens")
+def padded_tokens(case):
+    """The tokens of the sequences a pool golden pads (slot, or entering column, -1)."""
+    t = case.tensors
+    cu = [int(x) for x in t["cu_seqlens"].tolist()]
+    if case.op in DECODE_OPS:
+        pads = [int(s) == PAD for s in t["slot_of_sequence"].tolist()]
+    else:
+        idx, acc = t["state_indices"].tolist(), t["num_accepted"].tolist()
+        pads = [1 <= acc[n] <= len(idx[n]) and idx[n][acc[n] - 1] == PAD for n in range(len(cu) - 1)]
+    return [i for n, pad in enumerate(pads) if pad for i in range(cu[n], cu[n + 1])]
+
+
+def gdn_as_kda(t, H, K):
+    """A GDN golden's packed inputs in KDA's form (docs/gdn.md): q, k, v cut from mixed_qkv
+    [..., 2HK + HV V], the raw gate a [..., HV] and dt_bias [HV] broadcast over K (GDN is KDA
+    with one gate per head), b as beta's logits. Token tensors keep a batch axis of 1."""
+    mixed = t["mixed_qkv"]
+    if mixed.dim() == 2:  # the replay decode's rows: one token each
+        mixed, a, b = mixed[None], t["a"][None], t["b"][None]
+    else:
+        a, b = t["a"], t["b"]
+    B, T, HV = a.shape
+    V = (mixed.shape[-1] - 2 * H * K) // HV
+    out = dict(q=mixed[..., : H * K].reshape(B, T, H, K), k=mixed[..., H * K : 2 * H * K].reshape(B, T, H, K),
+               v=mixed[..., 2 * H * K :].reshape(B, T, HV, V), g=a[..., None].expand(B, T, HV, K).contiguous(),
+               beta=b.contiguous())
+    if "A_log" in t:
+        out["A_log"] = t["A_log"]
+    if "dt_bias" in t:
+        out["dt_bias"] = t["dt_bias"].reshape(HV, 1).expand(HV, K).contiguous()
+    if "cu_seqlens" in t:
+        out["cu_seqlens"] = t["cu_seqlens"]
+    return out
+
+
+def scalar_gate(inputs, what="a GDN kernel"):
+    """(g or the raw gate [..., HV], dt_bias [HV] or None) of KDA-form inputs whose gate is one
+    value per head; ValueError when it varies over K (a KDA case, outside a GDN kernel)."""
+    g, bias = inputs["g"], inputs.get("dt_bias")
+    if not bool((g == g[..., :1]).all()) or (bias is not None and not bool((bias == bias[..., :1]).all())):
+        raise ValueError(f"the gate varies over K: {what} takes one gate per head")
+    return g[..., 0].contiguous(), (bias[..., 0].contiguous() if bias is not None else None)
+
+
+def kda_inputs(t, device, op="serving.decode", params=None):
+    if op.startswith("gdn."):
+        t = gdn_as_kda(t, int(params["H"]), int(params["K"]))
+    names = TOKEN_INPUTS + ("A_log", "dt_bias", "cu_seqlens")
     return {n: t[n].to(device) for n in names if n in t}
 
 
@@ -127,6 +178,16 @@ class Bound:
     def of(self, ref):
         return max(self.multiple * floor_of(ref, self.dtype), self.at_least)
 
+    @classmethod
+    def from_policy(cls, policy_name, op, tensor, at_least=1e-12):
+        """The bound a floor rule of the policy table (policy/policies.json) gives `tensor` of `op`."""
+        rule = policy.load_table().rules(policy_name, op)[tensor]
+        if rule.metric != "floor":
+            raise ValueError(f"policy {policy_name}: {op}.{tensor} is judged by '{rule.metric}', the serving checks "
+                             "take floor rules")
+        dtypes = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        return cls(dtypes[rule.floor_dtype], rule.multiple, at_least)
+
 
 def _finite(x):
     return bool(torch.isfinite(x.double()).all())
@@ -147,6 +208,22 @@ class ServingAdapter(Adapter):
     family = "serving"
     golden_ops = POOL_OPS
     modes = ()
+    # The state layouts the kernel's pool takes (a golden in another is outside its domain).
+    layouts = ("k_first", "v_first")
+    layout_reason = ""
+    # The self-made problems' shape and options (layout_equivalence, decode_after_prefill,
+    # accepted_zero, determinism); an engine kernel sets those of its domain.
+    problem_shape = dict(H=1, HV=2, K=8, V=12)
+    problem_params = dict(gate="log_decay", gate_base="e", beta="as_given", qk_l2norm=False, scale=None,
+                          lower_bound=None, state_layout="k_first")
+    # One gate per head (GDN): the problems draw a gate constant over K.
+    scalar_gate = False
+    # "zero": a padded sequence's outputs are 0 (the references); "any": the kernel computes
+    # them from a zero state and the engine discards them, so the judge does not read them.
+    pad_outputs = "zero"
+    # The replay's ring caches: held in the golden's dtypes (d, k bf16; g fp32), or all in this one.
+    cache_dtype = None
+    cache_bound = Bound(torch.bfloat16, 2.0)
     o_bound = Bound(torch.bfloat16, 2.0)
     state_bound = Bound(torch.float32, 2.0)
     h_bound = Bound(torch.bfloat16, 2.0)
@@ -165,41 +242,59 @@ class ServingAdapter(Adapter):
 
     def checks_supported(self):
         m = set(self.modes)
-        runs = {"golden": bool(m & {"decode", "verify"}), "slot_isolation": bool(m & {"decode", "verify"}),
+        pools = bool(m & {"decode", "verify", "replay"})
+        runs = {"golden": pools, "slot_isolation": pools,
                 "layout_equivalence": "decode" in m, "decode_after_prefill": {"decode", "prefill"} <= m,
-                "intermediate_states": "intermediate" in m, "accepted_zero": "verify" in m,
-                "empty_sequences": "varlen" in m}
+                "intermediate_states": "intermediate" in m, "accepted_zero": "verify" in m and self.accepted_reason == "",
+                "empty_sequences": "varlen" in m, "determinism": bool(m & {"decode", "verify"})}
         return tuple(c for c in SERVING_CHECKS if runs[c])
 
     def case_unsupported(self, case):
-        if case.op == "serving.decode" and "decode" not in self.modes:
+        if case.op in DECODE_OPS and "decode" not in self.modes:
             return "the kernel has no continuous-batching decode mode"
-        if case.op == "serving.verify" and "verify" not in self.modes:
+        if case.op in ("serving.verify", "gdn.verify") and "verify" not in self.modes:
             return "the kernel has no speculative-decoding verify mode"
+        if case.op in REPLAY_OPS and "replay" not in self.modes:
+            return "the kernel has no cached-replay decode"
         if case.op == "serving.checkpoints" and "intermediate" not in self.modes:
             return "the kernel returns no intermediate states"
-        if case.op not in POOL_OPS + CHECKPOINT_OPS:
-            return f"takes {', '.join(POOL_OPS + CHECKPOINT_OPS)}"
-        if case.op in POOL_OPS:
+        if case.op not in self.golden_ops:
+            return f"takes {', '.join(self.golden_ops)}"
+        why = outside_domain(self.domain_reason(case.op, case.params))
+        if why:
+            return why
+        layout = case.params.get("state_layout") or "k_first"
+        if layout not in self.layouts:
+            return f"n/a (outside the kernel's domain: its pool is {' or '.join(self.layouts)}; {self.layout_reason})"
+        if case.op in POOL_OPS + GDN_POOL_OPS:
             t = case.tensors
-            tables = [t["slot_of_sequence"]] if case.op == "serving.decode" else [t["state_indices"]]
+            tables = [t["slot_of_sequence"]] if case.op in DECODE_OPS else [t["state_indices"]]
             if "pad" not in self.modes and any(bool((x == PAD).any()) for x in tables):
                 return "the kernel has no padding slot id (-1): " + self.pad_reason
             if case.op == "serving.verify" and case.params["writes"] != "in_place" and "per_token" not in self.modes:
                 return "the kernel has no per-token state output: " + self.per_token_reason
             cu = t["cu_seqlens"]
-            if case.op == "serving.decode" and bool(((cu[1:] - cu[:-1]) > 1).any()) and "multi_token_decode" not in self.modes:
+            if case.op in DECODE_OPS and bool(((cu[1:] - cu[:-1]) > 1).any()) and "multi_token_decode" not in self.modes:
                 return "the kernel's decode takes at most one token per sequence: " + self.multi_token_reason
+            if case.op in DECODE_OPS and bool(((cu[1:] - cu[:-1]) == 0).any()) and "empty_decode" not in self.modes \
+                    and self.empty_reason:
+                return "the kernel's decode takes no empty sequence: " + self.empty_reason
+            if case.op not in DECODE_OPS and "ragged_verify" not in self.modes and self.ragged_reason:
+                lengths = set((cu[1:] - cu[:-1]).tolist())
+                if len(lengths) > 1:
+                    return "the kernel's verify takes windows of one length: " + self.ragged_reason
         return None
 
-    pad_reason = per_token_reason = multi_token_reason = ""
+    pad_reason = per_token_reason = multi_token_reason = empty_reason = ragged_reason = accepted_reason = ""
 
     def cases(self, check, suite):
         supported = self.checks_supported()
         if check not in supported:
             yield "-", None, f"the kernel's modes ({', '.join(self.modes)}) do not cover '{check}'"
             return
-        ops = {"golden": POOL_OPS, "slot_isolation": POOL_OPS, "intermediate_states": CHECKPOINT_OPS}.get(check)
+        pools = tuple(op for op in POOL_OPS + GDN_POOL_OPS + REPLAY_OPS if op in self.golden_ops)
+        ops = {"golden": pools, "slot_isolation": pools, "intermediate_states": CHECKPOINT_OPS,
+               "determinism": tuple(op for op in pools if op not in REPLAY_OPS)}.get(check)
         if ops is None:
             yield "-", None, None
             return
@@ -214,7 +309,7 @@ class ServingAdapter(Adapter):
     def run_check(self, check, case, device):
         start = time.perf_counter()
         try:
-            if check in ("golden", "slot_isolation", "intermediate_states") and case is None:
+            if check in ("golden", "slot_isolation", "intermediate_states", "determinism") and case is None:
                 res = CheckResult(self.name, check, "-", "fail", "no serving golden of the operators this check needs "
                                   "in the suite (generate them with `k3ref golden generate`)")
             else:
@@ -242,7 +337,7 @@ class ServingAdapter(Adapter):
     def _run_pool_case(self, case, device, poison_unread=False):
         t, p = case.tensors, case.params
         kp = p  # the KDA keys beside the serving parameters (one object)
-        HV, K, V = t["v"].shape[2], t["q"].shape[3], t["v"].shape[3]
+        HV, K, V = int(p["HV"]), int(p["K"]), int(p["V"])
         geometry = t["pool_geometry"].tolist()
         flat = t["pool"].to(device=device, dtype=self.pool_dtype).clone()
         if poison_unread:
@@ -253,13 +348,13 @@ class ServingAdapter(Adapter):
             flat[~keep.to(device)] = float("nan")
         before = flat.clone()
         pool = pool_view(flat, geometry, HV, K, V)
-        inputs = kda_inputs(t, device)
+        inputs = kda_inputs(t, device, case.op, p)
         token_states = None
-        if case.op == "serving.decode":
+        if case.op in DECODE_OPS:
             o = self.decode(inputs, kp, pool, t["slot_of_sequence"].to(device))
         else:
             o, token_states = self.verify(inputs, kp, pool, t["state_indices"].to(device), t["num_accepted"].to(device),
-                                          in_place=p["writes"] == "in_place")
+                                          in_place=(p.get("writes") or "in_place") == "in_place")
         return dict(o=o, flat=flat, before=before, token_states=token_states, geometry=geometry, HV=HV, K=K, V=V)
 
     def _judge_pool_case(self, case, run, check):
@@ -280,6 +375,10 @@ class ServingAdapter(Adapter):
             problems.append(f"{int(changed.sum())} pool elements outside the named slots changed (first: element "
                             f"{first}, in {where})")
         o, ref_o = run["o"].cpu(), t["o"]
+        if self.pad_outputs == "any" and padded_tokens(case):  # discarded by the engine: not judged
+            o, ref_o = o.clone(), ref_o.clone()
+            o[:, padded_tokens(case)] = 0
+            ref_o[:, padded_tokens(case)] = 0
         if not _finite(o):
             problems.append(f"o has {int((~torch.isfinite(o.double())).sum())} non-finite values")
         checks = [("o", o, ref_o, self.o_bound)]
@@ -310,17 +409,112 @@ class ServingAdapter(Adapter):
         why = self.case_unsupported(case)
         if why:
             return CheckResult(self.name, "golden", case.name, "skip", why)
+        if case.op in REPLAY_OPS:
+            return self._judge_replay_case(case, self._run_replay_case(case, device), "golden")
         return self._judge_pool_case(case, self._run_pool_case(case, device), "golden")
 
     def _check_slot_isolation(self, case, device):
         why = self.case_unsupported(case)
         if why:
             return CheckResult(self.name, "slot_isolation", case.name, "skip", why)
+        if case.op in REPLAY_OPS:
+            return self._judge_replay_case(case, self._run_replay_case(case, device, poison_unread=True),
+                                           "slot_isolation")
         return self._judge_pool_case(case, self._run_pool_case(case, device, poison_unread=True), "slot_isolation")
 
-    # -- self-made problems (seeded; the fp64 reference is the pure-PyTorch kernel, unmutated)
-    @staticmethod
-    def _problem(seed, lengths, H=1, HV=2, K=8, V=12, device="cpu"):
+    # -- the cached-replay decode (gdn.replay_decode goldens)
+    def replay(self, raw, params, pool, d_cache, k_cache, g_cache, state_indices, write_pos):
+        """One token per row: o [N, HV, V]; the checkpoints (pool) and ring caches in place."""
+        raise NotImplementedError
+
+    def _replay_masks(self, case, geometry, HV, K, V):
+        """(judged, named) element masks of pool and caches: the slots of the rows a kernel serves
+        (state index > 0), their cache entries up to the row's write position."""
+        t, L = case.tensors, int(case.params["L"])
+        rows = [(int(s), int(w)) for s, w in zip(t["state_indices"].tolist(), t["write_pos"].tolist()) if int(s) > 0]
+        spans = slot_spans(geometry, HV, K, V)
+        pool = torch.zeros(t["pool"].numel(), dtype=torch.bool)
+        caches = {n: torch.zeros(t[n].shape, dtype=torch.bool) for n in ("d_cache", "k_cache", "g_cache")}
+        for s, w in rows:
+            a, b = spans[s]
+            pool[a:b] = True
+            for n, m in caches.items():
+                m[s, :, : min(w, L - 1) + 1] = True
+        return pool, caches
+
+    def _run_replay_case(self, case, device, poison_unread=False):
+        t, p = case.tensors, case.params
+        HV, K, V = int(p["HV"]), int(p["K"]), int(p["V"])
+        geometry = t["pool_geometry"].tolist()
+        flat = t["pool"].to(device=device, dtype=self.pool_dtype).clone()
+        caches = {n: t[n].to(device=device, dtype=self.cache_dtype or t[n].dtype).clone()
+                  for n in ("d_cache", "k_cache", "g_cache")}
+        pool_mask, cache_masks = self._replay_masks(case, geometry, HV, K, V)
+        if poison_unread:  # every element a correct kernel neither reads nor writes
+            flat[~pool_mask.to(device)] = float("nan")
+            for n, m in cache_masks.items():
+                caches[n][~m.to(device)] = float("nan")
+        before = {"pool": flat.clone(), **{n: c.clone() for n, c in caches.items()}}
+        raw = {n: t[n].to(device) for n in ("mixed_qkv", "a", "b", "A_log", "dt_bias")}
+        o = self.replay(raw, p, pool_view(flat, geometry, HV, K, V), caches["d_cache"], caches["k_cache"],
+                        caches["g_cache"], t["state_indices"].to(device), t["write_pos"].to(device))
+        return dict(o=o, after={"pool": flat, **caches}, before=before, masks={"pool": pool_mask, **cache_masks})
+
+    def _judge_replay_case(self, case, run, check):
+        t = case.tensors
+        problems, metrics, worst = [], {}, 0.0
+        golden = {"pool": t["pool_out"], "d_cache": t["d_cache_out"], "k_cache": t["k_cache_out"],
+                  "g_cache": t["g_cache_out"]}
+        bounds = {"pool": self.state_bound, "d_cache": self.cache_bound, "k_cache": self.cache_bound,
+                  "g_cache": self.state_bound}
+        o = run["o"].cpu()
+        pairs = [("o", o.reshape(t["o"].shape) if o.numel() == t["o"].numel() else o, t["o"], self.o_bound)]
+        for n, mask in run["masks"].items():
+            after, before = run["after"][n].cpu(), run["before"][n].cpu()
+            changed = (_bits(after) != _bits(before)) & ~mask
+            if bool(changed.any()):
+                problems.append(f"{n}: {int(changed.sum())} elements outside the served rows' slots and write positions "
+                                "changed")
+            if bool(mask.any()):
+                pairs.append((n, after[mask], golden[n][mask], bounds[n]))
+        for label, got, ref, bound in pairs:
+            if tuple(got.shape) != tuple(ref.shape):
+                problems.append(f"{label}: shape {list(got.shape)}, golden {list(ref.shape)}")
+                continue
+            rel, limit = rel_rms(got, ref), bound.of(ref)
+            worst = max(worst, rel / limit)
+            metrics[label] = rel
+            if not _finite(got):
+                problems.append(f"{label}: non-finite values" + (" (a poisoned element leaked)"
+                                                                 if check == "slot_isolation" else ""))
+            elif rel > limit:
+                problems.append(f"{label}: relative RMS error {rel:.3e} > bound {limit:.3e}")
+        reason = "; ".join(problems) or (f"o, the served checkpoints and cache entries within bound (worst {worst:.2f} "
+                                         "of it); every other element bitwise unchanged" +
+                                         (" (NaN poison kept its bits, never leaked)" if check == "slot_isolation" else ""))
+        return CheckResult(self.name, check, case.name, "fail" if problems else "pass", reason[:600], ratio=worst,
+                           metrics=metrics)
+
+    def _check_determinism(self, case, device):
+        why = self.case_unsupported(case)
+        if why:
+            return CheckResult(self.name, "determinism", case.name, "skip", why)
+        runs = [self._run_pool_case(case, device) for _ in range(2)]
+        same_o = torch.equal(_bits(runs[0]["o"].cpu()), _bits(runs[1]["o"].cpu()))
+        same_pool = torch.equal(_bits(runs[0]["flat"].cpu()), _bits(runs[1]["flat"].cpu()))
+        if same_o and same_pool:
+            return CheckResult(self.name, "determinism", case.name, "pass", "two runs on fresh pools: o and the pool "
+                               "bitwise equal")
+        return CheckResult(self.name, "determinism", case.name, "fail", "two runs on fresh pools differ: "
+                           + ", ".join(n for n, same in (("o", same_o), ("pool", same_pool)) if not same))
+
+    # -- self-made problems (seeded; judged against references.kda, or the pure-PyTorch kernel)
+    def _problem(self, seed, lengths, device="cpu", shape=None, params=None):
+        """(inputs, params, states [len(lengths) + 3, HV, K, V] fp32, K-first) of the kernel's
+        problem_shape and problem_params, or the ones given."""
+        sh = dict(self.problem_shape, **(shape or {}))
+        params = dict(self.problem_params if params is None else params)
+        H, HV, K, V = sh["H"], sh["HV"], sh["K"], sh["V"]
         gen = torch.Generator().manual_seed(seed)
         T = sum(lengths)
 
@@ -328,25 +522,36 @@ class ServingAdapter(Adapter):
             return (torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(torch.bfloat16)
 
         kw = K ** -0.5
+        gk = 1 if self.scalar_gate else K
+        log_decay = params["gate"] == "log_decay"
         inputs = dict(q=bf16((1, T, H, K), -1, 1), k=bf16((1, T, H, K), -kw, kw), v=bf16((1, T, HV, V), -1, 1),
-                      g=bf16((1, T, HV, K), -1, 0), beta=bf16((1, T, HV), 0, 1),
+                      g=bf16((1, T, HV, gk), -1, 0) if log_decay else bf16((1, T, HV, gk), -4, 4),
+                      beta=bf16((1, T, HV), 0, 1) if params["beta"] == "as_given" else bf16((1, T, HV), -4, 4),
                       cu_seqlens=torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))]))
+        inputs["g"] = inputs["g"].expand(1, T, HV, K).contiguous()
+        if not log_decay:  # the gate in the kernel: A_log and dt_bias (one value per head for GDN)
+            inputs["A_log"] = (torch.rand(HV, generator=gen, dtype=torch.float64) * 2.7).float()
+            inputs["dt_bias"] = (torch.rand(HV, gk, generator=gen, dtype=torch.float64) * 2 - 1).float().expand(
+                HV, K).contiguous()
         states = bf16((len(lengths) + 3, HV, K, V), -1, 1).float()
-        params = dict(gate="log_decay", gate_base="e", beta="as_given", qk_l2norm=False, scale=None,
-                      lower_bound=None, state_layout="k_first")
-        return {k: v.to(device) for k, v in inputs.items()}, params, states.to(device)
+        return {k: v.to(device) for k, v in inputs.items()}, dict(params, state_layout="k_first"), states.to(device)
+
+    @staticmethod
+    def _in_layout(states, layout):
+        """K-first states [..., K, V] as a contiguous pool of `layout`."""
+        return states.transpose(-1, -2).contiguous() if layout == "v_first" else states
 
     def _check_layout_equivalence(self, case, device):
         lengths = [1, 1, 1] if "multi_token_decode" not in self.modes else [1, 2, 1]
         problems, worst = [], 0.0
-        for K, V in ((8, 12), (12, 8)):
-            inputs, params, states = self._problem(17 + K, lengths, K=K, V=V, device=device)
+        K0, V0 = self.problem_shape["K"], self.problem_shape["V"]
+        for K, V in ((K0, V0), (V0, K0)):
+            inputs, params, states = self._problem(17 + K, lengths, shape=dict(K=K, V=V), device=device)
             slots = torch.tensor([3, 0, 4], device=device)
             ref_o, ref_pool = TorchServingAdapter().decode_reference(inputs, params, states.double(), slots)
-            for layout in ("k_first", "v_first"):
+            for layout in self.layouts:
                 p = dict(params, state_layout=layout)
-                pool = states.to(self.pool_dtype).clone()  # .to() of the same dtype would alias the states
-                pool = pool if layout == "k_first" else pool.transpose(-1, -2).contiguous()
+                pool = self._in_layout(states.to(self.pool_dtype).clone(), layout)  # .to() alone would alias
                 o = self.decode(inputs, p, pool, slots)
                 got = pool if layout == "k_first" else pool.transpose(-1, -2)
                 for label, x, ref, bound in (("o", o, ref_o, self.o_bound), ("pool", got, ref_pool, self.state_bound)):
@@ -355,29 +560,33 @@ class ServingAdapter(Adapter):
                     if not (rel <= limit and _finite(x)):
                         problems.append(f"K={K}, V={V}, {layout}: {label} relative RMS error {rel:.3e} > {limit:.3e}")
         status = "fail" if problems else "pass"
+        only = "" if len(self.layouts) > 1 else f" (its pool is {self.layouts[0]} only: {self.layout_reason})"
         return CheckResult(self.name, "layout_equivalence", "-", status,
-                           "; ".join(problems) or f"K-first and V-first pools agree with the reference, K != V both "
-                           f"ways (worst {worst:.2f} of the bound)", ratio=worst)
+                           "; ".join(problems) or f"{' and '.join(self.layouts)} pools agree with the reference, K != V "
+                           f"both ways (worst {worst:.2f} of the bound){only}", ratio=worst)
 
     def _check_decode_after_prefill(self, case, device):
         T = 12
-        inputs, params, states = self._problem(5, [T], HV=2, K=8, V=12, device=device)
+        inputs, params, states = self._problem(5, [T], device=device)
+        layout = self.layouts[0]
+        params = dict(params, state_layout=layout)
         one = {k: v for k, v in inputs.items() if k != "cu_seqlens"}
-        h0 = states[:1].clone()
+        h0 = self._in_layout(states[:1].clone(), layout)
+        HV, V = inputs["v"].shape[2], inputs["v"].shape[3]
         ref_o, ref_final = references.kda(dict(one, initial_state=h0), params)
         single_o, single_final = self.prefill(one, params, h0.clone())
         problems, bitwise, worst = [], [], 0.0
         for split in (0, 1, 7, T - 1, T):
-            part = {k: v[:, :split] for k, v in one.items()}
+            part = {k: (v[:, :split] if k in TOKEN_INPUTS else v) for k, v in one.items()}
             if split > 0:
                 o_pre, state = self.prefill(part, params, h0.clone())
             else:
-                o_pre, state = one["q"].new_zeros(1, 0, 2, 12, dtype=torch.float64), h0.clone()
-            pool = torch.zeros(3, 2, 8, 12, dtype=self.pool_dtype, device=device)
+                o_pre, state = one["q"].new_zeros(1, 0, HV, V, dtype=torch.float64), h0.clone()
+            pool = torch.zeros((3,) + tuple(h0.shape[1:]), dtype=self.pool_dtype, device=device)
             pool[1] = state[0].to(self.pool_dtype)
             outs = [o_pre.double().cpu()]
             for t in range(split, T):
-                tok = {k: v[:, t : t + 1] for k, v in one.items()}
+                tok = {k: (v[:, t : t + 1] if k in TOKEN_INPUTS else v) for k, v in one.items()}
                 tok["cu_seqlens"] = torch.tensor([0, 1], device=device)
                 outs.append(self.decode(tok, params, pool, torch.tensor([1], device=device)).double().cpu())
             o = torch.cat(outs, dim=1)
@@ -436,12 +645,15 @@ class ServingAdapter(Adapter):
 
     def _check_accepted_zero(self, case, device):
         inputs, params, states = self._problem(23, [2, 2, 2], device=device)
+        layout = self.layouts[0]
+        params = dict(params, state_layout=layout)
         W = 3
         idx = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], device=device)
         accepted = torch.tensor([2, 0, 1], device=device)
-        pool = torch.full((9, 2, 8, 12), float("nan"), dtype=self.pool_dtype, device=device)
+        shape = tuple(self._in_layout(states[:1], layout).shape[1:])
+        pool = torch.full((9,) + shape, float("nan"), dtype=self.pool_dtype, device=device)
         for n, a in ((0, 2), (2, 1)):  # the only states read by a correct kernel
-            pool[idx[n, a - 1]] = states[n].to(self.pool_dtype)
+            pool[idx[n, a - 1]] = self._in_layout(states[n], layout).to(self.pool_dtype)
         try:
             o, _ = self.verify(inputs, params, pool, idx, accepted, in_place=True)
         except Exception as e:  # rejecting the count is the defined behaviour
@@ -469,18 +681,9 @@ class ServingAdapter(Adapter):
                          lower_bound=None, state_layout="k_first")
 
     def _check_empty_sequences(self, case, device):
-        sh, params = self.varlen_shape, dict(self.varlen_params)
+        params = dict(self.varlen_params)
         lengths = [3, 0, 4, 0, 0, 5, 0]
-        inputs, _, states = self._problem(31, lengths, device=device, **sh)
-        gen = torch.Generator().manual_seed(32)
-        if params["gate"] == "lower_bound":
-            T = sum(lengths)
-            inputs["g"] = (torch.rand((1, T, sh["HV"], sh["K"]), generator=gen, dtype=torch.float64) * 8 - 4).to(
-                torch.bfloat16).to(device)
-            inputs["beta"] = (torch.rand((1, T, sh["HV"]), generator=gen, dtype=torch.float64) * 8 - 4).to(
-                torch.bfloat16).to(device)
-            inputs["A_log"] = (torch.rand(sh["HV"], generator=gen, dtype=torch.float64) * 2.7).float().to(device)
-            inputs["dt_bias"] = (torch.rand(sh["HV"], sh["K"], generator=gen, dtype=torch.float64) * 2 - 1).float().to(device)
+        inputs, _, states = self._problem(31, lengths, device=device, shape=self.varlen_shape, params=params)
         h0 = states[: len(lengths)].clone()
         if params["state_layout"] == "v_first":
             h0 = h0.transpose(-1, -2).contiguous()
@@ -521,17 +724,21 @@ class TorchServingAdapter(ServingAdapter):
       verify_writes_committed  verify also writes its final state into the entering slot
       empty_sequence_state     a varlen sequence without tokens returns a zero final state (not
                                its initial state)
+      replay_no_decay          the cached-replay decode rebuilds the state without the decays of
+                               the later cached gates
     """
 
     MUTATIONS = (None, "accepted_off_by_one", "write_unnamed_slot", "layout_swap", "checkpoint_late",
-                 "verify_writes_committed", "empty_sequence_state")
-    modes = ("decode", "verify", "per_token", "pad", "multi_token_decode", "prefill", "intermediate", "varlen")
-    golden_ops = POOL_OPS + CHECKPOINT_OPS
+                 "verify_writes_committed", "empty_sequence_state", "replay_no_decay")
+    modes = ("decode", "verify", "per_token", "pad", "multi_token_decode", "prefill", "intermediate", "varlen",
+             "replay")
+    golden_ops = POOL_OPS + GDN_POOL_OPS + REPLAY_OPS + CHECKPOINT_OPS
     # fp64 arithmetic and an fp64 pool against the 256-bit goldens: everything to 1e-12.
     o_bound = Bound(torch.float64, 1.0)
     state_bound = Bound(torch.float64, 1.0)
     h_bound = Bound(torch.float64, 1.0)
-    pool_dtype = torch.float64
+    cache_bound = Bound(torch.float64, 1.0)
+    cache_dtype = pool_dtype = torch.float64
     split_bitwise = True
     policy = "rel-rms:1e-12"
     contract = "PyTorch; fp64 recurrence, fp64 outputs and pool"
@@ -650,6 +857,35 @@ class TorchServingAdapter(ServingAdapter):
             last = states[-1]
         self._unnamed_write(pool, {s for s in flat if s != PAD}, last, params)
         return o, token_states
+
+    def replay(self, raw, params, pool, d_cache, k_cache, g_cache, state_indices, write_pos):
+        inputs = gdn_as_kda(raw, int(params["H"]), int(params["K"]))
+        prep, scale = self._prep(inputs, params)
+        q, k, v, decay, beta = prep
+        N, HV, V, L = v.shape[1], v.shape[2], v.shape[3], d_cache.shape[2]
+        head = torch.arange(HV, device=v.device) // (HV // q.shape[2])
+        o = torch.zeros(N, HV, V, dtype=torch.float64, device=v.device)
+        for n, (s, w) in enumerate(zip(state_indices.tolist(), write_pos.tolist())):
+            if s <= 0:  # the engines' null slot 0 and -1: padding
+                continue
+            gates = g_cache[s].double()  # [HV, L] log decays
+            later = (lambda c: torch.zeros(HV, dtype=torch.float64, device=v.device)) if self.mutation == "replay_no_decay" \
+                else (lambda c: gates[:, c:w].sum(-1))
+            S = torch.exp(later(0))[:, None, None] * self._read(pool, s, params)
+            for c in range(w):
+                S = S + torch.exp(later(c + 1))[:, None, None] * k_cache[s][head, c].double()[:, :, None] * \
+                    d_cache[s][:, c].double()[:, None, :]
+            outs, states = self._run(prep, scale, n, n + 1, S)
+            o[n] = outs[0]
+            if w == L - 1:  # the flush: the state after the token is the new checkpoint
+                self._write(pool, s, states[0], params)
+                continue
+            kt = k[0, n][head]
+            d = beta[0, n][:, None] * (v[0, n] - torch.einsum("hkv,hk->hv", decay[0, n][:, :, None] * S, kt))
+            d_cache[s][:, w] = d.to(d_cache.dtype)
+            k_cache[s][:, w] = k[0, n].to(k_cache.dtype)
+            g_cache[s][:, w] = torch.log(decay[0, n][:, 0]).to(g_cache.dtype)
+        return o
 
     def prefill(self, inputs, params, initial_state):
         prep, scale = self._prep(inputs, params)
@@ -855,4 +1091,4 @@ def torch_serving_kernels():
 
 
 def load_serving_suite(directory):
-    return golden_io.load_suite(directory, ops=POOL_OPS + CHECKPOINT_OPS)
+    return golden_io.load_suite(directory, ops=POOL_OPS + GDN_POOL_OPS + REPLAY_OPS + CHECKPOINT_OPS)
