@@ -318,6 +318,15 @@ std::vector<Case> serving_default_cases() {
         kda_json(s, {0, 1, 2, 3}, false, "k_first"), {{"pool", pool_json(4, 0, 0, s)},
          {"slot_of_sequence", {1, -1, 3}}});
   }
+  {  // Kimi K3's options as the engines run them (the safe gate, beta's sigmoid and the L2 norm in
+     // kernel), K != V, an empty sequence, a 3-token prefill, a padded entry, a padded stride.
+    Shape5 s{5, 1, 2, 16, 8};
+    const json gate = {{"gate", "lower_bound"}, {"lower_bound", -5.0}, {"g_range", {-4.0, 4.0}}, {"A_log", true},
+                       {"dt_bias", true}, {"beta", "sigmoid"}, {"beta_range", {-4.0, 4.0}}, {"qk_l2norm", true}};
+    add_kda("serving_decode_safe_gate_engine", "serving.decode",
+        kda_json(s, {0, 1, 1, 4, 5}, false, "k_first", gate), {{"pool", pool_json(6, 3, 1, s)},
+         {"slot_of_sequence", {4, 0, 2, -1}}});
+  }
   // Verify: L = 4 draft tokens, accepted counts 1, 2 and L choosing the entering column.
   {
     Shape5 s{12, 1, 2, 8, 12};

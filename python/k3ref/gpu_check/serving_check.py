@@ -42,6 +42,7 @@ Checks (each returns checks.CheckResult):
 """
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -189,6 +190,47 @@ class Bound:
         return cls(dtypes[rule.floor_dtype], rule.multiple, at_least)
 
 
+class PolicyBound:
+    """A serving bound read from the kernel's policy (policy/policies.json) when first used, so
+    that constructing an adapter never loads the table."""
+
+    def __init__(self, op, tensor, at_least=1e-12):
+        self.op, self.tensor, self.at_least = op, tensor, at_least
+
+    def __get__(self, obj, owner):
+        return Bound.from_policy(owner.policy, self.op, self.tensor, self.at_least)
+
+
+class BuiltinDomain:
+    """An adapter's domain from policy/kernel_domains.json under its name, read when first used."""
+
+    def __get__(self, obj, owner):
+        if obj is None:
+            return self
+        from .. import kernel_domains
+
+        return kernel_domains.builtin(obj.name)
+
+
+def engine_version(engine, mod):
+    """Which engine source a kernel module is: the commit its tree's COMMITS.txt gives the file
+    (`<path> <commit>` lines, a path naming the file or a folder above it; a tree laid out from
+    single files at pinned commits), and adapters.source_identity of its folder."""
+    from .adapters import source_identity
+
+    where = Path(mod.__file__).resolve()
+    listed = ""
+    for d in where.parents:
+        f = d / "COMMITS.txt"
+        if f.is_file():
+            rel = where.relative_to(d).as_posix()
+            hits = [line.split() for line in f.read_text().splitlines() if len(line.split()) >= 2 and
+                    (rel == line.split()[0] or rel.startswith(line.split()[0].rstrip("/") + "/"))]
+            listed = f"{rel}@{hits[0][1][:12]}" if hits else f"{rel} (not listed in {f})"
+            break
+    return f"{engine} {listed or where.name} from {where.parent}, {source_identity(mod)}"
+
+
 def _finite(x):
     return bool(torch.isfinite(x.double()).all())
 
@@ -224,6 +266,7 @@ class ServingAdapter(Adapter):
     # The replay's ring caches: held in the golden's dtypes (d, k bf16; g fp32), or all in this one.
     cache_dtype = None
     cache_bound = Bound(torch.bfloat16, 2.0)
+    k_cache_bound = g_cache_bound = None  # None: cache_bound (k), state_bound (g)
     o_bound = Bound(torch.bfloat16, 2.0)
     state_bound = Bound(torch.float32, 2.0)
     h_bound = Bound(torch.bfloat16, 2.0)
@@ -266,10 +309,18 @@ class ServingAdapter(Adapter):
         layout = case.params.get("state_layout") or "k_first"
         if layout not in self.layouts:
             return f"n/a (outside the kernel's domain: its pool is {' or '.join(self.layouts)}; {self.layout_reason})"
+        if self.dense_pool_reason and "pool_geometry" in case.tensors:
+            p = case.params
+            if int(case.tensors["pool_geometry"][1]) != int(p["HV"]) * int(p["K"]) * int(p["V"]):
+                return "the kernel's pool has no slot stride of its own: " + self.dense_pool_reason
         if case.op in POOL_OPS + GDN_POOL_OPS:
             t = case.tensors
             tables = [t["slot_of_sequence"]] if case.op in DECODE_OPS else [t["state_indices"]]
-            if "pad" not in self.modes and any(bool((x == PAD).any()) for x in tables):
+            padded = any(bool((x == PAD).any()) for x in tables)
+            if padded and "pad_write" in self.modes and case.op not in DECODE_OPS:
+                if padded_tokens(case):  # a -1 entering column, not only a column whose store is skipped
+                    return "the kernel reads a -1 entering index as a zero state: " + self.pad_reason
+            elif padded and "pad" not in self.modes:
                 return "the kernel has no padding slot id (-1): " + self.pad_reason
             if case.op == "serving.verify" and case.params["writes"] != "in_place" and "per_token" not in self.modes:
                 return "the kernel has no per-token state output: " + self.per_token_reason
@@ -286,11 +337,13 @@ class ServingAdapter(Adapter):
         return None
 
     pad_reason = per_token_reason = multi_token_reason = empty_reason = ragged_reason = accepted_reason = ""
+    dense_pool_reason = ""  # set: the kernel addresses slot s at s * HV K V (goldens with a padded stride are outside)
 
     def cases(self, check, suite):
         supported = self.checks_supported()
         if check not in supported:
-            yield "-", None, f"the kernel's modes ({', '.join(self.modes)}) do not cover '{check}'"
+            yield "-", None, (f"n/a: {self.accepted_reason}" if check == "accepted_zero" and self.accepted_reason else
+                              f"the kernel's modes ({', '.join(self.modes)}) do not cover '{check}'")
             return
         pools = tuple(op for op in POOL_OPS + GDN_POOL_OPS + REPLAY_OPS if op in self.golden_ops)
         ops = {"golden": pools, "slot_isolation": pools, "intermediate_states": CHECKPOINT_OPS,
@@ -465,8 +518,8 @@ class ServingAdapter(Adapter):
         problems, metrics, worst = [], {}, 0.0
         golden = {"pool": t["pool_out"], "d_cache": t["d_cache_out"], "k_cache": t["k_cache_out"],
                   "g_cache": t["g_cache_out"]}
-        bounds = {"pool": self.state_bound, "d_cache": self.cache_bound, "k_cache": self.cache_bound,
-                  "g_cache": self.state_bound}
+        bounds = {"pool": self.state_bound, "d_cache": self.cache_bound,
+                  "k_cache": self.k_cache_bound or self.cache_bound, "g_cache": self.g_cache_bound or self.state_bound}
         o = run["o"].cpu()
         pairs = [("o", o.reshape(t["o"].shape) if o.numel() == t["o"].numel() else o, t["o"], self.o_bound)]
         for n, mask in run["masks"].items():
@@ -1092,3 +1145,122 @@ def torch_serving_kernels():
 
 def load_serving_suite(directory):
     return golden_io.load_suite(directory, ops=POOL_OPS + GDN_POOL_OPS + REPLAY_OPS + CHECKPOINT_OPS)
+
+
+# --------------------------------------------------------------------------- the engines' table
+
+def engine_table(adapters, suite, device):
+    """Every serving check of every adapter: one row per (kernel, check, case) with the verdict,
+    the figure (worst error / bound), the bound's multiple and floor dtype, the reason and the
+    engine source (version()). A kernel that does not load gives one row with its reason."""
+    rows = []
+    for a in adapters:
+        start = time.perf_counter()
+        try:
+            a.load()
+            source = a.version()
+        except Exception as e:  # fail closed, one line; the other kernels still run
+            rows.append(dict(kernel=a.name, check="load", case="-", verdict="unavailable", figure=None, bound=None,
+                             reason=f"{type(e).__name__}: {e}".splitlines()[0][:400], source=""))
+            continue
+        for check in SERVING_CHECKS:
+            for case_id, case, why in a.cases(check, suite):
+                if why:
+                    rows.append(dict(kernel=a.name, check=check, case=case_id, verdict="n/a", figure=None, bound=None,
+                                     reason=why[:400], source=source))
+                    continue
+                r = a.run_check(check, case, device)
+                try:
+                    bound = f"{a.o_bound.multiple:g} x {str(a.o_bound.dtype).replace('torch.', '')} floor (o), " \
+                            f"{a.state_bound.multiple:g} x {str(a.state_bound.dtype).replace('torch.', '')} (state)"
+                except Exception as e:
+                    bound = f"unreadable: {e}"
+                rows.append(dict(kernel=a.name, check=check, case=case_id,
+                                 verdict={"skip": "n/a"}.get(r.status, r.status), figure=r.ratio, bound=bound,
+                                 reason=r.reason, source=source, seconds=round(r.seconds, 3), metrics=r.metrics))
+        rows.append(dict(kernel=a.name, check="(all)", case="-", verdict="time", figure=None, bound=None,
+                         reason=f"{time.perf_counter() - start:.1f} s", source=source))
+    return rows
+
+
+def print_table(rows, out=None):
+    """kernel x check: P passes, F failures, E errors, - n/a (counts over cases), last."""
+    import sys
+
+    out = out or sys.stdout
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    width = max(len(k) for k in kernels) if kernels else 10
+    out.write(f"{'kernel':<{width}}  " + "  ".join(f"{c[:12]:>12}" for c in SERVING_CHECKS) + "\n")
+    for k in kernels:
+        mine = [r for r in rows if r["kernel"] == k]
+        if any(r["verdict"] == "unavailable" for r in mine):
+            out.write(f"{k:<{width}}  unavailable: {mine[0]['reason'][:150]}\n")
+            continue
+        cells = []
+        for c in SERVING_CHECKS:
+            got = [r["verdict"] for r in mine if r["check"] == c]
+            text = "".join(f"{got.count(v)}{s}" for v, s in (("pass", "P"), ("fail", "F"), ("error", "E"))
+                           if got.count(v)) or "-"
+            cells.append(f"{text:>12}")
+        out.write(f"{k:<{width}}  " + "  ".join(cells) + "\n")
+
+
+def main(argv=None):
+    """python3 -m k3ref.gpu_check.serving_check --engines [--only NAMES] [--vllm-path DIR]
+    [--tokenspeed-path DIR] [--fla-path DIR] [--goldens DIR] [--device cuda] [--out FILE.json];
+    --list: the kernels' names; --merge FILE... --out FILE: the rows of several runs (one per
+    kernel, as gpu_check/device_engines.sh runs them) in one file, and the table."""
+    import argparse
+    import json
+    import os
+
+    ap = argparse.ArgumentParser(prog="python3 -m k3ref.gpu_check.serving_check", description=main.__doc__)
+    ap.add_argument("--engines", action="store_true", help="the serving engines' kernels (engine_vllm, engine_tokenspeed)")
+    ap.add_argument("--only", help="comma-separated kernel names")
+    ap.add_argument("--list", action="store_true", help="print the kernels' names and exit")
+    ap.add_argument("--merge", nargs="+", metavar="FILE", help="merge the rows of these files (a missing one: the "
+                    "kernel named by its stem died; its .log's last line is the reason)")
+    ap.add_argument("--vllm-path"), ap.add_argument("--tokenspeed-path"), ap.add_argument("--fla-path")
+    ap.add_argument("--goldens", default=str(Path(__file__).resolve().parents[3] / "goldens"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", help="the rows as JSON")
+    args = ap.parse_args(argv)
+    for opt, env in (("vllm_path", "K3REF_VLLM_PATH"), ("tokenspeed_path", "K3REF_TOKENSPEED_PATH"),
+                     ("fla_path", "K3REF_FLA_PATH")):
+        if getattr(args, opt):
+            os.environ[env] = str(Path(getattr(args, opt)).resolve())
+    from . import engine_tokenspeed, engine_vllm
+
+    adapters = engine_vllm.adapters() + engine_tokenspeed.adapters() if args.engines else serving_adapters()
+    if args.only:
+        wanted = set(args.only.split(","))
+        adapters = [a for a in adapters if a.name in wanted]
+    if args.list:
+        print("\n".join(a.name for a in adapters))
+        return 0
+    meta = dict(format="k3ref-serving-table", version=1, device=args.device, torch=torch.__version__)
+    if args.merge:
+        rows = []
+        for f in map(Path, args.merge):
+            if f.is_file():
+                rows += json.loads(f.read_text())["rows"]
+            else:
+                log = f.with_suffix(".log")
+                last = (log.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1] if log.is_file() \
+                    else "(no log)"
+                rows.append(dict(kernel=f.stem, check="load", case="-", verdict="unavailable", figure=None, bound=None,
+                                 reason=f"its process died or ran out of time: {last[:300]}", source=""))
+    else:
+        rows = engine_table(adapters, load_serving_suite(args.goldens), args.device)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=1, default=str))
+    for r in rows:
+        if r["verdict"] in ("fail", "error", "unavailable"):
+            print(f"{r['verdict'].upper()} {r['kernel']} {r['check']}[{r['case']}]: {r['reason'][:300]}")
+    print_table(rows)
+    return 1 if any(r["verdict"] in ("fail", "error", "unavailable") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
