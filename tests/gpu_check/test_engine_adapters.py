@@ -73,6 +73,9 @@ def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state,
         o, rows = TORCH.verify(inputs, params, pool, torch.zeros(1, q.shape[1], dtype=torch.long),
                                torch.ones(1, dtype=torch.long), in_place=False)
         return o.to(q.dtype), rows.float()
+    if STATE_LAYOUT == "v_first":  # the K-first pool's bytes read as [slots, HV, V, K]
+        n, HV, K, V = initial_state.shape
+        initial_state = initial_state.as_strided((n, HV, V, K), (initial_state.stride(0), V * K, K, 1))
     if ssm_state_indices.dim() == 1:
         o = TORCH.decode(inputs, params, initial_state, ssm_state_indices.long())
         return o.to(q.dtype), initial_state
@@ -222,6 +225,7 @@ def vllm_tree(tmp_path):
 
 @pytest.fixture
 def tokenspeed_tree(tmp_path):
+    tmp_path = tmp_path / "tokenspeed"  # beside vllm_tree's, each with its COMMITS.txt
     root = tmp_path / "tokenspeed-kernel" / "python"
     pkg = root / "tokenspeed_kernel"
     write(pkg / "__init__.py", "raise ImportError('the stand-in package __init__ ran')\n")
