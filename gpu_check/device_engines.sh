@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The serving engines' own KDA/GDN kernels (vLLM, TokenSpeed) under every serving check, on one
+# The serving engines' own KDA/GDN kernels (vLLM, SGLang, TokenSpeed) under every serving check, on one
 # GPU: builds k3ref._core (the judge), runs `python3 -m k3ref.gpu_check.serving_check --engines`
 # and writes its rows (kernel x check x case: verdict, figure = worst error / bound, bound,
 # reason, engine source and commit) to OUT/engines.json; prints the kernel x check table last.
 # A kernel that does not load is one row with its reason; the others still run.
 #
 #   gpu_check/device_engines.sh [OUT_DIR]
-#   env: TP (third-party root, default .thirdparty: vllm/ laid out with COMMITS.txt,
+#   env: TP (third-party root, default .thirdparty: vllm/ and sglang/ laid out with COMMITS.txt,
 #        tokenspeed/, fla_pkg/), PYTHON (default python3), ONLY (comma-separated kernel names),
 #        KERNEL_TIMEOUT (seconds for one kernel's checks, default 200)
 set -uo pipefail
@@ -32,10 +32,10 @@ export K3REF_CORE_PATH=$OUT/build/python PYTHONPATH=$ROOT/python:${PYTHONPATH:-}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$OUT/triton}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$OUT/versions.txt"
-for f in "$TP/vllm/COMMITS.txt" "$TP/tokenspeed/COMMITS.txt"; do [ -f "$f" ] && grep -v '^#' "$f"; done | tee "$OUT/commits.txt"
+for f in "$TP/vllm/COMMITS.txt" "$TP/sglang/COMMITS.txt" "$TP/tokenspeed/COMMITS.txt"; do [ -f "$f" ] && grep -v '^#' "$f"; done | tee "$OUT/commits.txt"
 
 echo "== serving checks on the engines' kernels, one process each (a crash or a poisoned CUDA context stays in it)"
-SC="$PY -m k3ref.gpu_check.serving_check --engines --device cuda --vllm-path $TP/vllm --tokenspeed-path $TP/tokenspeed --fla-path $TP/fla_pkg"
+SC="$PY -m k3ref.gpu_check.serving_check --engines --device cuda --vllm-path $TP/vllm --sglang-path $TP/sglang --tokenspeed-path $TP/tokenspeed --fla-path $TP/fla_pkg"
 mkdir -p "$OUT/rows"
 kernels=$($SC ${ONLY:+--only "$ONLY"} --list)
 files=()

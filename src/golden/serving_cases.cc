@@ -350,6 +350,16 @@ std::vector<Case> serving_default_cases() {
         kda_json(s, {0, 3, 6}, false, "k_first"), {{"pool", pool_json(6, 0, 0, s)},
          {"state_indices", {{0, 4, 2}, {5, 1, 3}}}, {"num_accepted", {3, 2}}, {"writes", "per_token_output"}});
   }
+  {  // The per-token output with the softplus gate, beta's sigmoid and the L2 norm in kernel, V-first,
+     // a contiguous pool at offset 1, ragged windows (3, 2, 3): SGLang's target verify.
+    Shape5 s{8, 1, 2, 16, 8};
+    const json gate = {{"gate", "softplus"}, {"g_range", {-4.0, 4.0}}, {"A_log", true}, {"dt_bias", true},
+                       {"beta", "sigmoid"}, {"beta_range", {-4.0, 4.0}}, {"qk_l2norm", true}};
+    add_kda("serving_verify_per_token_engine", "serving.verify",
+        kda_json(s, {0, 3, 5, 8}, false, "v_first", gate), {{"pool", pool_json(6, 0, 1, s)},
+         {"state_indices", {{2, 0, 4}, {1, 3, 5}, {5, 4, 0}}}, {"num_accepted", {2, 1, 3}},
+         {"writes", "per_token_output"}});
+  }
   {  // Padding: a padded sequence (entering entry -1) and a window column -1 (state not stored).
     Shape5 s{5, 1, 2, 8, 12};
     add_kda("serving_verify_pad_slots", "serving.verify",

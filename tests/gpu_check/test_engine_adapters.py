@@ -4,7 +4,7 @@ engine_tokenspeed.py). Their kernels are Triton (GPU only), so here each is repl
 stand-in module laid out where the engine keeps it, with the engine function's signature and
 k3ref's pure-PyTorch serving kernel (serving_check.TorchServingAdapter) behind it:
 
-- loading: a missing folder, a missing file and another engine copy already imported are
+- loading (vLLM, SGLang, TokenSpeed): a missing folder, a missing file and another engine copy already imported are
   one-line errors naming what is needed; the package __init__ files are never run (the
   stand-in tokenspeed_kernel/__init__.py raises);
 - argument mapping: every engine adapter passes the serving checks its modes cover on the
@@ -29,6 +29,7 @@ try:
 except ImportError as e:  # the references and the policy table the checks judge with
     pytest.skip(f"k3ref._core not importable ({e})", allow_module_level=True)
 
+from k3ref.gpu_check import engine_sglang as EG  # noqa: E402
 from k3ref.gpu_check import engine_tokenspeed as ET  # noqa: E402
 from k3ref.gpu_check import engine_vllm as EV  # noqa: E402
 from k3ref.gpu_check import registry, serving_check as SC  # noqa: E402
@@ -37,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SUITE = SC.load_serving_suite(ROOT / "goldens")
 ENGINE_NAMES = {"vllm.fused_recurrent_gdn[continuous_batching]", "vllm.fused_recurrent_gdn[spec_decode]",
                 "vllm.gdn_replayssm_decode", "tokenspeed.kda_recurrent_decode_pool", "tokenspeed.kda_mtp_verify",
-                "tokenspeed.kda_chunk_prefill", "tokenspeed.gdn_decode_step"}
+                "tokenspeed.kda_chunk_prefill", "tokenspeed.gdn_decode_step", "sglang.fused_sigmoid_gating[decode]",
+                "sglang.fused_sigmoid_gating[target_verify]", "sglang.fused_sigmoid_gating[gdn_decode]"}
 
 # ---------------------------------------------------------------------------- stand-ins
 # Each calls k3ref's torch serving kernel (fp64) under the engine's own calling convention.
@@ -187,6 +189,39 @@ def triton_gdn_decode_step(q, k, v, *, A_log, a, dt_bias, b, initial_state, init
 '''
 
 
+SGLANG = COMMON + '''
+def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b,
+                                           initial_state_source, initial_state_indices, scale=None,
+                                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, is_kda=False,
+                                           disable_state_update=False, intermediate_states_buffer=None,
+                                           intermediate_state_indices=None, cache_steps=None,
+                                           retrieve_parent_token=None):
+    B, T, HV = q.shape[0], q.shape[1], v.shape[2]
+    g = a.reshape(B, T, HV, -1) if is_kda else a.reshape(B, T, HV)
+    inputs = kda_form(q, k, v, g, b, A_log, dt_bias, cu_seqlens)
+    params = dict(gate="softplus", beta="sigmoid", qk_l2norm=use_qk_l2norm_in_kernel, scale=scale,
+                  state_layout="v_first")
+    cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
+    o = torch.zeros(v.shape, dtype=torch.float64)
+    pool = initial_state_source
+    for n in range(len(cu) - 1):
+        i = int(initial_state_indices[n])
+        one = {key: (x[:, cu[n]:cu[n + 1]] if key in ("q", "k", "v", "g", "beta") else x) for key, x in inputs.items()
+               if key != "cu_seqlens"}
+        h0 = pool[i:i + 1].double() if i >= 0 else torch.zeros((1,) + tuple(pool.shape[1:]), dtype=torch.float64)
+        final = h0
+        for t in range(cu[n + 1] - cu[n]):  # the state after each token into the snapshot buffer
+            part = {key: (x[:, : t + 1] if key in ("q", "k", "v", "g", "beta") else x) for key, x in one.items()}
+            o_t, final = TORCH.prefill(part, params, h0)
+            o[0, cu[n] + t] = o_t[0, t]
+            if intermediate_states_buffer is not None and int(intermediate_state_indices[n]) >= 0:
+                intermediate_states_buffer[int(intermediate_state_indices[n]), t] = final[0].float()
+        if not disable_state_update and i >= 0:
+            pool[i] = final[0].to(pool.dtype)
+    return o.to(v.dtype)
+'''
+
+
 def write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text))
@@ -198,7 +233,7 @@ def fresh_modules():
     (the shim imports it; no Triton here)."""
     saved = dict(sys.modules)
     for name in list(sys.modules):
-        if name.split(".")[0] in ("vllm", "tokenspeed_kernel"):
+        if name.split(".")[0] in ("vllm", "tokenspeed_kernel", "sglang"):
             del sys.modules[name]
     if "triton" not in sys.modules:
         triton = types.ModuleType("triton")
@@ -221,6 +256,17 @@ def vllm_tree(tmp_path):
         write(tmp_path / "COMMITS.txt", "vllm/model_executor/layers/fla/ops/fused_recurrent.py 0123456789abcdef0123\n")
         return tmp_path
     return make
+
+
+@pytest.fixture
+def sglang_tree(tmp_path):
+    tmp_path = tmp_path / "sglang"
+    fla = tmp_path / "python" / "sglang" / "srt" / "layers" / "attention" / "fla"
+    write(fla / "fused_sigmoid_gating_recurrent.py", "from sglang.srt.layers.attention.fla.utils import is_intel\n"
+          + SGLANG)
+    write(tmp_path / "python" / "sglang" / "__init__.py", "raise ImportError('the stand-in package __init__ ran')\n")
+    write(fla / "utils.py", "raise ImportError('the real utils ran')\n")
+    return tmp_path
 
 
 @pytest.fixture
@@ -272,16 +318,23 @@ class TestLoading:
         with pytest.raises(RuntimeError, match="has no ops/attention/triton/nope.py"):
             ET.load_module("ops.attention.triton.nope", str(tokenspeed_tree))
 
+    def test_sglang_folder_without_the_kernel(self, tmp_path, fresh_modules):
+        with pytest.raises(RuntimeError) as e:
+            EG.load_module(str(tmp_path))
+        assert "\n" not in str(e.value) and "--sglang-path" in str(e.value)
+
     def test_no_path_and_no_installed_engine(self, fresh_modules, monkeypatch):
         import importlib.util
 
         real = importlib.util.find_spec
-        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("vllm", "tokenspeed_kernel")
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("vllm", "tokenspeed_kernel", "sglang")
                             else real(n, *a))
         with pytest.raises(RuntimeError, match="or an installed vllm"):
             EV.load_ops("fused_recurrent", None)
         with pytest.raises(RuntimeError, match="or an installed tokenspeed_kernel"):
             ET.load_module("ops.attention.triton.linear.kda", None)
+        with pytest.raises(RuntimeError, match="or an installed sglang"):
+            EG.load_module(None)
 
     def test_package_inits_are_not_run_and_the_commit_is_reported(self, vllm_tree, tokenspeed_tree, fresh_modules):
         mod = EV.load_ops("fused_recurrent", str(vllm_tree()))
@@ -358,6 +411,18 @@ class TestMapping:
         assert "serving_decode_safe_gate_engine" in cases["tokenspeed.kda_recurrent_decode_pool"]
         assert {"gdn_verify_accepted_1_2_L", "gdn_verify_k_first_engine"} <= cases["tokenspeed.kda_mtp_verify"]
         assert "gdn_decode_v_first_engine" in cases["tokenspeed.gdn_decode_step"]
+
+    def test_sglang_adapters_pass_through_the_stand_in(self, sglang_tree, fresh_modules):
+        mod = EG.load_module(str(sglang_tree))  # its utils.py and the package __init__ not run
+        cases = {}
+        for adapter in EG.adapters():
+            res = ran(run_checks(loaded(adapter, mod)))
+            bad = {k: v for k, v in res.items() if v[0] != "pass"}
+            assert res and not bad, (adapter.name, bad)
+            cases[adapter.name] = {case for _, case in res}
+        assert {"gdn_decode_v_first_engine"} <= cases["sglang.fused_sigmoid_gating[decode]"]
+        assert "serving_verify_per_token_engine" in cases["sglang.fused_sigmoid_gating[target_verify]"]
+        assert "gdn_decode_v_first_engine" in cases["sglang.fused_sigmoid_gating[gdn_decode]"]
 
     def test_a_kda_case_is_outside_a_gdn_kernel(self):
         a = EV.VllmGdnRecurrentAdapter("continuous_batching")

@@ -160,14 +160,14 @@ def builtin_adapters():
     """The adapters of the kernels k3ref knows (the package's own `k3ref.adapters` entry
     point): libk3gc's fp64 reference and fp32 kernel and its mutants, FLA, FlashKDA, Liger's
     AttnRes, torchtitan's Quantile Balancing, FLA's serving paths (serving_check.py) and the serving
-    engines' own kernels (engine_vllm.py, engine_tokenspeed.py)."""
-    from . import attnres_check, engine_tokenspeed, engine_vllm, qb_check, serving_check
+    engines' own kernels (engine_vllm.py, engine_sglang.py, engine_tokenspeed.py)."""
+    from . import attnres_check, engine_sglang, engine_tokenspeed, engine_vllm, qb_check, serving_check
     from .adapters import kda_adapters
 
     return kda_adapters(include_mutants=True) + [
         attnres_check.LigerAttnResAdapter(), qb_check.TorchtitanQbAdapter(),
         qb_check.TorchtitanQbAdapter(histogram=True)] + serving_check.serving_adapters() + engine_vllm.adapters() + \
-        engine_tokenspeed.adapters()
+        engine_sglang.adapters() + engine_tokenspeed.adapters()
 
 
 def kernel_by_name(name, extra=()):

@@ -1207,7 +1207,7 @@ def print_table(rows, out=None):
 
 def main(argv=None):
     """python3 -m k3ref.gpu_check.serving_check --engines [--only NAMES] [--vllm-path DIR]
-    [--tokenspeed-path DIR] [--fla-path DIR] [--goldens DIR] [--device cuda] [--out FILE.json];
+    [--sglang-path DIR] [--tokenspeed-path DIR] [--fla-path DIR] [--goldens DIR] [--device cuda] [--out FILE.json];
     --list: the kernels' names; --merge FILE... --out FILE: the rows of several runs (one per
     kernel, as gpu_check/device_engines.sh runs them) in one file, and the table."""
     import argparse
@@ -1215,23 +1215,25 @@ def main(argv=None):
     import os
 
     ap = argparse.ArgumentParser(prog="python3 -m k3ref.gpu_check.serving_check", description=main.__doc__)
-    ap.add_argument("--engines", action="store_true", help="the serving engines' kernels (engine_vllm, engine_tokenspeed)")
+    ap.add_argument("--engines", action="store_true", help="the serving engines' kernels (engine_vllm, engine_sglang, engine_tokenspeed)")
     ap.add_argument("--only", help="comma-separated kernel names")
     ap.add_argument("--list", action="store_true", help="print the kernels' names and exit")
     ap.add_argument("--merge", nargs="+", metavar="FILE", help="merge the rows of these files (a missing one: the "
                     "kernel named by its stem died; its .log's last line is the reason)")
-    ap.add_argument("--vllm-path"), ap.add_argument("--tokenspeed-path"), ap.add_argument("--fla-path")
+    ap.add_argument("--vllm-path"), ap.add_argument("--sglang-path"), ap.add_argument("--tokenspeed-path")
+    ap.add_argument("--fla-path")
     ap.add_argument("--goldens", default=str(Path(__file__).resolve().parents[3] / "goldens"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", help="the rows as JSON")
     args = ap.parse_args(argv)
-    for opt, env in (("vllm_path", "K3REF_VLLM_PATH"), ("tokenspeed_path", "K3REF_TOKENSPEED_PATH"),
-                     ("fla_path", "K3REF_FLA_PATH")):
+    for opt, env in (("vllm_path", "K3REF_VLLM_PATH"), ("sglang_path", "K3REF_SGLANG_PATH"),
+                     ("tokenspeed_path", "K3REF_TOKENSPEED_PATH"), ("fla_path", "K3REF_FLA_PATH")):
         if getattr(args, opt):
             os.environ[env] = str(Path(getattr(args, opt)).resolve())
-    from . import engine_tokenspeed, engine_vllm
+    from . import engine_sglang, engine_tokenspeed, engine_vllm
 
-    adapters = engine_vllm.adapters() + engine_tokenspeed.adapters() if args.engines else serving_adapters()
+    adapters = (engine_vllm.adapters() + engine_sglang.adapters() + engine_tokenspeed.adapters() if args.engines
+                else serving_adapters())
     if args.only:
         wanted = set(args.only.split(","))
         adapters = [a for a in adapters if a.name in wanted]
