@@ -836,11 +836,14 @@ class TorchServingAdapter(ServingAdapter):
             return x.contiguous().reshape(HV, B, A)  # the V x K bytes read as K x V
         return x.transpose(-1, -2) if self._v_first(params) else x
 
-    def _write(self, pool, s, S, params):
+    def _stored(self, S, params, shape):
+        """A K-first state as the pool stores it (layout_swap: the K x V bytes stored as V x K)."""
         if params.get("state_layout") == "v_first" and self.mutation == "layout_swap":
-            pool[s] = S.reshape(pool[s].shape).to(pool.dtype)
-        else:
-            pool[s] = (S.transpose(-1, -2) if self._v_first(params) else S).to(pool.dtype)
+            return S.reshape(shape)
+        return S.transpose(-1, -2) if self._v_first(params) else S
+
+    def _write(self, pool, s, S, params):
+        pool[s] = self._stored(S, params, pool[s].shape).to(pool.dtype)
 
     def _unnamed_write(self, pool, named, S, params):
         if self.mutation == "write_unnamed_slot" and S is not None:
@@ -904,7 +907,7 @@ class TorchServingAdapter(ServingAdapter):
                     if flat[n * W + j] != PAD:
                         self._write(pool, flat[n * W + j], S, params)
                 else:
-                    token_states[cu[n] + j] = (S.transpose(-1, -2) if self._v_first(params) else S).to(pool.dtype)
+                    token_states[cu[n] + j] = self._stored(S, params, token_states.shape[1:]).to(pool.dtype)
             if self.mutation == "verify_writes_committed":
                 self._write(pool, entering, states[-1], params)
             last = states[-1]
