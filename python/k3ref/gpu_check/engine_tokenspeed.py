@@ -12,7 +12,8 @@ The kernels (their Kimi K3 options: q/k L2-normalised, gate and beta sigmoid in 
   tokenspeed.kda_recurrent_decode_pool  ops/attention/triton/linear/kda.py: the decode that reads
       h_pool[read_indices] and writes h_pool[write_indices] in the kernel (K-first fp32 pool,
       any number of tokens per sequence, a negative read index reads zeros, a negative write
-      index skips the store); prefill is kda_recurrent_decode (a fresh final state)
+      index skips the store); prefill is kda_recurrent_decode (FLA's fused_recurrent_kda;
+      needs FLA, --fla-path)
   tokenspeed.kda_mtp_verify  thirdparty/triton/fla_kda_recurrent.py fused_recurrent_kda_mtp: the
       target verify (a dense [B, T] window, read_indices [B] the entering page the caller
       resolved from its accepted count, write_indices [B, T]; K-major or V-major pool)
@@ -20,7 +21,9 @@ The kernels (their Kimi K3 options: q/k L2-normalised, gate and beta sigmoid in 
       sigmoid applied before the call, in fp32); needs FLA (--fla-path)
   tokenspeed.gdn_decode_step  ops/attention/triton/gated_delta_rule.py triton_gdn_decode_step:
       GDN's decode (softplus gating and beta's sigmoid in kernel, V-first [pool, HV, V, K]
-      pool addressed at index * HV V K)
+      pool addressed at index * HV V K); its module imports TokenSpeed's linear/ helpers,
+      which import tokenspeed_kernel._triton (TokenSpeed's Triton build): without that build
+      the module is plain Triton's
 """
 import importlib
 import importlib.util
@@ -68,6 +71,14 @@ def load_module(name, path=None):
                 mod = types.ModuleType(pkg)
                 mod.__path__ = [str(root.joinpath(*parts[:i]))]
                 sys.modules[pkg] = mod
+        if f"{PKG}._triton" not in sys.modules and importlib.util.find_spec("tokenspeed_triton") is None:
+            # TokenSpeed's own Triton build is absent: its `_triton` module (tl, triton for the
+            # linear/ helpers gated_delta_rule.py imports) is plain Triton's.
+            import triton
+
+            shim = types.ModuleType(f"{PKG}._triton")
+            shim.triton, shim.tl = triton, importlib.import_module("triton.language")
+            sys.modules[shim.__name__] = shim
     elif importlib.util.find_spec(PKG) is None:
         raise RuntimeError(f"TokenSpeed's kernels not found: needs {NEEDS}")
     try:
@@ -121,7 +132,10 @@ class TokenSpeedKdaPoolDecodeAdapter(TokenSpeedAdapter):
     layouts = ("k_first",)
     layout_reason = "kda_recurrent_decode_pool's h_pool is [num_pages, HV, K, V]"
     pad_outputs = "any"
-    split_bitwise = True
+    # prefill is kda_recurrent_decode (FLA's fused_recurrent_kda), decode TokenSpeed's own pool
+    # kernel: a split is judged against the fp64 single shot, not bit for bit.
+    split_bitwise = False
+    fla_path = None
     policy_reason = "fp32 recurrence on bf16 inputs, FLA's fused recurrent arithmetic"
     contract = "Triton; fp32 state and arithmetic on bf16 inputs, gate and beta sigmoid in kernel, o in bf16, fp32 pool"
 
@@ -134,11 +148,18 @@ class TokenSpeedKdaPoolDecodeAdapter(TokenSpeedAdapter):
             h_pool=pool, read_indices=slots, write_indices=slots, cu_seqlens=inputs["cu_seqlens"].to(torch.int32),
             lower_bound=lb)
 
+    def load(self):
+        from .adapters import FlaAdapter
+
+        super().load()
+        load_fla(_env_path("K3REF_FLA_PATH", FlaAdapter.fla_path))  # kda_recurrent_decode (prefill) is FLA's
+
     def prefill(self, inputs, params, initial_state):
         A_log, bias, lb = self._gate(inputs, params)
         o, final = self.mod.kda_recurrent_decode(
-            inputs["q"], inputs["k"], inputs["v"], inputs["g"].contiguous(), inputs["beta"].contiguous(), A_log, bias,
-            initial_state=initial_state.float().contiguous(), lower_bound=lb)
+            inputs["q"], inputs["k"], inputs["v"], inputs["g"].contiguous(), inputs["beta"].contiguous(), A_log,
+            bias.reshape(-1) if bias is not None else None, initial_state=initial_state.float().contiguous(),
+            lower_bound=lb)
         return o, final
 
 
