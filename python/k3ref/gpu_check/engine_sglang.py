@@ -28,7 +28,7 @@ import torch
 
 from .adapters import _env_path, _need_cuda
 from .serving_check import (GDN_POOL_OPS, POOL_OPS, BuiltinDomain, PolicyBound, ServingAdapter, engine_version,
-                            scalar_gate)
+                            import_engine_module, scalar_gate)
 
 FLA = "sglang/srt/layers/attention/fla"
 MODULE = "fused_sigmoid_gating_recurrent"
@@ -46,30 +46,20 @@ def package_root(path):
 def load_module(path=None):
     """SGLang's fused_sigmoid_gating_recurrent from `path` or the installed sglang; one-line error."""
     full = FLA.replace("/", ".") + "." + MODULE
+    root = None
     if path:
         root = package_root(path)
         if root is None:
             raise RuntimeError(f"SGLang's {MODULE}.py not found under {path}: needs {NEEDS}")
-        loaded = sys.modules.get("sglang")
-        if loaded is not None and Path(list(loaded.__path__)[0]).resolve() != (root / "sglang").resolve():
-            raise RuntimeError(f"another sglang is already imported ({list(loaded.__path__)[0]}): give one --sglang-path")
-        parts = FLA.split("/")
-        for i in range(1, len(parts) + 1):
-            name = ".".join(parts[:i])
-            if name not in sys.modules:
-                mod = types.ModuleType(name)
-                mod.__path__ = [str(root.joinpath(*parts[:i]))]
-                sys.modules[name] = mod
+    elif importlib.util.find_spec("sglang") is None:
+        raise RuntimeError(f"SGLang's kernels not found: needs {NEEDS}")
+
+    def shims():
         utils = types.ModuleType(FLA.replace("/", ".") + ".utils")
         utils.is_intel = False
         sys.modules.setdefault(utils.__name__, utils)
-    elif importlib.util.find_spec("sglang") is None:
-        raise RuntimeError(f"SGLang's kernels not found: needs {NEEDS}")
-    try:
-        return importlib.import_module(full)
-    except Exception as e:
-        raise RuntimeError(f"importing {full} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-                           f"(needs {NEEDS})") from e
+
+    return import_engine_module(full, root, NEEDS, "--sglang-path", shims=shims)
 
 
 class SglangGatingAdapter(ServingAdapter):

@@ -35,7 +35,7 @@ import torch
 
 from .adapters import _env_path, _need_cuda, load_fla
 from .serving_check import (GDN_POOL_OPS, POOL_OPS, BuiltinDomain, PolicyBound, ServingAdapter, engine_version,
-                            scalar_gate)
+                            import_engine_module, scalar_gate)
 
 PKG = "tokenspeed_kernel"
 NEEDS = ("a directory holding the tokenspeed_kernel package (DIR/tokenspeed_kernel or "
@@ -55,22 +55,17 @@ def load_module(name, path=None):
     """tokenspeed_kernel.<name> from `path` (its package __init__ files not run) or the
     installed package; one-line error naming what is needed."""
     full = f"{PKG}.{name}"
+    root = None
     if path:
         root = package_root(path)
         if root is None:
             raise RuntimeError(f"no tokenspeed_kernel package under {path}: needs {NEEDS}")
         if not (root / PKG / (name.replace(".", "/") + ".py")).is_file():
             raise RuntimeError(f"{root / PKG} has no {name.replace('.', '/')}.py: needs {NEEDS}")
-        loaded = sys.modules.get(PKG)
-        if loaded is not None and Path(list(loaded.__path__)[0]).resolve() != (root / PKG).resolve():
-            raise RuntimeError(f"another tokenspeed_kernel is already imported ({list(loaded.__path__)[0]})")
-        parts = full.split(".")
-        for i in range(1, len(parts)):
-            pkg = ".".join(parts[:i])
-            if pkg not in sys.modules:
-                mod = types.ModuleType(pkg)
-                mod.__path__ = [str(root.joinpath(*parts[:i]))]
-                sys.modules[pkg] = mod
+    elif importlib.util.find_spec(PKG) is None:
+        raise RuntimeError(f"TokenSpeed's kernels not found: needs {NEEDS}")
+
+    def shims():
         if f"{PKG}._triton" not in sys.modules and importlib.util.find_spec("tokenspeed_triton") is None:
             # TokenSpeed's own Triton build is absent: its `_triton` module (tl, triton for the
             # linear/ helpers gated_delta_rule.py imports) is plain Triton's.
@@ -79,13 +74,8 @@ def load_module(name, path=None):
             shim = types.ModuleType(f"{PKG}._triton")
             shim.triton, shim.tl = triton, importlib.import_module("triton.language")
             sys.modules[shim.__name__] = shim
-    elif importlib.util.find_spec(PKG) is None:
-        raise RuntimeError(f"TokenSpeed's kernels not found: needs {NEEDS}")
-    try:
-        return importlib.import_module(full)
-    except Exception as e:
-        raise RuntimeError(f"importing {full} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-                           f"(needs {NEEDS})") from e
+
+    return import_engine_module(full, root, NEEDS, "--tokenspeed-path", shims=shims)
 
 
 # Kimi K3's options in TokenSpeed: the safe gate lower_bound * sigmoid(exp(A_log) (g + dt_bias)),

@@ -31,7 +31,7 @@ import torch
 
 from .adapters import _env_path, _need_cuda
 from .serving_check import (GDN_POOL_OPS, REPLAY_OPS, BuiltinDomain, PolicyBound, ServingAdapter, engine_version,
-                            scalar_gate)
+                            import_engine_module, scalar_gate)
 
 OPS = "vllm/model_executor/layers/fla/ops"
 NEEDS = (f"a directory holding {OPS}/ (fused_recurrent.py, op.py; fused_recurrent_replayssm.py and "
@@ -39,24 +39,11 @@ NEEDS = (f"a directory holding {OPS}/ (fused_recurrent.py, op.py; fused_recurren
          "$K3REF_VLLM_PATH, or an installed vllm")
 
 
-def _package(name, path=None):
-    mod = types.ModuleType(name)
-    mod.__path__ = [str(path)] if path is not None else []
-    sys.modules[name] = mod
-    return mod
-
-
-def _shim_vllm(root):
-    """The packages from vllm down to the ops folders, without their __init__ files, and the two
-    modules the kernels import from the rest of vLLM."""
+def _shim_vllm():
+    """The two modules the kernels import from the rest of vLLM."""
     import triton
     import triton.language as tl
 
-    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.fla",
-                 "vllm.model_executor.layers.fla.ops", "vllm.model_executor.layers.mamba",
-                 "vllm.model_executor.layers.mamba.ops"):
-        if name not in sys.modules:
-            _package(name, Path(root, *name.split(".")))
     utils = types.ModuleType("vllm.triton_utils")
     utils.triton, utils.tl = triton, tl
     try:  # FLA_USE_FAST_OPS=1 only
@@ -81,22 +68,16 @@ def load_ops(module, path=None):
     """vllm.model_executor.layers.fla.ops.<module> from `path` or the installed vllm; one-line
     error naming what is needed."""
     full = f"vllm.model_executor.layers.fla.ops.{module}"
+    root = None
     if path:
         root = Path(path)
         if not (root / OPS / f"{module}.py").is_file():
             raise RuntimeError(f"vLLM's {module}.py not found under {root}: needs {NEEDS}")
-        loaded = sys.modules.get("vllm")
-        if loaded is not None and getattr(loaded, "__path__", None) and \
-                Path(list(loaded.__path__)[0]).resolve() != (root / "vllm").resolve():
-            raise RuntimeError(f"another vllm is already imported ({list(loaded.__path__)[0]}): give one --vllm-path")
-        _shim_vllm(root)
     elif importlib.util.find_spec("vllm") is None:
         raise RuntimeError(f"vLLM's ops not found: needs {NEEDS}")
-    try:
-        return importlib.import_module(full)
-    except Exception as e:
-        raise RuntimeError(f"importing {full} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-                           f"(needs {NEEDS})") from e
+    # the replay's config module lies in mamba/ops
+    return import_engine_module(full, root, NEEDS, "--vllm-path", shims=_shim_vllm,
+                                packages=("vllm.model_executor.layers.mamba", "vllm.model_executor.layers.mamba.ops"))
 
 
 class VllmAdapter(ServingAdapter):

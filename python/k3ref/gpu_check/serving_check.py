@@ -41,6 +41,7 @@ Checks (each returns checks.CheckResult):
                        others within the bound of the fp64 reference
 """
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -212,6 +213,35 @@ class BuiltinDomain:
         return kernel_domains.builtin(obj.name)
 
 
+def import_engine_module(full, root, needs, option, packages=(), shims=None):
+    """Module `full` (dotted) of an engine tree under `root` (None: the installed engine),
+    importing none of its packages' __init__ files (they import the whole engine): the packages
+    on the way (and `packages`, dotted) are made empty, with their folders as paths, and
+    `shims()` then registers the engine modules the kernel imports from the rest of the engine.
+    One-line errors naming what is needed; a second copy of the engine already imported is refused."""
+    import importlib
+    import types
+
+    parts = full.split(".")
+    if root is not None:
+        top = sys.modules.get(parts[0])
+        if top is not None and getattr(top, "__path__", None) and \
+                Path(list(top.__path__)[0]).resolve() != (Path(root) / parts[0]).resolve():
+            raise RuntimeError(f"another {parts[0]} is already imported ({list(top.__path__)[0]}): give one {option}")
+        for name in [".".join(parts[:i]) for i in range(1, len(parts))] + list(packages):
+            if name not in sys.modules:
+                mod = types.ModuleType(name)
+                mod.__path__ = [str(Path(root).joinpath(*name.split(".")))]
+                sys.modules[name] = mod
+        if shims is not None:
+            shims()
+    try:
+        return importlib.import_module(full)
+    except Exception as e:
+        raise RuntimeError(f"importing {full} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                           f"(needs {needs})") from e
+
+
 def engine_version(engine, mod):
     """Which engine source a kernel module is: the commit its tree's COMMITS.txt gives the file
     (`<path> <commit>` lines, a path naming the file or a folder above it; a tree laid out from
@@ -233,6 +263,25 @@ def engine_version(engine, mod):
 
 def _finite(x):
     return bool(torch.isfinite(x.double()).all())
+
+
+def _judge_tensors(pairs, check, problems, metrics):
+    """Each (label, got, golden, Bound): its rel RMS into metrics, a shape mismatch, a non-finite
+    value or a figure over the bound into problems; returns the worst figure / bound."""
+    worst = 0.0
+    for label, got, ref, bound in pairs:
+        if tuple(got.shape) != tuple(ref.shape):
+            problems.append(f"{label}: shape {list(got.shape)}, golden {list(ref.shape)}")
+            continue
+        rel, limit = rel_rms(got, ref), bound.of(ref)
+        worst = max(worst, rel / limit)
+        metrics[label] = rel
+        if not _finite(got):
+            problems.append(f"{label}: non-finite values" + (" (a poisoned element leaked)" if check == "slot_isolation"
+                                                             else ""))
+        elif rel > limit:
+            problems.append(f"{label}: relative RMS error {rel:.3e} > bound {limit:.3e}")
+    return worst
 
 
 def _bits(x):
@@ -440,18 +489,7 @@ class ServingAdapter(Adapter):
             checks.append((f"slot {s}", flat[a:b], t["pool_out"][a:b], self.state_bound))
         if run["token_states"] is not None:
             checks.append(("token_states", run["token_states"].cpu(), t["token_states"], self.state_bound))
-        for label, got, ref, bound in checks:
-            if tuple(got.shape) != tuple(ref.shape):
-                problems.append(f"{label}: shape {list(got.shape)}, golden {list(ref.shape)}")
-                continue
-            rel, limit = rel_rms(got, ref), bound.of(ref)
-            worst = max(worst, rel / limit)
-            metrics[label] = rel
-            if not _finite(got):
-                problems.append(f"{label}: non-finite values (a poisoned slot leaked)" if check == "slot_isolation"
-                                else f"{label}: non-finite values")
-            elif rel > limit:
-                problems.append(f"{label}: relative RMS error {rel:.3e} > bound {limit:.3e}")
+        worst = _judge_tensors(checks, check, problems, metrics)
         status = "fail" if problems else "pass"
         reason = "; ".join(problems) if problems else (
             f"o and {len(named)} named slots within bound (worst {worst:.2f} of it); every other pool element bitwise "
@@ -530,18 +568,7 @@ class ServingAdapter(Adapter):
                                 "changed")
             if bool(mask.any()):
                 pairs.append((n, after[mask], golden[n][mask], bounds[n]))
-        for label, got, ref, bound in pairs:
-            if tuple(got.shape) != tuple(ref.shape):
-                problems.append(f"{label}: shape {list(got.shape)}, golden {list(ref.shape)}")
-                continue
-            rel, limit = rel_rms(got, ref), bound.of(ref)
-            worst = max(worst, rel / limit)
-            metrics[label] = rel
-            if not _finite(got):
-                problems.append(f"{label}: non-finite values" + (" (a poisoned element leaked)"
-                                                                 if check == "slot_isolation" else ""))
-            elif rel > limit:
-                problems.append(f"{label}: relative RMS error {rel:.3e} > bound {limit:.3e}")
+        worst = _judge_tensors(pairs, check, problems, metrics)
         reason = "; ".join(problems) or (f"o, the served checkpoints and cache entries within bound (worst {worst:.2f} "
                                          "of it); every other element bitwise unchanged" +
                                          (" (NaN poison kept its bits, never leaked)" if check == "slot_isolation" else ""))
@@ -1188,8 +1215,6 @@ def engine_table(adapters, suite, device):
 
 def print_table(rows, out=None):
     """kernel x check: P passes, F failures, E errors, - n/a (counts over cases), last."""
-    import sys
-
     out = out or sys.stdout
     kernels = list(dict.fromkeys(r["kernel"] for r in rows))
     width = max(len(k) for k in kernels) if kernels else 10
