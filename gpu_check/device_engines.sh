@@ -47,6 +47,9 @@ for k in $kernels; do
   timeout "${KERNEL_TIMEOUT:-200}" $SC --only "$k" --out "$f" > "$OUT/rows/$stem.log" 2>&1
   echo "$k: rc $?, $(( $(date +%s) - s0 )) s"
 done
+echo "== findings/vllm-gdn-spec-verify-edges/repro.py (predicted from the source; exit 1: reproduced)"
+timeout 120 $PY findings/vllm-gdn-spec-verify-edges/repro.py "$TP/vllm" > "$OUT/vllm_repro.txt" 2>&1
+echo "rc $?" >> "$OUT/vllm_repro.txt"; tail -4 "$OUT/vllm_repro.txt"
 $SC --merge "${files[@]}" --out "$OUT/engines.json" > "$OUT/table.txt" 2>&1
 rc=$?
 echo "rc $rc, $(( $(date +%s) - t0 )) s in all" >> "$OUT/table.txt"
