@@ -1018,9 +1018,9 @@ class FlaServingAdapter(ServingAdapter):
     split_bitwise = True
     fla_path = None
     _unpicklable = ("fwd", "plain")
-    o_bound = Bound(torch.bfloat16, 2.0)
-    state_bound = Bound(torch.float32, 2.0, at_least=1e-6)
-    policy = "floor:2"
+    policy = "fla-serving"  # policy/policies.json: the bounds below
+    o_bound = PolicyBound("serving.decode", "o")
+    state_bound = PolicyBound("serving.decode", "pool_out", at_least=1e-6)
     policy_reason = "fp32 recurrence on bf16 inputs: 1.0x the bf16 output floor measured (kda.recurrent)"
     contract = "Triton; fp32 state and arithmetic on bf16 inputs, o rounded to bf16, fp32 pool"
     pad_reason = "FLA reads slot -1 (before the pool's start) for a -1 index"
@@ -1093,16 +1093,16 @@ class FlaChunkIntermediateAdapter(ServingAdapter):
     _unpicklable = ("fn",)
     modes = ("intermediate", "varlen")
     golden_ops = CHECKPOINT_OPS
-    o_bound = Bound(torch.bfloat16, 3.0)
+    policy = "fla-chunk-serving"  # policy/policies.json: o 3x, h 3x, the final state 4x the bf16 floor
+    o_bound = PolicyBound("serving.checkpoints", "o")
     # chunk_kda's final state is fp32 storage but its contract rounds the state to bf16 as an
     # operand of w h and q h (docs/contracts.md, fla_chunk: state_operand): the policy table's
     # "chunk" rule, 4x the bf16 floor. The fp32 floor used before failed a correct kernel on an
     # H200 (1.34e-3 on the sequences with tokens, FLA bc3b101d); empty sequences stay bitwise.
-    state_bound = Bound(torch.bfloat16, 4.0)
+    state_bound = PolicyBound("serving.checkpoints", "final_state")
     varlen_shape = dict(H=1, HV=2, K=16, V=32)
     warmup_weight = 100  # chunk_kda autotunes (warmup.cost_estimate)
-    h_bound = Bound(torch.bfloat16, 3.0)
-    policy = "floor:3"
+    h_bound = PolicyBound("serving.checkpoints", "checkpoints")
     policy_reason = "chunked UT transform, bf16 products (2.0x-2.7x the bf16 floor on o), h stored in bf16"
     contract = "Triton; chunks of 64 in UT form, bf16 tensor-core products, h rounded to bf16"
     name = "fla.chunk_kda[serving]"
@@ -1142,9 +1142,9 @@ class FlashKdaVarlenAdapter(ServingAdapter):
     varlen_shape = dict(H=2, HV=2, K=128, V=128)
     varlen_params = dict(gate="lower_bound", gate_base="e", beta="sigmoid", qk_l2norm=True, scale=None,
                          lower_bound=-5.0, state_layout="v_first")
-    o_bound = Bound(torch.bfloat16, 4.0)
-    state_bound = Bound(torch.bfloat16, 4.0)
-    policy = "floor:4"
+    policy = "flashkda-varlen"  # policy/policies.json: 4x the bf16 floor
+    o_bound = PolicyBound("kda.recurrent", "o")
+    state_bound = PolicyBound("kda.recurrent", "final_state")
     policy_reason = "chunk 16, fp16 Neumann inverse, bf16 state between chunks: 3.4x-3.5x the bf16 floor on o measured"
     contract = "CUTLASS (sm_90); chunks of 16, bf16 state between chunks, bf16 output"
     _unpicklable = ("inner",)
