@@ -8,7 +8,7 @@
 #   gpu_check/device_engines.sh [OUT_DIR]
 #   env: TP (third-party root, default .thirdparty: vllm/ and sglang/ laid out with COMMITS.txt,
 #        tokenspeed/, fla_pkg/), PYTHON (default python3), ONLY (comma-separated kernel names),
-#        KERNEL_TIMEOUT (seconds for one kernel's checks, default 200), PAR (kernels run at once,
+#        KERNEL_TIMEOUT (seconds for one kernel's checks, default 300), PAR (kernels run at once,
 #        default 4), K3REF_CORE_PATH (a built k3ref._core: the build step is skipped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +49,7 @@ stem() { printf '%s' "$1" | tr '[]' '__'; }  # plain file names
 run_one() {
   local k=$1 f s0
   f="$OUT/rows/$(stem "$k").json"; rm -f "$f"; s0=$(date +%s)
-  timeout "${KERNEL_TIMEOUT:-200}" $SC --only "$k" --out "$f" > "$OUT/rows/$(stem "$k").log" 2>&1
+  timeout "${KERNEL_TIMEOUT:-300}" $SC --only "$k" --out "$f" > "$OUT/rows/$(stem "$k").log" 2>&1
   echo "$k: rc $?, $(( $(date +%s) - s0 )) s"
 }
 export -f stem run_one; export SC OUT KERNEL_TIMEOUT
