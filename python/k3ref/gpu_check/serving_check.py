@@ -8,6 +8,7 @@ A serving kernel is wrapped by an adapter of family "serving" that implements so
   prefill(inputs, params, initial_state)                               -> (o, final_state)
   intermediate_states(inputs, params, chunk)                           -> h [NT, HV, K, V] (or V-first)
   varlen(inputs, params)                                               -> (o, final_state [N, ...])
+  replay(raw, params, pool, d_cache, k_cache, g_cache, state_indices, write_pos) -> o [N, HV, V]
 
 with the semantics of the k3ref references (include/k3ref/serving/): `pool` is a tensor
 [slots, HV, K, V] (or [slots, HV, V, K] when params['state_layout'] is 'v_first') that may be
@@ -15,14 +16,22 @@ a strided view into a larger buffer (any slot stride, any start); decode writes 
 sequence's final state into its slot, verify enters from column num_accepted - 1 of the
 sequence's row of state_indices and stores the state after token t into column t (in place)
 or row bos + t of token_states; -1 names no slot (padding); h[c] is the state after c * chunk
-tokens. The adapters here: FLA fused_recurrent_kda in continuous-batching and spec-decode modes,
-FLA chunk_kda with return_intermediate_states, FlashKDA's varlen forward (empty sequences), and a
-pure-PyTorch kernel for the CPU with the mutations the checks must catch.
+tokens; replay is the cached-replay decode (docs/serving.md) on GDN's packed inputs. GDN's pool
+goldens arrive in KDA's form (gdn_as_kda: the gate broadcast over K; scalar_gate takes it back).
+The adapters here: FLA fused_recurrent_kda in continuous-batching and spec-decode modes, FLA
+chunk_kda with return_intermediate_states, FlashKDA's varlen forward (empty sequences), and a
+pure-PyTorch kernel for the CPU with the mutations the checks must catch; the serving engines'
+own kernels are in engine_vllm.py, engine_sglang.py and engine_tokenspeed.py, and their table
+is `python3 -m k3ref.gpu_check.serving_check --engines` (main). Bounds are the rules of each
+adapter's policy in policy/policies.json (PolicyBound), domains its entry of
+policy/kernel_domains.json (BuiltinDomain).
 
 Checks (each returns checks.CheckResult):
-  golden               serving.decode / serving.verify goldens: o, the named slots (or
-                       token_states) within the kernel's bound; every other pool element
-                       (other slots, padding between and before slots) bitwise unchanged
+  golden               serving.decode / serving.verify / gdn.decode / gdn.verify goldens: o, the
+                       named slots (or token_states) within the kernel's bound; every other pool
+                       element (other slots, padding between and before slots) bitwise
+                       unchanged; gdn.replay_decode goldens: o, the served checkpoints and cache
+                       entries up to the write positions, every other element unchanged
   slot_isolation       the same goldens with NaN in every slot the call does not read and in the
                        padding: no NaN reaches an output or a written slot, the NaNs keep their bits
   layout_equivalence   the same states in a K-first and a V-first pool (K != V): both agree with
@@ -39,6 +48,7 @@ Checks (each returns checks.CheckResult):
   empty_sequences      a varlen batch with empty sequences (in the middle, two in a row, last):
                        an empty sequence's final state is its initial state, bit for bit; the
                        others within the bound of the fp64 reference
+  determinism          a pool golden twice on fresh pools: o and the pool bit for bit the same
 """
 import math
 import sys
