@@ -292,6 +292,21 @@ std::vector<Case> gdn_default_cases() {
   add_serving("gdn_replay_decode_k_first_gva", "gdn.replay_decode",
               [](KdaParams& p) { p.B = 4; p.T = 1; p.H = 2; p.HV = 4; p.K = 8; p.V = 4; },
               {{"pool", pool(5, 0, 0)}, {"L", 3}, {"state_indices", {4, -1, 2, 1}}, {"write_pos", {2, 1, 0, 1}}});
+  // Shaped as the engines' kernels take them: a contiguous V-first pool (TokenSpeed addresses page i
+  // at i HV V K) with a padded entry; a K-first verify of equal windows (vLLM's pool, TokenSpeed's
+  // dense MTP batch) without padding; a replay with K = 32 (vLLM's tl.dot needs K/2 >= 16), a
+  // padded slot stride and an offset.
+  add_serving("gdn_decode_v_first_engine", "gdn.decode",
+              [](KdaParams& p) { p.T = 4; p.K = 16; p.V = 8; p.HV = 2; p.cu_seqlens = {0, 1, 2, 3, 4}; p.qk_l2norm = true;
+                                 p.state_layout = "v_first"; },
+              {{"pool", pool(6, 0, 2)}, {"slot_of_sequence", {3, -1, 0, 5}}});
+  add_serving("gdn_verify_k_first_engine", "gdn.verify",
+              [](KdaParams& p) { p.T = 9; p.H = 1; p.HV = 2; p.K = 16; p.V = 8; p.cu_seqlens = {0, 3, 6, 9};
+                                 p.qk_l2norm = true; },
+              {{"pool", pool(10, 2, 0)}, {"state_indices", {{3, 7, 0}, {1, 4, 6}, {8, 2, 9}}}, {"num_accepted", {1, 2, 3}}});
+  add_serving("gdn_replay_decode_engine", "gdn.replay_decode",
+              [](KdaParams& p) { p.B = 5; p.T = 1; p.HV = 2; p.K = 32; p.V = 16; p.qk_l2norm = true; p.state_layout = "v_first"; },
+              {{"pool", pool(6, 3, 1)}, {"L", 4}, {"state_indices", {3, 0, 5, -1, 2}}, {"write_pos", {0, 2, 3, 1, 1}}});
   return cases;
 }
 

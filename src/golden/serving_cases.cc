@@ -318,6 +318,15 @@ std::vector<Case> serving_default_cases() {
         kda_json(s, {0, 1, 2, 3}, false, "k_first"), {{"pool", pool_json(4, 0, 0, s)},
          {"slot_of_sequence", {1, -1, 3}}});
   }
+  {  // Kimi K3's options as the engines run them (the safe gate, beta's sigmoid and the L2 norm in
+     // kernel), K != V, an empty sequence, a 3-token prefill, a padded entry, a padded stride.
+    Shape5 s{5, 1, 2, 16, 8};
+    const json gate = {{"gate", "lower_bound"}, {"lower_bound", -5.0}, {"g_range", {-4.0, 4.0}}, {"A_log", true},
+                       {"dt_bias", true}, {"beta", "sigmoid"}, {"beta_range", {-4.0, 4.0}}, {"qk_l2norm", true}};
+    add_kda("serving_decode_safe_gate_engine", "serving.decode",
+        kda_json(s, {0, 1, 1, 4, 5}, false, "k_first", gate), {{"pool", pool_json(6, 3, 1, s)},
+         {"slot_of_sequence", {4, 0, 2, -1}}});
+  }
   // Verify: L = 4 draft tokens, accepted counts 1, 2 and L choosing the entering column.
   {
     Shape5 s{12, 1, 2, 8, 12};
@@ -340,6 +349,16 @@ std::vector<Case> serving_default_cases() {
     add_kda("serving_verify_per_token_output", "serving.verify",
         kda_json(s, {0, 3, 6}, false, "k_first"), {{"pool", pool_json(6, 0, 0, s)},
          {"state_indices", {{0, 4, 2}, {5, 1, 3}}}, {"num_accepted", {3, 2}}, {"writes", "per_token_output"}});
+  }
+  {  // The per-token output with the softplus gate, beta's sigmoid and the L2 norm in kernel, V-first,
+     // a contiguous pool at offset 1, ragged windows (3, 2, 3): SGLang's target verify.
+    Shape5 s{8, 1, 2, 16, 8};
+    const json gate = {{"gate", "softplus"}, {"g_range", {-4.0, 4.0}}, {"A_log", true}, {"dt_bias", true},
+                       {"beta", "sigmoid"}, {"beta_range", {-4.0, 4.0}}, {"qk_l2norm", true}};
+    add_kda("serving_verify_per_token_engine", "serving.verify",
+        kda_json(s, {0, 3, 5, 8}, false, "v_first", gate), {{"pool", pool_json(6, 0, 1, s)},
+         {"state_indices", {{2, 0, 4}, {1, 3, 5}, {5, 4, 0}}}, {"num_accepted", {2, 1, 3}},
+         {"writes", "per_token_output"}});
   }
   {  // Padding: a padded sequence (entering entry -1) and a window column -1 (state not stored).
     Shape5 s{5, 1, 2, 8, 12};

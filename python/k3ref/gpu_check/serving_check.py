@@ -8,6 +8,7 @@ A serving kernel is wrapped by an adapter of family "serving" that implements so
   prefill(inputs, params, initial_state)                               -> (o, final_state)
   intermediate_states(inputs, params, chunk)                           -> h [NT, HV, K, V] (or V-first)
   varlen(inputs, params)                                               -> (o, final_state [N, ...])
+  replay(raw, params, pool, d_cache, k_cache, g_cache, state_indices, write_pos) -> o [N, HV, V]
 
 with the semantics of the k3ref references (include/k3ref/serving/): `pool` is a tensor
 [slots, HV, K, V] (or [slots, HV, V, K] when params['state_layout'] is 'v_first') that may be
@@ -15,14 +16,22 @@ a strided view into a larger buffer (any slot stride, any start); decode writes 
 sequence's final state into its slot, verify enters from column num_accepted - 1 of the
 sequence's row of state_indices and stores the state after token t into column t (in place)
 or row bos + t of token_states; -1 names no slot (padding); h[c] is the state after c * chunk
-tokens. The adapters here: FLA fused_recurrent_kda in continuous-batching and spec-decode modes,
-FLA chunk_kda with return_intermediate_states, FlashKDA's varlen forward (empty sequences), and a
-pure-PyTorch kernel for the CPU with the mutations the checks must catch.
+tokens; replay is the cached-replay decode (docs/serving.md) on GDN's packed inputs. GDN's pool
+goldens arrive in KDA's form (gdn_as_kda: the gate broadcast over K; scalar_gate takes it back).
+The adapters here: FLA fused_recurrent_kda in continuous-batching and spec-decode modes, FLA
+chunk_kda with return_intermediate_states, FlashKDA's varlen forward (empty sequences), and a
+pure-PyTorch kernel for the CPU with the mutations the checks must catch; the serving engines'
+own kernels are in engine_vllm.py, engine_sglang.py and engine_tokenspeed.py, and their table
+is `python3 -m k3ref.gpu_check.serving_check --engines` (main). Bounds are the rules of each
+adapter's policy in policy/policies.json (PolicyBound), domains its entry of
+policy/kernel_domains.json (BuiltinDomain).
 
 Checks (each returns checks.CheckResult):
-  golden               serving.decode / serving.verify goldens: o, the named slots (or
-                       token_states) within the kernel's bound; every other pool element
-                       (other slots, padding between and before slots) bitwise unchanged
+  golden               serving.decode / serving.verify / gdn.decode / gdn.verify goldens: o, the
+                       named slots (or token_states) within the kernel's bound; every other pool
+                       element (other slots, padding between and before slots) bitwise
+                       unchanged; gdn.replay_decode goldens: o, the served checkpoints and cache
+                       entries up to the write positions, every other element unchanged
   slot_isolation       the same goldens with NaN in every slot the call does not read and in the
                        padding: no NaN reaches an output or a written slot, the NaNs keep their bits
   layout_equivalence   the same states in a K-first and a V-first pool (K != V): both agree with
@@ -39,9 +48,12 @@ Checks (each returns checks.CheckResult):
   empty_sequences      a varlen batch with empty sequences (in the middle, two in a row, last):
                        an empty sequence's final state is its initial state, bit for bit; the
                        others within the bound of the fp64 reference
+  determinism          a pool golden twice on fresh pools: o and the pool bit for bit the same
 """
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -49,13 +61,18 @@ from .. import goldens as golden_io, policy
 from . import references, torch_model
 from .adapters import (Adapter, _env_path, _module_version, _need_cuda, fla_option_kwargs, fla_version,
                        load_fla)
-from .protocol import CheckResult
+from .protocol import CheckResult, outside_domain
 
 PAD = -1
 POOL_OPS = ("serving.decode", "serving.verify")
+# GDN's pool goldens (docs/gdn.md): packed mixed_qkv, GDN's gating; run in KDA's form (gdn_as_kda).
+GDN_POOL_OPS = ("gdn.decode", "gdn.verify")
+REPLAY_OPS = ("gdn.replay_decode",)
 CHECKPOINT_OPS = ("serving.checkpoints",)
+DECODE_OPS = ("serving.decode", "gdn.decode")
 SERVING_CHECKS = ("golden", "slot_isolation", "layout_equivalence", "decode_after_prefill", "intermediate_states",
-                  "accepted_zero", "empty_sequences")
+                  "accepted_zero", "empty_sequences", "determinism")
+TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
 
 # --------------------------------------------------------------------------- pools
@@ -78,11 +95,11 @@ def named_slots(case):
     t, p = case.tensors, case.params
     cu = [int(x) for x in t["cu_seqlens"].tolist()]
     out = set()
-    if case.op == "serving.decode":
+    if case.op in DECODE_OPS:
         for n, s in enumerate(int(x) for x in t["slot_of_sequence"].tolist()):
             if s != PAD and cu[n + 1] > cu[n]:
                 out.add(s)
-    elif p["writes"] == "in_place":
+    elif (p.get("writes") or "in_place") == "in_place":
         idx, acc = t["state_indices"].tolist(), t["num_accepted"].tolist()
         for n in range(len(cu) - 1):
             if cu[n + 1] > cu[n] and idx[n][acc[n] - 1] != PAD:
@@ -94,14 +111,60 @@ def read_slots(case):
     """The slots the reference reads (entering states) in a pool golden."""
     t = case.tensors
     cu = [int(x) for x in t["cu_seqlens"].tolist()]
-    if case.op == "serving.decode":
+    if case.op in DECODE_OPS:
         return {s for n, s in enumerate(int(x) for x in t["slot_of_sequence"].tolist()) if s != PAD and cu[n + 1] > cu[n]}
     idx, acc = t["state_indices"].tolist(), t["num_accepted"].tolist()
     return {idx[n][acc[n] - 1] for n in range(len(cu) - 1) if cu[n + 1] > cu[n] and idx[n][acc[n] - 1] != PAD}
 
 
-def kda_inputs(t, device):
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens")
+def padded_tokens(case):
+    """The tokens of the sequences a pool golden pads (slot, or entering column, -1)."""
+    t = case.tensors
+    cu = [int(x) for x in t["cu_seqlens"].tolist()]
+    if case.op in DECODE_OPS:
+        pads = [int(s) == PAD for s in t["slot_of_sequence"].tolist()]
+    else:
+        idx, acc = t["state_indices"].tolist(), t["num_accepted"].tolist()
+        pads = [1 <= acc[n] <= len(idx[n]) and idx[n][acc[n] - 1] == PAD for n in range(len(cu) - 1)]
+    return [i for n, pad in enumerate(pads) if pad for i in range(cu[n], cu[n + 1])]
+
+
+def gdn_as_kda(t, H, K):
+    """A GDN golden's packed inputs in KDA's form (docs/gdn.md): q, k, v cut from mixed_qkv
+    [..., 2HK + HV V], the raw gate a [..., HV] and dt_bias [HV] broadcast over K (GDN is KDA
+    with one gate per head), b as beta's logits. Token tensors keep a batch axis of 1."""
+    mixed = t["mixed_qkv"]
+    if mixed.dim() == 2:  # the replay decode's rows: one token each
+        mixed, a, b = mixed[None], t["a"][None], t["b"][None]
+    else:
+        a, b = t["a"], t["b"]
+    B, T, HV = a.shape
+    V = (mixed.shape[-1] - 2 * H * K) // HV
+    out = dict(q=mixed[..., : H * K].reshape(B, T, H, K), k=mixed[..., H * K : 2 * H * K].reshape(B, T, H, K),
+               v=mixed[..., 2 * H * K :].reshape(B, T, HV, V), g=a[..., None].expand(B, T, HV, K).contiguous(),
+               beta=b.contiguous())
+    if "A_log" in t:
+        out["A_log"] = t["A_log"]
+    if "dt_bias" in t:
+        out["dt_bias"] = t["dt_bias"].reshape(HV, 1).expand(HV, K).contiguous()
+    if "cu_seqlens" in t:
+        out["cu_seqlens"] = t["cu_seqlens"]
+    return out
+
+
+def scalar_gate(inputs, what="a GDN kernel"):
+    """(g or the raw gate [..., HV], dt_bias [HV] or None) of KDA-form inputs whose gate is one
+    value per head; ValueError when it varies over K (a KDA case, outside a GDN kernel)."""
+    g, bias = inputs["g"], inputs.get("dt_bias")
+    if not bool((g == g[..., :1]).all()) or (bias is not None and not bool((bias == bias[..., :1]).all())):
+        raise ValueError(f"the gate varies over K: {what} takes one gate per head")
+    return g[..., 0].contiguous(), (bias[..., 0].contiguous() if bias is not None else None)
+
+
+def kda_inputs(t, device, op="serving.decode", params=None):
+    if op.startswith("gdn."):
+        t = gdn_as_kda(t, int(params["H"]), int(params["K"]))
+    names = TOKEN_INPUTS + ("A_log", "dt_bias", "cu_seqlens")
     return {n: t[n].to(device) for n in names if n in t}
 
 
@@ -127,9 +190,108 @@ class Bound:
     def of(self, ref):
         return max(self.multiple * floor_of(ref, self.dtype), self.at_least)
 
+    @classmethod
+    def from_policy(cls, policy_name, op, tensor, at_least=1e-12):
+        """The bound a floor rule of the policy table (policy/policies.json) gives `tensor` of `op`."""
+        rule = policy.load_table().rules(policy_name, op)[tensor]
+        if rule.metric != "floor":
+            raise ValueError(f"policy {policy_name}: {op}.{tensor} is judged by '{rule.metric}', the serving checks "
+                             "take floor rules")
+        dtypes = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        return cls(dtypes[rule.floor_dtype], rule.multiple, at_least)
+
+
+class PolicyBound:
+    """A serving bound read from the kernel's policy (policy/policies.json) when first used, so
+    that constructing an adapter never loads the table."""
+
+    def __init__(self, op, tensor, at_least=1e-12):
+        self.op, self.tensor, self.at_least = op, tensor, at_least
+
+    def __get__(self, obj, owner):
+        return Bound.from_policy(owner.policy, self.op, self.tensor, self.at_least)
+
+
+class BuiltinDomain:
+    """An adapter's domain from policy/kernel_domains.json under its name, read when first used."""
+
+    def __get__(self, obj, owner):
+        if obj is None:
+            return self
+        from .. import kernel_domains
+
+        return kernel_domains.builtin(obj.name)
+
+
+def import_engine_module(full, root, needs, option, packages=(), shims=None):
+    """Module `full` (dotted) of an engine tree under `root` (None: the installed engine),
+    importing none of its packages' __init__ files (they import the whole engine): the packages
+    on the way (and `packages`, dotted) are made empty, with their folders as paths, and
+    `shims()` then registers the engine modules the kernel imports from the rest of the engine.
+    One-line errors naming what is needed; a second copy of the engine already imported is refused."""
+    import importlib
+    import types
+
+    parts = full.split(".")
+    if root is not None:
+        top = sys.modules.get(parts[0])
+        if top is not None and getattr(top, "__path__", None) and \
+                Path(list(top.__path__)[0]).resolve() != (Path(root) / parts[0]).resolve():
+            raise RuntimeError(f"another {parts[0]} is already imported ({list(top.__path__)[0]}): give one {option}")
+        for name in [".".join(parts[:i]) for i in range(1, len(parts))] + list(packages):
+            if name not in sys.modules:
+                mod = types.ModuleType(name)
+                mod.__path__ = [str(Path(root).joinpath(*name.split(".")))]
+                sys.modules[name] = mod
+        if shims is not None:
+            shims()
+    try:
+        return importlib.import_module(full)
+    except Exception as e:
+        raise RuntimeError(f"importing {full} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                           f"(needs {needs})") from e
+
+
+def engine_version(engine, mod):
+    """Which engine source a kernel module is: the commit its tree's COMMITS.txt gives the file
+    (`<path> <commit>` lines, a path naming the file or a folder above it; a tree laid out from
+    single files at pinned commits), and adapters.source_identity of its folder."""
+    from .adapters import source_identity
+
+    where = Path(mod.__file__).resolve()
+    listed = ""
+    for d in where.parents:
+        f = d / "COMMITS.txt"
+        if f.is_file():
+            rel = where.relative_to(d).as_posix()
+            hits = [line.split() for line in f.read_text().splitlines() if len(line.split()) >= 2 and
+                    (rel == line.split()[0] or rel.startswith(line.split()[0].rstrip("/") + "/"))]
+            listed = f"{rel}@{hits[0][1][:12]}" if hits else f"{rel} (not listed in {f})"
+            break
+    return f"{engine} {listed or where.name} from {where.parent}, {source_identity(mod)}"
+
 
 def _finite(x):
     return bool(torch.isfinite(x.double()).all())
+
+
+def _judge_tensors(pairs, check, problems, metrics):
+    """Each (label, got, golden, Bound): its rel RMS into metrics, a shape mismatch, a non-finite
+    value or a figure over the bound into problems; returns the worst figure / bound."""
+    worst = 0.0
+    for label, got, ref, bound in pairs:
+        if tuple(got.shape) != tuple(ref.shape):
+            problems.append(f"{label}: shape {list(got.shape)}, golden {list(ref.shape)}")
+            continue
+        rel, limit = rel_rms(got, ref), bound.of(ref)
+        worst = max(worst, rel / limit)
+        metrics[label] = rel
+        if not _finite(got):
+            problems.append(f"{label}: non-finite values" + (" (a poisoned element leaked)" if check == "slot_isolation"
+                                                             else ""))
+        elif rel > limit:
+            problems.append(f"{label}: relative RMS error {rel:.3e} > bound {limit:.3e}")
+    return worst
 
 
 def _bits(x):
@@ -147,6 +309,23 @@ class ServingAdapter(Adapter):
     family = "serving"
     golden_ops = POOL_OPS
     modes = ()
+    # The state layouts the kernel's pool takes (a golden in another is outside its domain).
+    layouts = ("k_first", "v_first")
+    layout_reason = ""
+    # The self-made problems' shape and options (layout_equivalence, decode_after_prefill,
+    # accepted_zero, determinism); an engine kernel sets those of its domain.
+    problem_shape = dict(H=1, HV=2, K=8, V=12)
+    problem_params = dict(gate="log_decay", gate_base="e", beta="as_given", qk_l2norm=False, scale=None,
+                          lower_bound=None, state_layout="k_first")
+    # One gate per head (GDN): the problems draw a gate constant over K.
+    scalar_gate = False
+    # "zero": a padded sequence's outputs are 0 (the references); "any": the kernel computes
+    # them from a zero state and the engine discards them, so the judge does not read them.
+    pad_outputs = "zero"
+    # The replay's ring caches: held in the golden's dtypes (d, k bf16; g fp32), or all in this one.
+    cache_dtype = None
+    cache_bound = Bound(torch.bfloat16, 2.0)
+    k_cache_bound = g_cache_bound = None  # None: cache_bound (k), state_bound (g)
     o_bound = Bound(torch.bfloat16, 2.0)
     state_bound = Bound(torch.float32, 2.0)
     h_bound = Bound(torch.bfloat16, 2.0)
@@ -165,41 +344,69 @@ class ServingAdapter(Adapter):
 
     def checks_supported(self):
         m = set(self.modes)
-        runs = {"golden": bool(m & {"decode", "verify"}), "slot_isolation": bool(m & {"decode", "verify"}),
+        pools = bool(m & {"decode", "verify", "replay"})
+        runs = {"golden": pools, "slot_isolation": pools,
                 "layout_equivalence": "decode" in m, "decode_after_prefill": {"decode", "prefill"} <= m,
-                "intermediate_states": "intermediate" in m, "accepted_zero": "verify" in m,
-                "empty_sequences": "varlen" in m}
+                "intermediate_states": "intermediate" in m, "accepted_zero": "verify" in m and self.accepted_reason == "",
+                "empty_sequences": "varlen" in m, "determinism": bool(m & {"decode", "verify"})}
         return tuple(c for c in SERVING_CHECKS if runs[c])
 
     def case_unsupported(self, case):
-        if case.op == "serving.decode" and "decode" not in self.modes:
+        if case.op in DECODE_OPS and "decode" not in self.modes:
             return "the kernel has no continuous-batching decode mode"
-        if case.op == "serving.verify" and "verify" not in self.modes:
+        if case.op in ("serving.verify", "gdn.verify") and "verify" not in self.modes:
             return "the kernel has no speculative-decoding verify mode"
+        if case.op in REPLAY_OPS and "replay" not in self.modes:
+            return "the kernel has no cached-replay decode"
         if case.op == "serving.checkpoints" and "intermediate" not in self.modes:
             return "the kernel returns no intermediate states"
-        if case.op not in POOL_OPS + CHECKPOINT_OPS:
-            return f"takes {', '.join(POOL_OPS + CHECKPOINT_OPS)}"
-        if case.op in POOL_OPS:
+        if case.op not in self.golden_ops:
+            return f"takes {', '.join(self.golden_ops)}"
+        why = outside_domain(self.domain_reason(case.op, case.params))
+        if why:
+            return why
+        layout = case.params.get("state_layout") or "k_first"
+        if layout not in self.layouts:
+            return f"n/a (outside the kernel's domain: its pool is {' or '.join(self.layouts)}; {self.layout_reason})"
+        if self.dense_pool_reason and "pool_geometry" in case.tensors:
+            p = case.params
+            if int(case.tensors["pool_geometry"][1]) != int(p["HV"]) * int(p["K"]) * int(p["V"]):
+                return "the kernel's pool has no slot stride of its own: " + self.dense_pool_reason
+        if case.op in POOL_OPS + GDN_POOL_OPS:
             t = case.tensors
-            tables = [t["slot_of_sequence"]] if case.op == "serving.decode" else [t["state_indices"]]
-            if "pad" not in self.modes and any(bool((x == PAD).any()) for x in tables):
+            tables = [t["slot_of_sequence"]] if case.op in DECODE_OPS else [t["state_indices"]]
+            padded = any(bool((x == PAD).any()) for x in tables)
+            if padded and "pad_write" in self.modes and case.op not in DECODE_OPS:
+                if padded_tokens(case):  # a -1 entering column, not only a column whose store is skipped
+                    return "the kernel reads a -1 entering index as a zero state: " + self.pad_reason
+            elif padded and "pad" not in self.modes:
                 return "the kernel has no padding slot id (-1): " + self.pad_reason
             if case.op == "serving.verify" and case.params["writes"] != "in_place" and "per_token" not in self.modes:
                 return "the kernel has no per-token state output: " + self.per_token_reason
             cu = t["cu_seqlens"]
-            if case.op == "serving.decode" and bool(((cu[1:] - cu[:-1]) > 1).any()) and "multi_token_decode" not in self.modes:
+            if case.op in DECODE_OPS and bool(((cu[1:] - cu[:-1]) > 1).any()) and "multi_token_decode" not in self.modes:
                 return "the kernel's decode takes at most one token per sequence: " + self.multi_token_reason
+            if case.op in DECODE_OPS and bool(((cu[1:] - cu[:-1]) == 0).any()) and "empty_decode" not in self.modes \
+                    and self.empty_reason:
+                return "the kernel's decode takes no empty sequence: " + self.empty_reason
+            if case.op not in DECODE_OPS and "ragged_verify" not in self.modes and self.ragged_reason:
+                lengths = set((cu[1:] - cu[:-1]).tolist())
+                if len(lengths) > 1:
+                    return "the kernel's verify takes windows of one length: " + self.ragged_reason
         return None
 
-    pad_reason = per_token_reason = multi_token_reason = ""
+    pad_reason = per_token_reason = multi_token_reason = empty_reason = ragged_reason = accepted_reason = ""
+    dense_pool_reason = ""  # set: the kernel addresses slot s at s * HV K V (goldens with a padded stride are outside)
 
     def cases(self, check, suite):
         supported = self.checks_supported()
         if check not in supported:
-            yield "-", None, f"the kernel's modes ({', '.join(self.modes)}) do not cover '{check}'"
+            yield "-", None, (f"n/a: {self.accepted_reason}" if check == "accepted_zero" and self.accepted_reason else
+                              f"the kernel's modes ({', '.join(self.modes)}) do not cover '{check}'")
             return
-        ops = {"golden": POOL_OPS, "slot_isolation": POOL_OPS, "intermediate_states": CHECKPOINT_OPS}.get(check)
+        pools = tuple(op for op in POOL_OPS + GDN_POOL_OPS + REPLAY_OPS if op in self.golden_ops)
+        ops = {"golden": pools, "slot_isolation": pools, "intermediate_states": CHECKPOINT_OPS,
+               "determinism": tuple(op for op in pools if op not in REPLAY_OPS)}.get(check)
         if ops is None:
             yield "-", None, None
             return
@@ -214,7 +421,7 @@ class ServingAdapter(Adapter):
     def run_check(self, check, case, device):
         start = time.perf_counter()
         try:
-            if check in ("golden", "slot_isolation", "intermediate_states") and case is None:
+            if check in ("golden", "slot_isolation", "intermediate_states", "determinism") and case is None:
                 res = CheckResult(self.name, check, "-", "fail", "no serving golden of the operators this check needs "
                                   "in the suite (generate them with `k3ref golden generate`)")
             else:
@@ -242,7 +449,7 @@ class ServingAdapter(Adapter):
     def _run_pool_case(self, case, device, poison_unread=False):
         t, p = case.tensors, case.params
         kp = p  # the KDA keys beside the serving parameters (one object)
-        HV, K, V = t["v"].shape[2], t["q"].shape[3], t["v"].shape[3]
+        HV, K, V = int(p["HV"]), int(p["K"]), int(p["V"])
         geometry = t["pool_geometry"].tolist()
         flat = t["pool"].to(device=device, dtype=self.pool_dtype).clone()
         if poison_unread:
@@ -253,13 +460,13 @@ class ServingAdapter(Adapter):
             flat[~keep.to(device)] = float("nan")
         before = flat.clone()
         pool = pool_view(flat, geometry, HV, K, V)
-        inputs = kda_inputs(t, device)
+        inputs = kda_inputs(t, device, case.op, p)
         token_states = None
-        if case.op == "serving.decode":
+        if case.op in DECODE_OPS:
             o = self.decode(inputs, kp, pool, t["slot_of_sequence"].to(device))
         else:
             o, token_states = self.verify(inputs, kp, pool, t["state_indices"].to(device), t["num_accepted"].to(device),
-                                          in_place=p["writes"] == "in_place")
+                                          in_place=(p.get("writes") or "in_place") == "in_place")
         return dict(o=o, flat=flat, before=before, token_states=token_states, geometry=geometry, HV=HV, K=K, V=V)
 
     def _judge_pool_case(self, case, run, check):
@@ -280,6 +487,10 @@ class ServingAdapter(Adapter):
             problems.append(f"{int(changed.sum())} pool elements outside the named slots changed (first: element "
                             f"{first}, in {where})")
         o, ref_o = run["o"].cpu(), t["o"]
+        if self.pad_outputs == "any" and padded_tokens(case):  # discarded by the engine: not judged
+            o, ref_o = o.clone(), ref_o.clone()
+            o[:, padded_tokens(case)] = 0
+            ref_o[:, padded_tokens(case)] = 0
         if not _finite(o):
             problems.append(f"o has {int((~torch.isfinite(o.double())).sum())} non-finite values")
         checks = [("o", o, ref_o, self.o_bound)]
@@ -288,18 +499,7 @@ class ServingAdapter(Adapter):
             checks.append((f"slot {s}", flat[a:b], t["pool_out"][a:b], self.state_bound))
         if run["token_states"] is not None:
             checks.append(("token_states", run["token_states"].cpu(), t["token_states"], self.state_bound))
-        for label, got, ref, bound in checks:
-            if tuple(got.shape) != tuple(ref.shape):
-                problems.append(f"{label}: shape {list(got.shape)}, golden {list(ref.shape)}")
-                continue
-            rel, limit = rel_rms(got, ref), bound.of(ref)
-            worst = max(worst, rel / limit)
-            metrics[label] = rel
-            if not _finite(got):
-                problems.append(f"{label}: non-finite values (a poisoned slot leaked)" if check == "slot_isolation"
-                                else f"{label}: non-finite values")
-            elif rel > limit:
-                problems.append(f"{label}: relative RMS error {rel:.3e} > bound {limit:.3e}")
+        worst = _judge_tensors(checks, check, problems, metrics)
         status = "fail" if problems else "pass"
         reason = "; ".join(problems) if problems else (
             f"o and {len(named)} named slots within bound (worst {worst:.2f} of it); every other pool element bitwise "
@@ -310,17 +510,101 @@ class ServingAdapter(Adapter):
         why = self.case_unsupported(case)
         if why:
             return CheckResult(self.name, "golden", case.name, "skip", why)
+        if case.op in REPLAY_OPS:
+            return self._judge_replay_case(case, self._run_replay_case(case, device), "golden")
         return self._judge_pool_case(case, self._run_pool_case(case, device), "golden")
 
     def _check_slot_isolation(self, case, device):
         why = self.case_unsupported(case)
         if why:
             return CheckResult(self.name, "slot_isolation", case.name, "skip", why)
+        if case.op in REPLAY_OPS:
+            return self._judge_replay_case(case, self._run_replay_case(case, device, poison_unread=True),
+                                           "slot_isolation")
         return self._judge_pool_case(case, self._run_pool_case(case, device, poison_unread=True), "slot_isolation")
 
-    # -- self-made problems (seeded; the fp64 reference is the pure-PyTorch kernel, unmutated)
-    @staticmethod
-    def _problem(seed, lengths, H=1, HV=2, K=8, V=12, device="cpu"):
+    # -- the cached-replay decode (gdn.replay_decode goldens)
+    def replay(self, raw, params, pool, d_cache, k_cache, g_cache, state_indices, write_pos):
+        """One token per row: o [N, HV, V]; the checkpoints (pool) and ring caches in place."""
+        raise NotImplementedError
+
+    def _replay_masks(self, case, geometry, HV, K, V):
+        """(judged, named) element masks of pool and caches: the slots of the rows a kernel serves
+        (state index > 0), their cache entries up to the row's write position."""
+        t, L = case.tensors, int(case.params["L"])
+        rows = [(int(s), int(w)) for s, w in zip(t["state_indices"].tolist(), t["write_pos"].tolist()) if int(s) > 0]
+        spans = slot_spans(geometry, HV, K, V)
+        pool = torch.zeros(t["pool"].numel(), dtype=torch.bool)
+        caches = {n: torch.zeros(t[n].shape, dtype=torch.bool) for n in ("d_cache", "k_cache", "g_cache")}
+        for s, w in rows:
+            a, b = spans[s]
+            pool[a:b] = True
+            for n, m in caches.items():
+                m[s, :, : min(w, L - 1) + 1] = True
+        return pool, caches
+
+    def _run_replay_case(self, case, device, poison_unread=False):
+        t, p = case.tensors, case.params
+        HV, K, V = int(p["HV"]), int(p["K"]), int(p["V"])
+        geometry = t["pool_geometry"].tolist()
+        flat = t["pool"].to(device=device, dtype=self.pool_dtype).clone()
+        caches = {n: t[n].to(device=device, dtype=self.cache_dtype or t[n].dtype).clone()
+                  for n in ("d_cache", "k_cache", "g_cache")}
+        pool_mask, cache_masks = self._replay_masks(case, geometry, HV, K, V)
+        if poison_unread:  # every element a correct kernel neither reads nor writes
+            flat[~pool_mask.to(device)] = float("nan")
+            for n, m in cache_masks.items():
+                caches[n][~m.to(device)] = float("nan")
+        before = {"pool": flat.clone(), **{n: c.clone() for n, c in caches.items()}}
+        raw = {n: t[n].to(device) for n in ("mixed_qkv", "a", "b", "A_log", "dt_bias")}
+        o = self.replay(raw, p, pool_view(flat, geometry, HV, K, V), caches["d_cache"], caches["k_cache"],
+                        caches["g_cache"], t["state_indices"].to(device), t["write_pos"].to(device))
+        return dict(o=o, after={"pool": flat, **caches}, before=before, masks={"pool": pool_mask, **cache_masks})
+
+    def _judge_replay_case(self, case, run, check):
+        t = case.tensors
+        problems, metrics, worst = [], {}, 0.0
+        golden = {"pool": t["pool_out"], "d_cache": t["d_cache_out"], "k_cache": t["k_cache_out"],
+                  "g_cache": t["g_cache_out"]}
+        bounds = {"pool": self.state_bound, "d_cache": self.cache_bound,
+                  "k_cache": self.k_cache_bound or self.cache_bound, "g_cache": self.g_cache_bound or self.state_bound}
+        o = run["o"].cpu()
+        pairs = [("o", o.reshape(t["o"].shape) if o.numel() == t["o"].numel() else o, t["o"], self.o_bound)]
+        for n, mask in run["masks"].items():
+            after, before = run["after"][n].cpu(), run["before"][n].cpu()
+            changed = (_bits(after) != _bits(before)) & ~mask
+            if bool(changed.any()):
+                problems.append(f"{n}: {int(changed.sum())} elements outside the served rows' slots and write positions "
+                                "changed")
+            if bool(mask.any()):
+                pairs.append((n, after[mask], golden[n][mask], bounds[n]))
+        worst = _judge_tensors(pairs, check, problems, metrics)
+        reason = "; ".join(problems) or (f"o, the served checkpoints and cache entries within bound (worst {worst:.2f} "
+                                         "of it); every other element bitwise unchanged" +
+                                         (" (NaN poison kept its bits, never leaked)" if check == "slot_isolation" else ""))
+        return CheckResult(self.name, check, case.name, "fail" if problems else "pass", reason[:600], ratio=worst,
+                           metrics=metrics)
+
+    def _check_determinism(self, case, device):
+        why = self.case_unsupported(case)
+        if why:
+            return CheckResult(self.name, "determinism", case.name, "skip", why)
+        runs = [self._run_pool_case(case, device) for _ in range(2)]
+        same_o = torch.equal(_bits(runs[0]["o"].cpu()), _bits(runs[1]["o"].cpu()))
+        same_pool = torch.equal(_bits(runs[0]["flat"].cpu()), _bits(runs[1]["flat"].cpu()))
+        if same_o and same_pool:
+            return CheckResult(self.name, "determinism", case.name, "pass", "two runs on fresh pools: o and the pool "
+                               "bitwise equal")
+        return CheckResult(self.name, "determinism", case.name, "fail", "two runs on fresh pools differ: "
+                           + ", ".join(n for n, same in (("o", same_o), ("pool", same_pool)) if not same))
+
+    # -- self-made problems (seeded; judged against references.kda, or the pure-PyTorch kernel)
+    def _problem(self, seed, lengths, device="cpu", shape=None, params=None):
+        """(inputs, params, states [len(lengths) + 3, HV, K, V] fp32, K-first) of the kernel's
+        problem_shape and problem_params, or the ones given."""
+        sh = dict(self.problem_shape, **(shape or {}))
+        params = dict(self.problem_params if params is None else params)
+        H, HV, K, V = sh["H"], sh["HV"], sh["K"], sh["V"]
         gen = torch.Generator().manual_seed(seed)
         T = sum(lengths)
 
@@ -328,25 +612,36 @@ class ServingAdapter(Adapter):
             return (torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(torch.bfloat16)
 
         kw = K ** -0.5
+        gk = 1 if self.scalar_gate else K
+        log_decay = params["gate"] == "log_decay"
         inputs = dict(q=bf16((1, T, H, K), -1, 1), k=bf16((1, T, H, K), -kw, kw), v=bf16((1, T, HV, V), -1, 1),
-                      g=bf16((1, T, HV, K), -1, 0), beta=bf16((1, T, HV), 0, 1),
+                      g=bf16((1, T, HV, gk), -1, 0) if log_decay else bf16((1, T, HV, gk), -4, 4),
+                      beta=bf16((1, T, HV), 0, 1) if params["beta"] == "as_given" else bf16((1, T, HV), -4, 4),
                       cu_seqlens=torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))]))
+        inputs["g"] = inputs["g"].expand(1, T, HV, K).contiguous()
+        if not log_decay:  # the gate in the kernel: A_log and dt_bias (one value per head for GDN)
+            inputs["A_log"] = (torch.rand(HV, generator=gen, dtype=torch.float64) * 2.7).float()
+            inputs["dt_bias"] = (torch.rand(HV, gk, generator=gen, dtype=torch.float64) * 2 - 1).float().expand(
+                HV, K).contiguous()
         states = bf16((len(lengths) + 3, HV, K, V), -1, 1).float()
-        params = dict(gate="log_decay", gate_base="e", beta="as_given", qk_l2norm=False, scale=None,
-                      lower_bound=None, state_layout="k_first")
-        return {k: v.to(device) for k, v in inputs.items()}, params, states.to(device)
+        return {k: v.to(device) for k, v in inputs.items()}, dict(params, state_layout="k_first"), states.to(device)
+
+    @staticmethod
+    def _in_layout(states, layout):
+        """K-first states [..., K, V] as a contiguous pool of `layout`."""
+        return states.transpose(-1, -2).contiguous() if layout == "v_first" else states
 
     def _check_layout_equivalence(self, case, device):
         lengths = [1, 1, 1] if "multi_token_decode" not in self.modes else [1, 2, 1]
         problems, worst = [], 0.0
-        for K, V in ((8, 12), (12, 8)):
-            inputs, params, states = self._problem(17 + K, lengths, K=K, V=V, device=device)
+        K0, V0 = self.problem_shape["K"], self.problem_shape["V"]
+        for K, V in ((K0, V0), (V0, K0)):
+            inputs, params, states = self._problem(17 + K, lengths, shape=dict(K=K, V=V), device=device)
             slots = torch.tensor([3, 0, 4], device=device)
             ref_o, ref_pool = TorchServingAdapter().decode_reference(inputs, params, states.double(), slots)
-            for layout in ("k_first", "v_first"):
+            for layout in self.layouts:
                 p = dict(params, state_layout=layout)
-                pool = states.to(self.pool_dtype).clone()  # .to() of the same dtype would alias the states
-                pool = pool if layout == "k_first" else pool.transpose(-1, -2).contiguous()
+                pool = self._in_layout(states.to(self.pool_dtype).clone(), layout)  # .to() alone would alias
                 o = self.decode(inputs, p, pool, slots)
                 got = pool if layout == "k_first" else pool.transpose(-1, -2)
                 for label, x, ref, bound in (("o", o, ref_o, self.o_bound), ("pool", got, ref_pool, self.state_bound)):
@@ -355,29 +650,33 @@ class ServingAdapter(Adapter):
                     if not (rel <= limit and _finite(x)):
                         problems.append(f"K={K}, V={V}, {layout}: {label} relative RMS error {rel:.3e} > {limit:.3e}")
         status = "fail" if problems else "pass"
+        only = "" if len(self.layouts) > 1 else f" (its pool is {self.layouts[0]} only: {self.layout_reason})"
         return CheckResult(self.name, "layout_equivalence", "-", status,
-                           "; ".join(problems) or f"K-first and V-first pools agree with the reference, K != V both "
-                           f"ways (worst {worst:.2f} of the bound)", ratio=worst)
+                           "; ".join(problems) or f"{' and '.join(self.layouts)} pools agree with the reference, K != V "
+                           f"both ways (worst {worst:.2f} of the bound){only}", ratio=worst)
 
     def _check_decode_after_prefill(self, case, device):
         T = 12
-        inputs, params, states = self._problem(5, [T], HV=2, K=8, V=12, device=device)
+        inputs, params, states = self._problem(5, [T], device=device)
+        layout = self.layouts[0]
+        params = dict(params, state_layout=layout)
         one = {k: v for k, v in inputs.items() if k != "cu_seqlens"}
-        h0 = states[:1].clone()
+        h0 = self._in_layout(states[:1].clone(), layout)
+        HV, V = inputs["v"].shape[2], inputs["v"].shape[3]
         ref_o, ref_final = references.kda(dict(one, initial_state=h0), params)
         single_o, single_final = self.prefill(one, params, h0.clone())
         problems, bitwise, worst = [], [], 0.0
         for split in (0, 1, 7, T - 1, T):
-            part = {k: v[:, :split] for k, v in one.items()}
+            part = {k: (v[:, :split] if k in TOKEN_INPUTS else v) for k, v in one.items()}
             if split > 0:
                 o_pre, state = self.prefill(part, params, h0.clone())
             else:
-                o_pre, state = one["q"].new_zeros(1, 0, 2, 12, dtype=torch.float64), h0.clone()
-            pool = torch.zeros(3, 2, 8, 12, dtype=self.pool_dtype, device=device)
+                o_pre, state = one["q"].new_zeros(1, 0, HV, V, dtype=torch.float64), h0.clone()
+            pool = torch.zeros((3,) + tuple(h0.shape[1:]), dtype=self.pool_dtype, device=device)
             pool[1] = state[0].to(self.pool_dtype)
             outs = [o_pre.double().cpu()]
             for t in range(split, T):
-                tok = {k: v[:, t : t + 1] for k, v in one.items()}
+                tok = {k: (v[:, t : t + 1] if k in TOKEN_INPUTS else v) for k, v in one.items()}
                 tok["cu_seqlens"] = torch.tensor([0, 1], device=device)
                 outs.append(self.decode(tok, params, pool, torch.tensor([1], device=device)).double().cpu())
             o = torch.cat(outs, dim=1)
@@ -436,12 +735,15 @@ class ServingAdapter(Adapter):
 
     def _check_accepted_zero(self, case, device):
         inputs, params, states = self._problem(23, [2, 2, 2], device=device)
+        layout = self.layouts[0]
+        params = dict(params, state_layout=layout)
         W = 3
         idx = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], device=device)
         accepted = torch.tensor([2, 0, 1], device=device)
-        pool = torch.full((9, 2, 8, 12), float("nan"), dtype=self.pool_dtype, device=device)
+        shape = tuple(self._in_layout(states[:1], layout).shape[1:])
+        pool = torch.full((9,) + shape, float("nan"), dtype=self.pool_dtype, device=device)
         for n, a in ((0, 2), (2, 1)):  # the only states read by a correct kernel
-            pool[idx[n, a - 1]] = states[n].to(self.pool_dtype)
+            pool[idx[n, a - 1]] = self._in_layout(states[n], layout).to(self.pool_dtype)
         try:
             o, _ = self.verify(inputs, params, pool, idx, accepted, in_place=True)
         except Exception as e:  # rejecting the count is the defined behaviour
@@ -469,18 +771,9 @@ class ServingAdapter(Adapter):
                          lower_bound=None, state_layout="k_first")
 
     def _check_empty_sequences(self, case, device):
-        sh, params = self.varlen_shape, dict(self.varlen_params)
+        params = dict(self.varlen_params)
         lengths = [3, 0, 4, 0, 0, 5, 0]
-        inputs, _, states = self._problem(31, lengths, device=device, **sh)
-        gen = torch.Generator().manual_seed(32)
-        if params["gate"] == "lower_bound":
-            T = sum(lengths)
-            inputs["g"] = (torch.rand((1, T, sh["HV"], sh["K"]), generator=gen, dtype=torch.float64) * 8 - 4).to(
-                torch.bfloat16).to(device)
-            inputs["beta"] = (torch.rand((1, T, sh["HV"]), generator=gen, dtype=torch.float64) * 8 - 4).to(
-                torch.bfloat16).to(device)
-            inputs["A_log"] = (torch.rand(sh["HV"], generator=gen, dtype=torch.float64) * 2.7).float().to(device)
-            inputs["dt_bias"] = (torch.rand(sh["HV"], sh["K"], generator=gen, dtype=torch.float64) * 2 - 1).float().to(device)
+        inputs, _, states = self._problem(31, lengths, device=device, shape=self.varlen_shape, params=params)
         h0 = states[: len(lengths)].clone()
         if params["state_layout"] == "v_first":
             h0 = h0.transpose(-1, -2).contiguous()
@@ -521,17 +814,21 @@ class TorchServingAdapter(ServingAdapter):
       verify_writes_committed  verify also writes its final state into the entering slot
       empty_sequence_state     a varlen sequence without tokens returns a zero final state (not
                                its initial state)
+      replay_no_decay          the cached-replay decode rebuilds the state without the decays of
+                               the later cached gates
     """
 
     MUTATIONS = (None, "accepted_off_by_one", "write_unnamed_slot", "layout_swap", "checkpoint_late",
-                 "verify_writes_committed", "empty_sequence_state")
-    modes = ("decode", "verify", "per_token", "pad", "multi_token_decode", "prefill", "intermediate", "varlen")
-    golden_ops = POOL_OPS + CHECKPOINT_OPS
+                 "verify_writes_committed", "empty_sequence_state", "replay_no_decay")
+    modes = ("decode", "verify", "per_token", "pad", "multi_token_decode", "prefill", "intermediate", "varlen",
+             "replay")
+    golden_ops = POOL_OPS + GDN_POOL_OPS + REPLAY_OPS + CHECKPOINT_OPS
     # fp64 arithmetic and an fp64 pool against the 256-bit goldens: everything to 1e-12.
     o_bound = Bound(torch.float64, 1.0)
     state_bound = Bound(torch.float64, 1.0)
     h_bound = Bound(torch.float64, 1.0)
-    pool_dtype = torch.float64
+    cache_bound = Bound(torch.float64, 1.0)
+    cache_dtype = pool_dtype = torch.float64
     split_bitwise = True
     policy = "rel-rms:1e-12"
     contract = "PyTorch; fp64 recurrence, fp64 outputs and pool"
@@ -576,11 +873,14 @@ class TorchServingAdapter(ServingAdapter):
             return x.contiguous().reshape(HV, B, A)  # the V x K bytes read as K x V
         return x.transpose(-1, -2) if self._v_first(params) else x
 
-    def _write(self, pool, s, S, params):
+    def _stored(self, S, params, shape):
+        """A K-first state as the pool stores it (layout_swap: the K x V bytes stored as V x K)."""
         if params.get("state_layout") == "v_first" and self.mutation == "layout_swap":
-            pool[s] = S.reshape(pool[s].shape).to(pool.dtype)
-        else:
-            pool[s] = (S.transpose(-1, -2) if self._v_first(params) else S).to(pool.dtype)
+            return S.reshape(shape)
+        return S.transpose(-1, -2) if self._v_first(params) else S
+
+    def _write(self, pool, s, S, params):
+        pool[s] = self._stored(S, params, pool[s].shape).to(pool.dtype)
 
     def _unnamed_write(self, pool, named, S, params):
         if self.mutation == "write_unnamed_slot" and S is not None:
@@ -644,12 +944,41 @@ class TorchServingAdapter(ServingAdapter):
                     if flat[n * W + j] != PAD:
                         self._write(pool, flat[n * W + j], S, params)
                 else:
-                    token_states[cu[n] + j] = (S.transpose(-1, -2) if self._v_first(params) else S).to(pool.dtype)
+                    token_states[cu[n] + j] = self._stored(S, params, token_states.shape[1:]).to(pool.dtype)
             if self.mutation == "verify_writes_committed":
                 self._write(pool, entering, states[-1], params)
             last = states[-1]
         self._unnamed_write(pool, {s for s in flat if s != PAD}, last, params)
         return o, token_states
+
+    def replay(self, raw, params, pool, d_cache, k_cache, g_cache, state_indices, write_pos):
+        inputs = gdn_as_kda(raw, int(params["H"]), int(params["K"]))
+        prep, scale = self._prep(inputs, params)
+        q, k, v, decay, beta = prep
+        N, HV, V, L = v.shape[1], v.shape[2], v.shape[3], d_cache.shape[2]
+        head = torch.arange(HV, device=v.device) // (HV // q.shape[2])
+        o = torch.zeros(N, HV, V, dtype=torch.float64, device=v.device)
+        for n, (s, w) in enumerate(zip(state_indices.tolist(), write_pos.tolist())):
+            if s <= 0:  # the engines' null slot 0 and -1: padding
+                continue
+            gates = g_cache[s].double()  # [HV, L] log decays
+            later = (lambda c: torch.zeros(HV, dtype=torch.float64, device=v.device)) if self.mutation == "replay_no_decay" \
+                else (lambda c: gates[:, c:w].sum(-1))
+            S = torch.exp(later(0))[:, None, None] * self._read(pool, s, params)
+            for c in range(w):
+                S = S + torch.exp(later(c + 1))[:, None, None] * k_cache[s][head, c].double()[:, :, None] * \
+                    d_cache[s][:, c].double()[:, None, :]
+            outs, states = self._run(prep, scale, n, n + 1, S)
+            o[n] = outs[0]
+            if w == L - 1:  # the flush: the state after the token is the new checkpoint
+                self._write(pool, s, states[0], params)
+                continue
+            kt = k[0, n][head]
+            d = beta[0, n][:, None] * (v[0, n] - torch.einsum("hkv,hk->hv", decay[0, n][:, :, None] * S, kt))
+            d_cache[s][:, w] = d.to(d_cache.dtype)
+            k_cache[s][:, w] = k[0, n].to(k_cache.dtype)
+            g_cache[s][:, w] = torch.log(decay[0, n][:, 0]).to(g_cache.dtype)
+        return o
 
     def prefill(self, inputs, params, initial_state):
         prep, scale = self._prep(inputs, params)
@@ -699,9 +1028,9 @@ class FlaServingAdapter(ServingAdapter):
     split_bitwise = True
     fla_path = None
     _unpicklable = ("fwd", "plain")
-    o_bound = Bound(torch.bfloat16, 2.0)
-    state_bound = Bound(torch.float32, 2.0, at_least=1e-6)
-    policy = "floor:2"
+    policy = "fla-serving"  # policy/policies.json: the bounds below
+    o_bound = PolicyBound("serving.decode", "o")
+    state_bound = PolicyBound("serving.decode", "pool_out", at_least=1e-6)
     policy_reason = "fp32 recurrence on bf16 inputs: 1.0x the bf16 output floor measured (kda.recurrent)"
     contract = "Triton; fp32 state and arithmetic on bf16 inputs, o rounded to bf16, fp32 pool"
     pad_reason = "FLA reads slot -1 (before the pool's start) for a -1 index"
@@ -774,16 +1103,16 @@ class FlaChunkIntermediateAdapter(ServingAdapter):
     _unpicklable = ("fn",)
     modes = ("intermediate", "varlen")
     golden_ops = CHECKPOINT_OPS
-    o_bound = Bound(torch.bfloat16, 3.0)
+    policy = "fla-chunk-serving"  # policy/policies.json: o 3x, h 3x, the final state 4x the bf16 floor
+    o_bound = PolicyBound("serving.checkpoints", "o")
     # chunk_kda's final state is fp32 storage but its contract rounds the state to bf16 as an
     # operand of w h and q h (docs/contracts.md, fla_chunk: state_operand): the policy table's
     # "chunk" rule, 4x the bf16 floor. The fp32 floor used before failed a correct kernel on an
     # H200 (1.34e-3 on the sequences with tokens, FLA bc3b101d); empty sequences stay bitwise.
-    state_bound = Bound(torch.bfloat16, 4.0)
+    state_bound = PolicyBound("serving.checkpoints", "final_state")
     varlen_shape = dict(H=1, HV=2, K=16, V=32)
     warmup_weight = 100  # chunk_kda autotunes (warmup.cost_estimate)
-    h_bound = Bound(torch.bfloat16, 3.0)
-    policy = "floor:3"
+    h_bound = PolicyBound("serving.checkpoints", "checkpoints")
     policy_reason = "chunked UT transform, bf16 products (2.0x-2.7x the bf16 floor on o), h stored in bf16"
     contract = "Triton; chunks of 64 in UT form, bf16 tensor-core products, h rounded to bf16"
     name = "fla.chunk_kda[serving]"
@@ -823,9 +1152,9 @@ class FlashKdaVarlenAdapter(ServingAdapter):
     varlen_shape = dict(H=2, HV=2, K=128, V=128)
     varlen_params = dict(gate="lower_bound", gate_base="e", beta="sigmoid", qk_l2norm=True, scale=None,
                          lower_bound=-5.0, state_layout="v_first")
-    o_bound = Bound(torch.bfloat16, 4.0)
-    state_bound = Bound(torch.bfloat16, 4.0)
-    policy = "floor:4"
+    policy = "flashkda-varlen"  # policy/policies.json: 4x the bf16 floor
+    o_bound = PolicyBound("kda.recurrent", "o")
+    state_bound = PolicyBound("kda.recurrent", "final_state")
     policy_reason = "chunk 16, fp16 Neumann inverse, bf16 state between chunks: 3.4x-3.5x the bf16 floor on o measured"
     contract = "CUTLASS (sm_90); chunks of 16, bf16 state between chunks, bf16 output"
     _unpicklable = ("inner",)
@@ -855,4 +1184,123 @@ def torch_serving_kernels():
 
 
 def load_serving_suite(directory):
-    return golden_io.load_suite(directory, ops=POOL_OPS + CHECKPOINT_OPS)
+    return golden_io.load_suite(directory, ops=POOL_OPS + GDN_POOL_OPS + REPLAY_OPS + CHECKPOINT_OPS)
+
+
+# --------------------------------------------------------------------------- the engines' table
+
+def engine_table(adapters, suite, device):
+    """Every serving check of every adapter: one row per (kernel, check, case) with the verdict,
+    the figure (worst error / bound), the bound's multiple and floor dtype, the reason and the
+    engine source (version()). A kernel that does not load gives one row with its reason."""
+    rows = []
+    for a in adapters:
+        start = time.perf_counter()
+        try:
+            a.load()
+            source = a.version()
+        except Exception as e:  # fail closed, one line; the other kernels still run
+            rows.append(dict(kernel=a.name, check="load", case="-", verdict="unavailable", figure=None, bound=None,
+                             reason=f"{type(e).__name__}: {e}".splitlines()[0][:400], source=""))
+            continue
+        for check in SERVING_CHECKS:
+            for case_id, case, why in a.cases(check, suite):
+                if why:
+                    rows.append(dict(kernel=a.name, check=check, case=case_id, verdict="n/a", figure=None, bound=None,
+                                     reason=why[:400], source=source))
+                    continue
+                r = a.run_check(check, case, device)
+                try:
+                    bound = f"{a.o_bound.multiple:g} x {str(a.o_bound.dtype).replace('torch.', '')} floor (o), " \
+                            f"{a.state_bound.multiple:g} x {str(a.state_bound.dtype).replace('torch.', '')} (state)"
+                except Exception as e:
+                    bound = f"unreadable: {e}"
+                rows.append(dict(kernel=a.name, check=check, case=case_id,
+                                 verdict={"skip": "n/a"}.get(r.status, r.status), figure=r.ratio, bound=bound,
+                                 reason=r.reason, source=source, seconds=round(r.seconds, 3), metrics=r.metrics))
+        rows.append(dict(kernel=a.name, check="(all)", case="-", verdict="time", figure=None, bound=None,
+                         reason=f"{time.perf_counter() - start:.1f} s", source=source))
+    return rows
+
+
+def print_table(rows, out=None):
+    """kernel x check: P passes, F failures, E errors, - n/a (counts over cases), last."""
+    out = out or sys.stdout
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    width = max(len(k) for k in kernels) if kernels else 10
+    out.write(f"{'kernel':<{width}}  " + "  ".join(f"{c[:12]:>12}" for c in SERVING_CHECKS) + "\n")
+    for k in kernels:
+        mine = [r for r in rows if r["kernel"] == k]
+        if any(r["verdict"] == "unavailable" for r in mine):
+            out.write(f"{k:<{width}}  unavailable: {mine[0]['reason'][:150]}\n")
+            continue
+        cells = []
+        for c in SERVING_CHECKS:
+            got = [r["verdict"] for r in mine if r["check"] == c]
+            text = "".join(f"{got.count(v)}{s}" for v, s in (("pass", "P"), ("fail", "F"), ("error", "E"))
+                           if got.count(v)) or "-"
+            cells.append(f"{text:>12}")
+        out.write(f"{k:<{width}}  " + "  ".join(cells) + "\n")
+
+
+def main(argv=None):
+    """python3 -m k3ref.gpu_check.serving_check --engines [--only NAMES] [--vllm-path DIR]
+    [--sglang-path DIR] [--tokenspeed-path DIR] [--fla-path DIR] [--goldens DIR] [--device cuda] [--out FILE.json];
+    --list: the kernels' names; --merge FILE... --out FILE: the rows of several runs (one per
+    kernel, as gpu_check/device_engines.sh runs them) in one file, and the table."""
+    import argparse
+    import json
+    import os
+
+    ap = argparse.ArgumentParser(prog="python3 -m k3ref.gpu_check.serving_check", description=main.__doc__)
+    ap.add_argument("--engines", action="store_true", help="the serving engines' kernels (engine_vllm, engine_sglang, engine_tokenspeed)")
+    ap.add_argument("--only", help="comma-separated kernel names")
+    ap.add_argument("--list", action="store_true", help="print the kernels' names and exit")
+    ap.add_argument("--merge", nargs="+", metavar="FILE", help="merge the rows of these files (a missing one: the "
+                    "kernel named by its stem died; its .log's last line is the reason)")
+    ap.add_argument("--vllm-path"), ap.add_argument("--sglang-path"), ap.add_argument("--tokenspeed-path")
+    ap.add_argument("--fla-path")
+    ap.add_argument("--goldens", default=str(Path(__file__).resolve().parents[3] / "goldens"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", help="the rows as JSON")
+    args = ap.parse_args(argv)
+    for opt, env in (("vllm_path", "K3REF_VLLM_PATH"), ("sglang_path", "K3REF_SGLANG_PATH"),
+                     ("tokenspeed_path", "K3REF_TOKENSPEED_PATH"), ("fla_path", "K3REF_FLA_PATH")):
+        if getattr(args, opt):
+            os.environ[env] = str(Path(getattr(args, opt)).resolve())
+    from . import engine_sglang, engine_tokenspeed, engine_vllm
+
+    adapters = (engine_vllm.adapters() + engine_sglang.adapters() + engine_tokenspeed.adapters() if args.engines
+                else serving_adapters())
+    if args.only:
+        wanted = set(args.only.split(","))
+        adapters = [a for a in adapters if a.name in wanted]
+    if args.list:
+        print("\n".join(a.name for a in adapters))
+        return 0
+    meta = dict(format="k3ref-serving-table", version=1, device=args.device, torch=torch.__version__)
+    if args.merge:
+        rows = []
+        for f in map(Path, args.merge):
+            if f.is_file():
+                rows += json.loads(f.read_text())["rows"]
+            else:
+                log = f.with_suffix(".log")
+                last = (log.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1] if log.is_file() \
+                    else "(no log)"
+                rows.append(dict(kernel=f.stem, check="load", case="-", verdict="unavailable", figure=None, bound=None,
+                                 reason=f"its process died or ran out of time: {last[:300]}", source=""))
+    else:
+        rows = engine_table(adapters, load_serving_suite(args.goldens), args.device)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=1, default=str))
+    for r in rows:
+        if r["verdict"] in ("fail", "error", "unavailable"):
+            print(f"{r['verdict'].upper()} {r['kernel']} {r['check']}[{r['case']}]: {r['reason'][:300]}")
+    print_table(rows)
+    return 1 if any(r["verdict"] in ("fail", "error", "unavailable") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The serving engines' own KDA/GDN kernels (vLLM, SGLang, TokenSpeed) under every serving check, on one
+# GPU: builds k3ref._core (the judge), runs `python3 -m k3ref.gpu_check.serving_check --engines`
+# and writes its rows (kernel x check x case: verdict, figure = worst error / bound, bound,
+# reason, engine source and commit) to OUT/engines.json; prints the kernel x check table last.
+# A kernel that does not load is one row with its reason; the others still run.
+#
+#   gpu_check/device_engines.sh [OUT_DIR]
+#   env: TP (third-party root, default .thirdparty: vllm/ and sglang/ laid out with COMMITS.txt,
+#        tokenspeed/, fla_pkg/), PYTHON (default python3), ONLY (comma-separated kernel names),
+#        KERNEL_TIMEOUT (seconds for one kernel's checks, default 300), PAR (kernels run at once,
+#        default 4), K3REF_CORE_PATH (a built k3ref._core: the build step is skipped)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OUT=${1:-${OUT:-$ROOT/.scratch/engines}}
+PY=${PYTHON:-python3}
+TP=${TP:-$ROOT/.thirdparty}
+mkdir -p "$OUT"
+t0=$(date +%s)
+
+export PYTHONPATH=$ROOT/python:${PYTHONPATH:-}
+if [ -n "${K3REF_CORE_PATH:-}" ] && $PY -c "import k3ref; k3ref._compiled()" 2>/dev/null; then
+  echo "== k3ref._core from K3REF_CORE_PATH=$K3REF_CORE_PATH"
+else
+  echo "== k3ref._core (the judge)"
+  if [ ! -f "$OUT/build/build.ninja" ]; then
+    rm -rf "$OUT/build"
+    meson setup "$OUT/build" -Dpython=enabled -Dtests=disabled -Dbenchmarks=disabled -Dgpu_check=disabled \
+      > "$OUT/meson.txt" 2>&1 || meson setup "$OUT/build" -Dpython=enabled -Dtests=disabled -Dbenchmarks=disabled \
+      -Dgpu_check=disabled -Dmpfr=disabled > "$OUT/meson.txt" 2>&1 || { tail -5 "$OUT/meson.txt"; }
+  fi
+  targets=$(ninja -C "$OUT/build" -t targets all 2>/dev/null | sed -n 's/^\(python\/_core[^:]*\.so\): .*/\1/p')
+  ninja -C "$OUT/build" $targets > "$OUT/ninja.txt" 2>&1 || { echo "k3ref._core not built:"; tail -5 "$OUT/ninja.txt"; }
+  echo "built in $(( $(date +%s) - t0 )) s"
+  export K3REF_CORE_PATH=$OUT/build/python
+fi
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$OUT/triton}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$OUT/versions.txt"
+for f in "$TP/vllm/COMMITS.txt" "$TP/sglang/COMMITS.txt" "$TP/tokenspeed/COMMITS.txt"; do [ -f "$f" ] && grep -v '^#' "$f"; done | tee "$OUT/commits.txt"
+
+echo "== serving checks on the engines' kernels, one process each (a crash or a poisoned CUDA context stays in it)"
+SC="$PY -m k3ref.gpu_check.serving_check --engines --device cuda --vllm-path $TP/vllm --sglang-path $TP/sglang --tokenspeed-path $TP/tokenspeed --fla-path $TP/fla_pkg"
+mkdir -p "$OUT/rows"
+kernels=$($SC ${ONLY:+--only "$ONLY"} --list)
+set -f  # kernel names hold brackets: no globbing
+stem() { printf '%s' "$1" | tr '[]' '__'; }  # plain file names
+run_one() {
+  local k=$1 f s0
+  f="$OUT/rows/$(stem "$k").json"; rm -f "$f"; s0=$(date +%s)
+  timeout "${KERNEL_TIMEOUT:-300}" $SC --only "$k" --out "$f" > "$OUT/rows/$(stem "$k").log" 2>&1
+  echo "$k: rc $?, $(( $(date +%s) - s0 )) s"
+}
+export -f stem run_one; export SC OUT KERNEL_TIMEOUT
+# PAR kernels at once (default 4): they share the GPU; Triton's compiles run side by side
+printf '%s\n' $kernels | xargs -P "${PAR:-4}" -I{} bash -c 'run_one "$1"' _ {}
+files=()
+for k in $kernels; do files+=("$OUT/rows/$(stem "$k").json"); done
+echo "== findings/vllm-gdn-spec-verify-edges/repro.py (predicted from the source; exit 1: reproduced)"
+timeout 120 $PY findings/vllm-gdn-spec-verify-edges/repro.py "$TP/vllm" > "$OUT/vllm_repro.txt" 2>&1
+echo "rc $?" >> "$OUT/vllm_repro.txt"; tail -4 "$OUT/vllm_repro.txt"
+$SC --merge "${files[@]}" --out "$OUT/engines.json" > "$OUT/table.txt" 2>&1
+rc=$?
+echo "rc $rc, $(( $(date +%s) - t0 )) s in all" >> "$OUT/table.txt"
+cat "$OUT/table.txt"

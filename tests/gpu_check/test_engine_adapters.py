@@ -1,0 +1,459 @@
+#!/usr/bin/env python3
+"""Host-side tests of the serving engines' adapters (python/k3ref/gpu_check/engine_vllm.py,
+engine_tokenspeed.py). Their kernels are Triton (GPU only), so here each is replaced by a
+stand-in module laid out where the engine keeps it, with the engine function's signature and
+k3ref's pure-PyTorch serving kernel (serving_check.TorchServingAdapter) behind it:
+
+- loading (vLLM, SGLang, TokenSpeed): a missing folder, a missing file and another engine copy already imported are
+  one-line errors naming what is needed; the package __init__ files are never run (the
+  stand-in tokenspeed_kernel/__init__.py raises);
+- argument mapping: every engine adapter passes the serving checks its modes cover on the
+  goldens of its domain through its stand-in (an fp64 kernel: far inside every bound), and a
+  stand-in that reads the pool V-first while the adapter hands it K-first fails;
+- the registry lists every engine adapter with a domain (policy/kernel_domains.json) and a
+  policy whose rules give its bounds (policy/policies.json).
+Needs torch and k3ref._core (K3REF_CORE_PATH=BUILD/python)."""
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import k3ref  # noqa: E402
+
+try:
+    k3ref._compiled()
+except ImportError as e:  # the references and the policy table the checks judge with
+    pytest.skip(f"k3ref._core not importable ({e})", allow_module_level=True)
+
+from k3ref.gpu_check import engine_sglang as EG  # noqa: E402
+from k3ref.gpu_check import engine_tokenspeed as ET  # noqa: E402
+from k3ref.gpu_check import engine_vllm as EV  # noqa: E402
+from k3ref.gpu_check import registry, serving_check as SC  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE = SC.load_serving_suite(ROOT / "goldens")
+ENGINE_NAMES = {"vllm.fused_recurrent_gdn[continuous_batching]", "vllm.fused_recurrent_gdn[spec_decode]",
+                "vllm.gdn_replayssm_decode", "tokenspeed.kda_recurrent_decode_pool", "tokenspeed.kda_mtp_verify",
+                "tokenspeed.kda_chunk_prefill", "tokenspeed.gdn_decode_step", "sglang.fused_sigmoid_gating[decode]",
+                "sglang.fused_sigmoid_gating[target_verify]", "sglang.fused_sigmoid_gating[gdn_decode]"}
+
+# ---------------------------------------------------------------------------- stand-ins
+# Each calls k3ref's torch serving kernel (fp64) under the engine's own calling convention.
+COMMON = '''
+import torch
+from k3ref.gpu_check.serving_check import TorchServingAdapter
+
+TORCH = TorchServingAdapter()
+
+
+def kda_form(q, k, v, g, beta, A_log=None, dt_bias=None, cu=None):
+    K, HV = q.shape[-1], v.shape[2]
+    if g.dim() == 3:  # GDN: one gate per head
+        g = g[..., None].expand(*g.shape, K)
+    out = dict(q=q, k=k, v=v, g=g.contiguous(), beta=beta)
+    if A_log is not None:
+        out["A_log"] = A_log
+    if dt_bias is not None:
+        out["dt_bias"] = dt_bias.reshape(HV, -1).expand(HV, K).contiguous()
+    out["cu_seqlens"] = cu if cu is not None else torch.tensor([0, q.shape[1]])
+    return out
+'''
+
+VLLM_RECURRENT = COMMON + '''
+def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, inplace_final_state=True,
+                                         cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                                         retrieve_parent_token=None, use_qk_l2norm_in_kernel=False):
+    params = dict(gate="log_decay", beta="as_given", qk_l2norm=use_qk_l2norm_in_kernel, scale=scale,
+                  state_layout=STATE_LAYOUT)
+    inputs = kda_form(q, k, v, g, beta, cu=cu_seqlens)
+    if not inplace_final_state:  # one state row per token, read from the sequence's initial state
+        pool = initial_state.double().clone()
+        o, rows = TORCH.verify(inputs, params, pool, torch.zeros(1, q.shape[1], dtype=torch.long),
+                               torch.ones(1, dtype=torch.long), in_place=False)
+        return o.to(q.dtype), rows.float()
+    if STATE_LAYOUT == "v_first":  # the K-first pool's bytes read as [slots, HV, V, K]
+        n, HV, K, V = initial_state.shape
+        initial_state = initial_state.as_strided((n, HV, V, K), (initial_state.stride(0), V * K, K, 1))
+    if ssm_state_indices.dim() == 1:
+        o = TORCH.decode(inputs, params, initial_state, ssm_state_indices.long())
+        return o.to(q.dtype), initial_state
+    acc = num_accepted_tokens.long() if num_accepted_tokens is not None else torch.ones(
+        ssm_state_indices.shape[0], dtype=torch.long)
+    o, _ = TORCH.verify(inputs, params, initial_state, ssm_state_indices.long(), acc, in_place=True)
+    return o.to(q.dtype), initial_state
+'''
+
+VLLM_REPLAY = COMMON + '''
+def fused_recurrent_gated_delta_rule_replayssm(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache,
+                                               k_cache, g_cache, out, ssm_state_indices, write_pos,
+                                               use_qk_l2norm_in_kernel=False, block_v=None, num_warps=None,
+                                               num_stages=None, nk=None):
+    slots, HV, V, K = initial_state.shape
+    H = (mixed_qkv.shape[1] - HV * V) // (2 * K)
+    params = dict(gate="softplus", beta="sigmoid", qk_l2norm=use_qk_l2norm_in_kernel, scale=scale, H=H, K=K,
+                  state_layout="v_first")
+    raw = dict(mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    out.copy_(TORCH.replay(raw, params, initial_state, d_cache, k_cache, g_cache, ssm_state_indices.long(),
+                           write_pos.long()))
+    return out, initial_state
+'''
+
+TS_KDA = COMMON + '''
+def _params(lower_bound, layout="k_first"):
+    gate = "lower_bound" if lower_bound is not None else "softplus"
+    return dict(gate=gate, lower_bound=lower_bound, beta="sigmoid", qk_l2norm=True, scale=None, state_layout=layout)
+
+
+def kda_recurrent_decode_pool(q, k, v, g_raw, beta, A_log, dt_bias, *, h_pool, read_indices, write_indices,
+                              cu_seqlens=None, lower_bound=None):
+    inputs = kda_form(q, k, v, g_raw, beta, A_log, dt_bias, cu_seqlens)
+    cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
+    o = torch.zeros(v.shape, dtype=torch.float64)
+    for n in range(len(cu) - 1):
+        r, w = int(read_indices[n]), int(write_indices[n])
+        one = {key: (x[:, cu[n]:cu[n + 1]] if key in ("q", "k", "v", "g", "beta") else x) for key, x in inputs.items()
+               if key != "cu_seqlens"}
+        h0 = h_pool[r:r + 1].double() if r >= 0 else torch.zeros((1,) + tuple(h_pool.shape[1:]), dtype=torch.float64)
+        o_n, final = TORCH.prefill(one, _params(lower_bound), h0)
+        o[:, cu[n]:cu[n + 1]] = o_n
+        if w >= 0 and cu[n + 1] > cu[n]:
+            h_pool[w] = final[0].to(h_pool.dtype)
+    return o.to(v.dtype)
+
+
+def kda_recurrent_decode(q, k, v, g_raw, beta, A_log, dt_bias=None, *, initial_state=None, cu_seqlens=None,
+                         lower_bound=None, beta_is_logit=True):
+    inputs = kda_form(q, k, v, g_raw, beta, A_log, dt_bias)
+    inputs.pop("cu_seqlens")
+    o, final = TORCH.prefill(inputs, _params(lower_bound), initial_state.double())
+    return o.to(v.dtype), final.float()
+
+
+def kda_chunk_prefill(q, k, v, g_raw, beta, A_log, dt_bias=None, *, initial_state=None, cu_seqlens=None,
+                      lower_bound=None, beta_is_logit=True):
+    inputs = kda_form(q, k, v, g_raw, beta, A_log, dt_bias, cu_seqlens)
+    o, final = TORCH.varlen(dict(inputs, initial_state=initial_state), _params(lower_bound))
+    return o.to(v.dtype), final.float()
+'''
+
+TS_MTP = COMMON + '''
+def fused_recurrent_kda_mtp(q, k, v, g, beta, A_log, dt_bias, h_pool, read_indices, write_indices, *, h_pool_out=None,
+                            scale=None, lower_bound=None, recurrent_layout="k_major", use_qk_l2norm_in_kernel=True,
+                            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True):
+    B, T = q.shape[:2]
+    flat = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731
+    inputs = kda_form(flat(q), flat(k), flat(v), flat(g), flat(beta), A_log, dt_bias, torch.arange(B + 1) * T)
+    gate = "lower_bound" if lower_bound is not None else "softplus"
+    params = dict(gate=gate, lower_bound=lower_bound, beta="sigmoid", qk_l2norm=True, scale=scale,
+                  state_layout="v_first" if recurrent_layout == "v_major" else "k_first")
+    # the entering page in column 0 of a scratch row, then the positions' pages
+    idx = torch.cat([read_indices.long()[:, None], write_indices.reshape(B, T).long()], 1)
+    o = torch.zeros((1, B * T) + tuple(v.shape[2:]), dtype=torch.float64)
+    for n in range(B):
+        one = {key: (x[:, n * T:(n + 1) * T] if key in ("q", "k", "v", "g", "beta") else x) for key, x in inputs.items()
+               if key != "cu_seqlens"}
+        h0 = h_pool[idx[n, 0]:idx[n, 0] + 1].double() if idx[n, 0] >= 0 else torch.zeros(
+            (1,) + tuple(h_pool.shape[1:]), dtype=torch.float64)
+        for t in range(T):  # the state after token t into page write_indices[n, t] (< 0: not stored)
+            part = {key: (x[:, : t + 1] if key in ("q", "k", "v", "g", "beta") else x) for key, x in one.items()}
+            o_t, final = TORCH.prefill(part, params, h0)
+            o[0, n * T + t] = o_t[0, t]
+            if idx[n, t + 1] >= 0:
+                h_pool[idx[n, t + 1]] = final[0].to(h_pool.dtype)
+    return o.reshape((B, T) + tuple(v.shape[2:])).to(v.dtype)
+'''
+
+TS_GDN = COMMON + '''
+def triton_gdn_decode_step(q, k, v, *, A_log, a, dt_bias, b, initial_state, initial_state_indices, scale=None,
+                           output_state_indices=None, use_qk_l2norm=True):
+    B = q.shape[0]
+    flat = lambda x: x.reshape((1, B) + tuple(x.shape[2:]))  # noqa: E731
+    inputs = kda_form(flat(q), flat(k), flat(v), flat(a), flat(b), A_log, dt_bias, torch.arange(B + 1))
+    params = dict(gate="softplus", beta="sigmoid", qk_l2norm=use_qk_l2norm, scale=scale, state_layout="v_first")
+    o = torch.zeros((1, B) + tuple(v.shape[2:]), dtype=torch.float64)
+    for n in range(B):
+        i = int(initial_state_indices[n])
+        one = {key: (x[:, n:n + 1] if key in ("q", "k", "v", "g", "beta") else x) for key, x in inputs.items()
+               if key != "cu_seqlens"}
+        h0 = initial_state[i:i + 1].double() if i >= 0 else torch.zeros((1,) + tuple(initial_state.shape[1:]),
+                                                                           dtype=torch.float64)
+        o_n, final = TORCH.prefill(one, params, h0)
+        o[:, n] = o_n[:, 0]
+        if i >= 0:
+            initial_state[i] = final[0].to(initial_state.dtype)
+    return o.reshape((B, 1) + tuple(v.shape[2:])).to(v.dtype)
+'''
+
+
+SGLANG = COMMON + '''
+def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b,
+                                           initial_state_source, initial_state_indices, scale=None,
+                                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, is_kda=False,
+                                           disable_state_update=False, intermediate_states_buffer=None,
+                                           intermediate_state_indices=None, cache_steps=None,
+                                           retrieve_parent_token=None):
+    B, T, HV = q.shape[0], q.shape[1], v.shape[2]
+    g = a.reshape(B, T, HV, -1) if is_kda else a.reshape(B, T, HV)
+    inputs = kda_form(q, k, v, g, b, A_log, dt_bias, cu_seqlens)
+    params = dict(gate="softplus", beta="sigmoid", qk_l2norm=use_qk_l2norm_in_kernel, scale=scale,
+                  state_layout="v_first")
+    cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
+    o = torch.zeros(v.shape, dtype=torch.float64)
+    pool = initial_state_source
+    for n in range(len(cu) - 1):
+        i = int(initial_state_indices[n])
+        one = {key: (x[:, cu[n]:cu[n + 1]] if key in ("q", "k", "v", "g", "beta") else x) for key, x in inputs.items()
+               if key != "cu_seqlens"}
+        h0 = pool[i:i + 1].double() if i >= 0 else torch.zeros((1,) + tuple(pool.shape[1:]), dtype=torch.float64)
+        final = h0
+        for t in range(cu[n + 1] - cu[n]):  # the state after each token into the snapshot buffer
+            part = {key: (x[:, : t + 1] if key in ("q", "k", "v", "g", "beta") else x) for key, x in one.items()}
+            o_t, final = TORCH.prefill(part, params, h0)
+            o[0, cu[n] + t] = o_t[0, t]
+            if intermediate_states_buffer is not None and int(intermediate_state_indices[n]) >= 0:
+                intermediate_states_buffer[int(intermediate_state_indices[n]), t] = final[0].float()
+        if not disable_state_update and i >= 0:
+            pool[i] = final[0].to(pool.dtype)
+    return o.to(v.dtype)
+'''
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+
+
+@pytest.fixture
+def fresh_modules():
+    """Forget the engines' packages (the loaders refuse a second copy) and give a fake triton
+    (the shim imports it; no Triton here)."""
+    saved = dict(sys.modules)
+    for name in list(sys.modules):
+        if name.split(".")[0] in ("vllm", "tokenspeed_kernel", "sglang"):
+            del sys.modules[name]
+    if "triton" not in sys.modules:
+        triton = types.ModuleType("triton")
+        triton.language = types.ModuleType("triton.language")
+        sys.modules["triton"], sys.modules["triton.language"] = triton, triton.language
+    yield
+    for name in list(sys.modules):
+        if name not in saved:
+            del sys.modules[name]
+    sys.modules.update(saved)
+
+
+@pytest.fixture
+def vllm_tree(tmp_path):
+    def make(layout="k_first"):
+        ops = tmp_path / "vllm" / "model_executor" / "layers" / "fla" / "ops"
+        write(ops / "fused_recurrent.py", f"STATE_LAYOUT = {layout!r}\n" + VLLM_RECURRENT)
+        write(ops / "fused_recurrent_replayssm.py", VLLM_REPLAY)
+        write(tmp_path / "vllm" / "__init__.py", "raise ImportError('the stand-in package __init__ ran')\n")
+        write(tmp_path / "COMMITS.txt", "vllm/model_executor/layers/fla/ops/fused_recurrent.py 0123456789abcdef0123\n")
+        return tmp_path
+    return make
+
+
+@pytest.fixture
+def sglang_tree(tmp_path):
+    tmp_path = tmp_path / "sglang"
+    fla = tmp_path / "python" / "sglang" / "srt" / "layers" / "attention" / "fla"
+    write(fla / "fused_sigmoid_gating_recurrent.py", "from sglang.srt.layers.attention.fla.utils import is_intel\n"
+          + SGLANG)
+    write(tmp_path / "python" / "sglang" / "__init__.py", "raise ImportError('the stand-in package __init__ ran')\n")
+    write(fla / "utils.py", "raise ImportError('the real utils ran')\n")
+    return tmp_path
+
+
+@pytest.fixture
+def tokenspeed_tree(tmp_path):
+    tmp_path = tmp_path / "tokenspeed"  # beside vllm_tree's, each with its COMMITS.txt
+    root = tmp_path / "tokenspeed-kernel" / "python"
+    pkg = root / "tokenspeed_kernel"
+    write(pkg / "__init__.py", "raise ImportError('the stand-in package __init__ ran')\n")
+    write(pkg / "ops" / "attention" / "triton" / "linear" / "kda.py", TS_KDA)
+    write(pkg / "thirdparty" / "triton" / "fla_kda_recurrent.py", TS_MTP)
+    write(pkg / "ops" / "attention" / "triton" / "gated_delta_rule.py", TS_GDN)
+    write(tmp_path / "COMMITS.txt", "tokenspeed-kernel/python/tokenspeed_kernel f4d8ec6e039c028c7ee71317ccfb84e56ae2b45c\n")
+    return tmp_path
+
+
+def run_checks(adapter):
+    """{(check, case): (status, reason)} of every check the adapter's modes cover, on the CPU."""
+    out = {}
+    for check in adapter.checks:
+        for case_id, case, why in adapter.cases(check, SUITE):
+            if why:
+                out[(check, case_id)] = ("skip", why)
+                continue
+            r = adapter.run_check(check, case, "cpu")
+            out[(check, case_id)] = (r.status, r.reason)
+    return out
+
+
+def ran(results):
+    return {k: v for k, v in results.items() if v[0] != "skip"}
+
+
+# ---------------------------------------------------------------------------- loading
+
+class TestLoading:
+    def test_a_folder_without_the_ops_names_what_is_needed(self, tmp_path, fresh_modules):
+        with pytest.raises(RuntimeError) as e:
+            EV.load_ops("fused_recurrent", str(tmp_path))
+        msg = str(e.value)
+        assert "\n" not in msg and "--vllm-path" in msg and "vllm/model_executor/layers/fla/ops" in msg
+
+    def test_tokenspeed_folder_without_the_package(self, tmp_path, fresh_modules):
+        with pytest.raises(RuntimeError) as e:
+            ET.load_module("ops.attention.triton.linear.kda", str(tmp_path))
+        msg = str(e.value)
+        assert "\n" not in msg and "--tokenspeed-path" in msg and "tokenspeed_kernel" in msg
+
+    def test_tokenspeed_package_without_the_module(self, tokenspeed_tree, fresh_modules):
+        with pytest.raises(RuntimeError, match="has no ops/attention/triton/nope.py"):
+            ET.load_module("ops.attention.triton.nope", str(tokenspeed_tree))
+
+    def test_sglang_folder_without_the_kernel(self, tmp_path, fresh_modules):
+        with pytest.raises(RuntimeError) as e:
+            EG.load_module(str(tmp_path))
+        assert "\n" not in str(e.value) and "--sglang-path" in str(e.value)
+
+    def test_no_path_and_no_installed_engine(self, fresh_modules, monkeypatch):
+        import importlib.util
+
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("vllm", "tokenspeed_kernel", "sglang")
+                            else real(n, *a))
+        with pytest.raises(RuntimeError, match="or an installed vllm"):
+            EV.load_ops("fused_recurrent", None)
+        with pytest.raises(RuntimeError, match="or an installed tokenspeed_kernel"):
+            ET.load_module("ops.attention.triton.linear.kda", None)
+        with pytest.raises(RuntimeError, match="or an installed sglang"):
+            EG.load_module(None)
+
+    def test_package_inits_are_not_run_and_the_commit_is_reported(self, vllm_tree, tokenspeed_tree, fresh_modules):
+        mod = EV.load_ops("fused_recurrent", str(vllm_tree()))
+        assert "@0123456789ab" in SC.engine_version("vllm", mod)
+        ts = ET.load_module("ops.attention.triton.linear.kda", str(tokenspeed_tree))
+        assert "@f4d8ec6e039c" in SC.engine_version("tokenspeed", ts)
+        assert "vllm.triton_utils" in sys.modules and "vllm.platforms" in sys.modules  # the shims
+
+    def test_a_second_copy_is_refused(self, vllm_tree, tmp_path_factory, fresh_modules):
+        EV.load_ops("fused_recurrent", str(vllm_tree()))
+        other = tmp_path_factory.mktemp("other")
+        write(other / "vllm" / "model_executor" / "layers" / "fla" / "ops" / "fused_recurrent.py", "")
+        with pytest.raises(RuntimeError, match="another vllm is already imported"):
+            EV.load_ops("fused_recurrent", str(other))
+
+    def test_a_module_that_fails_to_import_gives_one_line(self, tmp_path, fresh_modules):
+        write(tmp_path / "vllm" / "model_executor" / "layers" / "fla" / "ops" / "fused_recurrent.py",
+              "from .op import exp\n")
+        with pytest.raises(RuntimeError) as e:
+            EV.load_ops("fused_recurrent", str(tmp_path))
+        assert "ModuleNotFoundError" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------- mapping
+
+def loaded(adapter, mod):
+    adapter.mod = mod
+    # The stand-ins carry fp64 between tokens but store fp32 pools: a split is not bitwise their
+    # single shot (the real kernels carry fp32 both ways, which the device run checks).
+    adapter.split_bitwise = False
+    return adapter
+
+
+class TestMapping:
+    def test_vllm_recurrent_modes_pass_through_the_stand_in(self, vllm_tree, fresh_modules):
+        mod = EV.load_ops("fused_recurrent", str(vllm_tree()))
+        for mode, expected in (("continuous_batching", {"golden", "slot_isolation", "layout_equivalence",
+                                                        "decode_after_prefill", "determinism"}),
+                               ("spec_decode", {"golden", "slot_isolation", "accepted_zero", "empty_sequences",
+                                                "determinism"})):
+            res = ran(run_checks(loaded(EV.VllmGdnRecurrentAdapter(mode), mod)))
+            assert {c for c, _ in res} == expected, (mode, res)
+            bad = {k: v for k, v in res.items() if v[0] != "pass"}
+            assert not bad, bad
+        # the goldens in its domain ran: the K-first decode and the K-first engine verify
+        assert ("golden", "gdn_decode_k_first") in ran(run_checks(loaded(EV.VllmGdnRecurrentAdapter(
+            "continuous_batching"), mod)))
+
+    def test_vllm_recurrent_with_a_v_first_stand_in_fails(self, vllm_tree, fresh_modules):
+        mod = EV.load_ops("fused_recurrent", str(vllm_tree("v_first")))
+        res = ran(run_checks(loaded(EV.VllmGdnRecurrentAdapter("continuous_batching"), mod)))
+        assert res[("golden", "gdn_decode_k_first")][0] == "fail"
+        assert res[("layout_equivalence", "-")][0] == "fail"
+
+    def test_vllm_replay_passes_the_engine_replay_golden(self, vllm_tree, fresh_modules):
+        mod = EV.load_ops("fused_recurrent_replayssm", str(vllm_tree()))
+        res = ran(run_checks(loaded(EV.VllmGdnReplayAdapter(), mod)))
+        assert set(res) == {("golden", "gdn_replay_decode_engine"), ("slot_isolation", "gdn_replay_decode_engine")}
+        assert all(v[0] == "pass" for v in res.values()), res
+
+    def test_tokenspeed_adapters_pass_through_the_stand_ins(self, tokenspeed_tree, fresh_modules):
+        path = str(tokenspeed_tree)
+        kda = ET.load_module("ops.attention.triton.linear.kda", path)
+        mtp = ET.load_module("thirdparty.triton.fla_kda_recurrent", path)
+        gdn = ET.load_module("ops.attention.triton.gated_delta_rule", path)
+        cases = {}
+        for adapter, mod in ((ET.TokenSpeedKdaPoolDecodeAdapter(), kda), (ET.TokenSpeedKdaMtpVerifyAdapter(), mtp),
+                             (ET.TokenSpeedKdaChunkPrefillAdapter(), kda), (ET.TokenSpeedGdnDecodeAdapter(), gdn)):
+            res = ran(run_checks(loaded(adapter, mod)))
+            bad = {k: v for k, v in res.items() if v[0] != "pass"}
+            assert res and not bad, (adapter.name, bad)
+            cases[adapter.name] = {case for _, case in res}
+        # each ran a golden of its domain (K3's safe gate; GDN's gating; the padded entries)
+        assert "serving_decode_safe_gate_engine" in cases["tokenspeed.kda_recurrent_decode_pool"]
+        assert {"gdn_verify_accepted_1_2_L", "gdn_verify_k_first_engine"} <= cases["tokenspeed.kda_mtp_verify"]
+        assert "gdn_decode_v_first_engine" in cases["tokenspeed.gdn_decode_step"]
+
+    def test_sglang_adapters_pass_through_the_stand_in(self, sglang_tree, fresh_modules):
+        mod = EG.load_module(str(sglang_tree))  # its utils.py and the package __init__ not run
+        cases = {}
+        for adapter in EG.adapters():
+            res = ran(run_checks(loaded(adapter, mod)))
+            bad = {k: v for k, v in res.items() if v[0] != "pass"}
+            assert res and not bad, (adapter.name, bad)
+            cases[adapter.name] = {case for _, case in res}
+        assert {"gdn_decode_v_first_engine"} <= cases["sglang.fused_sigmoid_gating[decode]"]
+        assert "serving_verify_per_token_engine" in cases["sglang.fused_sigmoid_gating[target_verify]"]
+        assert "gdn_decode_v_first_engine" in cases["sglang.fused_sigmoid_gating[gdn_decode]"]
+
+    def test_a_kda_case_is_outside_a_gdn_kernel(self):
+        a = EV.VllmGdnRecurrentAdapter("continuous_batching")
+        inputs, params, _ = SC.TorchServingAdapter()._problem(3, [1, 1])  # a gate per channel
+        with pytest.raises(ValueError, match="varies over K"):
+            EV.gdn_gating(inputs, params)
+        assert a.scalar_gate and ET.TokenSpeedGdnDecodeAdapter.scalar_gate
+
+
+# ---------------------------------------------------------------------------- registry
+
+class TestRegistry:
+    def test_the_built_ins_list_every_engine_kernel(self):
+        names = {a.name for a in registry.builtin_adapters()}
+        assert ENGINE_NAMES <= names
+        assert registry.kernel_by_name("vllm.gdn_replayssm_decode").name == "vllm.gdn_replayssm_decode"
+
+    def test_each_declares_a_domain_and_a_policy_with_its_bounds(self):
+        from k3ref import kernel_domains, policy
+
+        table = policy.load_table()
+        for a in registry.builtin_adapters():
+            if a.name not in ENGINE_NAMES:
+                continue
+            assert kernel_domains.builtin(a.name).about  # policy/kernel_domains.json
+            assert a.policy in table.policy_names() and a.contract and a.policy_reason, a.name
+            assert a.o_bound.multiple > 0 and a.state_bound.multiple > 0  # read from the policy's rules
+            assert a.requires_cuda
+
+    def test_the_kernel_paths_are_options(self):
+        from k3ref.gpu_check.plan import KERNEL_PATHS
+
+        envs = {env for _, env, _ in KERNEL_PATHS}
+        assert {"K3REF_VLLM_PATH", "K3REF_TOKENSPEED_PATH"} <= envs
