@@ -50,13 +50,19 @@ def load_torchtitan(path: str | None) -> tuple[Any, Any, str | None]:
         assert spec is not None and spec.loader is not None
         qb = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(qb)
-    if root:
-        sys.path.insert(0, str(root))
+    model, why = import_model(path)
+    return model, qb, why
+
+
+def import_model(path: str | None) -> tuple[Any, str | None]:
+    """(torchtitan.models.kimi_k3.model of the checkout at `path`, None), or (None, why not in
+    one line): the model needs the torchtitan package and its dependencies."""
+    if path and str(Path(path).resolve()) not in sys.path:
+        sys.path.insert(0, str(Path(path).resolve()))
     try:
-        model = importlib.import_module("torchtitan.models.kimi_k3.model")
-    except Exception as e:  # the layer needs the whole package: say why, in one line
-        return None, qb, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return model, qb, None
+        return importlib.import_module("torchtitan.models.kimi_k3.model"), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def build_layer(model: Any, p: dict[str, Any]) -> Any:
