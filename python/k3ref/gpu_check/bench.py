@@ -174,8 +174,9 @@ def _roofline_case(adapter, chunk, mode, size, H, K=128, V=128, reps=10):
             "flops": model["flops"], "bytes": model["bytes"], "ms": ms}
 
 
-def roofline(H=96, reps=10):
-    """Rows of the roofline table (a failing kernel or shape is a row with its error)."""
+def roofline(H=96, reps=10, on_row=None):
+    """Rows of the roofline table (a failing kernel or shape is a row with its error);
+    on_row(result so far) after each row, so a run cut short keeps what it measured."""
     from .adapters import FlaAdapter, FlashKdaAdapter
     peaks = device_peaks()
     rows = []
@@ -202,6 +203,8 @@ def roofline(H=96, reps=10):
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 rows.append(row)
                 torch.cuda.empty_cache()
+                if on_row:
+                    on_row({"device": torch.cuda.get_device_name(), "heads": H, "peaks": peaks, "rows": rows})
     return {"device": torch.cuda.get_device_name(), "heads": H, "peaks": peaks, "rows": rows}
 
 
@@ -258,14 +261,17 @@ def main(argv=None):
     ap.add_argument("--measurement", help="--roofline: write a measurements/ file here")
     args = ap.parse_args(argv)
     if args.roofline:
-        res = roofline(args.heads)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
-        if args.measurement:
-            from .. import measurement
-            measurement.write(roofline_measurement(res, "python3 -m k3ref.gpu_check.bench --roofline --heads "
-                                                   f"{args.heads}"), args.measurement)
+        def save(res):
+            print(json.dumps(res["rows"][-1]), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1)
+            if args.measurement:
+                from .. import measurement
+                measurement.write(roofline_measurement(res, "python3 -m k3ref.gpu_check.bench --roofline --heads "
+                                                       f"{args.heads}"), args.measurement)
+        res = roofline(args.heads, on_row=save)
+        save(res)
         print(roofline_table(res))
         return
     assert lib.available(), lib.load_error()
