@@ -133,7 +133,34 @@ class _Cache:
         return self.layers[layer_idx]
 
 
-class FLALayer:
+class _Adapter:
+    """What both adapters share: the layer's source (a class or module), device and dtype,
+    the options check and the weight loading."""
+
+    def __init__(self, source: Any, device: str, dtype: Any) -> None:
+        self.source, self.device, self.dtype = source, device, dtype
+
+    @staticmethod
+    def _lacks(p: dict[str, Any], need: dict[str, Any], who: str) -> str | None:
+        for k, v in need.items():
+            if p.get(k) != v:
+                return f"{k} = {p.get(k)!r}: {who} has {k} = {v!r}"
+        return None
+
+    def _load(self, layer: Any, sets: dict[str, Any], t: dict[str, Any], p: dict[str, Any]) -> Any:
+        import torch
+        params = dict(layer.named_parameters())
+        with torch.no_grad():
+            for n, v in sets.items():
+                params[n].copy_(torch.as_tensor(v).to(params[n].dtype))
+        # A_log and dt_bias stay fp32, as the goldens (and both layers' initialisations) hold them.
+        layer.A_log.data = torch.as_tensor(t["A_log"], dtype=torch.float32, device=self.device).clone()
+        layer.dt_bias.data = torch.as_tensor(t["dt_bias"], dtype=torch.float32, device=self.device).clone()
+        layer.k3ref_sizes = p
+        return layer
+
+
+class FLALayer(_Adapter):
     """fla.layers.kda.KimiDeltaAttention. States cross the adapter K-first, conv windows as
     [N, C, W - 1] (q, k, v channels); FLA keeps V-first states and one [N, c, W] conv cache
     per projection, whose last W - 1 columns are the window."""
@@ -141,16 +168,13 @@ class FLALayer:
     name = "fla"
     has_cache = True
 
-    def __init__(self, cls: Any, device: str, dtype: Any) -> None:
-        self.cls, self.device, self.dtype = cls, device, dtype
-
     @staticmethod
     def expresses(p: dict[str, Any]) -> str | None:
         need = {"f_rank": p["V"], "g_rank": p["V"], "A_log": True, "dt_bias": True, "norm_weight": True,
                 "output_norm": True, "activation": "silu", "qk_l2norm": True, "norm_eps": 1e-5}
-        for k, v in need.items():
-            if p.get(k) != v:
-                return f"{k} = {p.get(k)!r}: FLA's layer has {k} = {v!r}"
+        lacks = _Adapter._lacks(p, need, "FLA's layer")
+        if lacks:
+            return lacks
         if p["gate"] not in ("softplus", "lower_bound") or p["beta"] not in ("sigmoid", "two_sigmoid"):
             return f"gate {p['gate']!r} / beta {p['beta']!r}: FLA's layer computes softplus or lower_bound, sigmoid or 2 sigmoid"
         return None
@@ -158,7 +182,7 @@ class FLALayer:
     def build(self, t: dict[str, Any], p: dict[str, Any]) -> Any:
         import torch
         W = p["conv_size"]
-        layer = self.cls(hidden_size=p["D"], expand_v=p["V"] / p["K"], head_dim=p["K"], num_heads=p["H"],
+        layer = self.source(hidden_size=p["D"], expand_v=p["V"] / p["K"], head_dim=p["K"], num_heads=p["H"],
                          num_v_heads=p["HV"], mode="chunk", use_short_conv=W > 0,
                          allow_neg_eigval=p["beta"] == "two_sigmoid",
                          lower_bound=p["lower_bound"] if p["gate"] == "lower_bound" else None,
@@ -173,16 +197,8 @@ class FLALayer:
                 sets[f"{n}_conv1d.weight"] = torch.as_tensor(t[f"{n}_conv"])[:, None, :]
                 if p.get("conv_bias"):
                     sets[f"{n}_conv1d.bias"] = t[f"{n}_conv_bias"]
-        params = dict(layer.named_parameters())
-        with torch.no_grad():
-            for n, v in sets.items():
-                params[n].copy_(torch.as_tensor(v).to(params[n].dtype))
-            params["g_proj.1.bias"].copy_(torch.as_tensor(t["g_bias"]) if "g_bias" in t else torch.zeros_like(params["g_proj.1.bias"]))
-        # A_log and dt_bias stay fp32, as the goldens (and FLA's initialisation) hold them.
-        layer.A_log.data = torch.as_tensor(t["A_log"], dtype=torch.float32, device=self.device).clone()
-        layer.dt_bias.data = torch.as_tensor(t["dt_bias"], dtype=torch.float32, device=self.device).clone()
-        layer.k3ref_sizes = p
-        return layer
+        sets["g_proj.1.bias"] = t["g_bias"] if "g_bias" in t else torch.zeros(p["HV"] * p["V"])  # absent: zero, exact
+        return self._load(layer, sets, t, p)
 
     def _split(self, layer: Any) -> list[int]:
         p = layer.k3ref_sizes
@@ -221,15 +237,12 @@ class FLALayer:
         return y, final, fconv
 
 
-class TorchtitanLayer:
+class TorchtitanLayer(_Adapter):
     """torchtitan.models.kimi_k3.model.KimiDeltaAttention: forward(x [B, T, D]) only; each
     row one document, no cache, no cu_seqlens, no mask (a training layer)."""
 
     name = "torchtitan"
     has_cache = False
-
-    def __init__(self, model: Any, device: str, dtype: Any) -> None:
-        self.model, self.device, self.dtype = model, device, dtype
 
     @staticmethod
     def expresses(p: dict[str, Any]) -> str | None:
@@ -237,26 +250,26 @@ class TorchtitanLayer:
             return "GVA or K != V: torchtitan's layer has H = HV and K = V = head_dim"
         need = {"f_rank": p["K"], "g_bias": False, "conv_bias": False, "A_log": True, "dt_bias": True,
                 "norm_weight": True, "output_norm": True, "activation": "silu", "qk_l2norm": True, "beta": "sigmoid"}
-        for k, v in need.items():
-            if p.get(k) != v:
-                return f"{k} = {p.get(k)!r}: torchtitan's layer has {k} = {v!r}"
+        lacks = _Adapter._lacks(p, need, "torchtitan's layer")
+        if lacks:
+            return lacks
         if p["g_rank"] not in (0, p["K"]) or not p["conv_size"]:
             return "output gate rank or no short conv: torchtitan's layer has rank head_dim or full rank, and a short conv"
         if p.get("cu_seqlens") or p.get("attention_mask") or p.get("initial_state"):
             return "cu_seqlens, a mask or entering states: torchtitan's forward(x) takes none"
         return None
 
-    def build(self, t: dict[str, Any], p: dict[str, Any]) -> Any:
-        import dataclasses
+    @staticmethod
+    def config_fields(p: dict[str, Any]) -> dict[str, Any]:
+        """KimiK3Config's fields for a golden's sizes (the rest keep their defaults)."""
+        return dict(hidden_size=p["D"], kda_num_heads=p["H"], kda_head_dim=p["K"], kda_short_conv_kernel_size=p["conv_size"],
+                    kda_gate_lower_bound=p["lower_bound"] if p["gate"] == "lower_bound" else None,
+                    kda_use_full_rank_gate=p["g_rank"] == 0, rms_norm_eps=p["norm_eps"], kda_cp_mode="kcp")
 
+    @staticmethod
+    def weights(t: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
+        """{parameter name: the golden's tensor} (the conv weights as [C, 1, W])."""
         import torch
-        fields = dict(hidden_size=p["D"], kda_num_heads=p["H"], kda_head_dim=p["K"], kda_short_conv_kernel_size=p["conv_size"],
-                      kda_gate_lower_bound=p["lower_bound"] if p["gate"] == "lower_bound" else None,
-                      kda_use_full_rank_gate=p["g_rank"] == 0, rms_norm_eps=p["norm_eps"], kda_cp_mode="kcp")
-        known = {f.name for f in dataclasses.fields(self.model.KimiK3Config)}
-        config = self.model.KimiK3Config(**{k: v for k, v in fields.items() if k in known})
-        layer = self.model.KimiDeltaAttention(self.model.KimiDeltaAttention.make_config(config, layer_idx=0))
-        layer = layer.to(device=self.device, dtype=self.dtype).eval()
         sets = {"q_proj.weight": t["q_proj"], "k_proj.weight": t["k_proj"], "v_proj.weight": t["v_proj"],
                 "b_proj.weight": t["b_proj"], "o_proj.weight": t["o_proj"], "f_a_proj.weight": t["f_a"],
                 "f_b_proj.weight": t["f_b"], "o_norm.weight": t["norm_weight"]}
@@ -266,14 +279,16 @@ class TorchtitanLayer:
             sets.update({"g_a_proj.weight": t["g_a"], "g_b_proj.weight": t["g_b"]})
         for n in ("q", "k", "v"):
             sets[f"{n}_conv1d.weight"] = torch.as_tensor(t[f"{n}_conv"])[:, None, :]
-        params = dict(layer.named_parameters())
-        with torch.no_grad():
-            for n, v in sets.items():
-                params[n].copy_(torch.as_tensor(v).to(params[n].dtype))
-        layer.A_log.data = torch.as_tensor(t["A_log"], dtype=torch.float32, device=self.device).clone()
-        layer.dt_bias.data = torch.as_tensor(t["dt_bias"], dtype=torch.float32, device=self.device).clone()
-        layer.k3ref_sizes = p
-        return layer
+        return sets
+
+    def build(self, t: dict[str, Any], p: dict[str, Any]) -> Any:
+        import dataclasses
+        model = self.source
+        known = {f.name for f in dataclasses.fields(model.KimiK3Config)}
+        config = model.KimiK3Config(**{k: v for k, v in self.config_fields(p).items() if k in known})
+        layer = model.KimiDeltaAttention(model.KimiDeltaAttention.make_config(config, layer_idx=0))
+        layer = layer.to(device=self.device, dtype=self.dtype).eval()
+        return self._load(layer, self.weights(t, p), t, p)
 
     def forward(self, layer: Any, x: Any) -> Any:
         import torch
@@ -368,7 +383,7 @@ def check_goldens(adapter: Any, golden_dir: str) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- self-consistency checks
 
-def _sizes(torch: Any, device: str) -> dict[str, Any]:
+def _sizes() -> dict[str, Any]:
     """The layer of the self-consistency checks: FLA's defaults with GVA and K3's gate, at
     sizes its kernels accept (K = V = 64: chunk mode needs K >= 16)."""
     return {"D": 128, "H": 2, "HV": 4, "K": 64, "V": 64, "conv_size": 4, "conv_bias": False, "f_rank": 64, "g_rank": 64,
@@ -396,7 +411,7 @@ def _na(rows: list[dict[str, Any]], layer_name: str, check: str, reason: str) ->
 
 def fla_self_checks(a: FLALayer, lengths: tuple[int, ...] = (37, 1, 90)) -> list[dict[str, Any]]:
     import torch
-    p = _sizes(torch, a.device)
+    p = _sizes()
     layer = a.build(random_weights(p, 7, torch), p)
     D = p["D"]
     total = sum(lengths)
@@ -486,7 +501,7 @@ def fla_self_checks(a: FLALayer, lengths: tuple[int, ...] = (37, 1, 90)) -> list
 
 def torchtitan_self_checks(a: TorchtitanLayer, kcp: bool) -> list[dict[str, Any]]:
     import torch
-    p = _sizes(torch, a.device)
+    p = _sizes()
     p.update(HV=p["H"], g_bias=False)
     t = random_weights(p, 7, torch)
     layer = a.build(t, p)
@@ -586,19 +601,15 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["K3REF_TORCHTITAN_PATH"] = str(Path(args.torchtitan_path).resolve())
     rows: list[dict[str, Any]] = []
     adapters: list[Any] = []
-    if args.layer in ("fla", "both"):
-        cls, why = import_fla(args.fla_path)
-        if cls is None:
-            rows.append({"layer": "fla", "check": "import", "status": "error", "reason": why})
-        else:
-            adapters.append(FLALayer(cls, args.device, torch.bfloat16))
-    if args.layer in ("torchtitan", "both"):
-        from .moe_check import import_model
-        model, why = import_model(args.torchtitan_path)
-        if model is None:
-            rows.append({"layer": "torchtitan", "check": "import", "status": "error", "reason": why})
-        else:
-            adapters.append(TorchtitanLayer(model, args.device, torch.bfloat16))
+    from .moe_check import import_model
+    for name, cls, load, path in (("fla", FLALayer, import_fla, args.fla_path),
+                                  ("torchtitan", TorchtitanLayer, import_model, args.torchtitan_path)):
+        if args.layer in (name, "both"):
+            source, why = load(path)
+            if source is None:
+                rows.append({"layer": name, "check": "import", "status": "error", "reason": why})
+            else:
+                adapters.append(cls(source, args.device, torch.bfloat16))
     for a in adapters:
         rows += check_goldens(a, args.golden_dir)
         if not args.no_self_checks:

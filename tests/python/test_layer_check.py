@@ -141,3 +141,25 @@ def test_the_figures_of_a_pair():
     assert same["passed"] and same["bitwise"] and same["worst_floors"] == 0
     off = layer_check.pair_verdict({"x": (a + 1, a)})
     assert not off["passed"] and off["worst_floors"] > 100
+
+
+def test_the_torchtitan_adapter_names_what_its_model_defines():
+    """torchtitan's model does not import here (torch 1.13): its source is read instead, so a
+    renamed parameter or config field is caught before a GPU run."""
+    import ast
+    import os
+    src = Path(os.environ.get("K3REF_TORCHTITAN_PATH", ROOT / ".thirdparty" / "torchtitan")) / "torchtitan" / "models" / "kimi_k3" / "model.py"
+    if not src.exists():
+        pytest.skip(f"no torchtitan checkout ({src})")
+    tree = ast.parse(src.read_text())
+    classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+    fields = {n.target.id for n in classes["KimiK3Config"].body if isinstance(n, ast.AnnAssign)}
+    init = next(f for f in classes["KimiDeltaAttention"].body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    attrs = {n.attr for n in ast.walk(init) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    from k3ref import goldens
+    case = goldens.load_case("kda_layer_torchtitan_b2", str(GOLDENS))
+    assert layer_check.TorchtitanLayer.expresses(case.params) is None
+    assert set(layer_check.TorchtitanLayer.config_fields(case.params)) <= fields
+    for p in (case.params, {**case.params, "g_rank": 0}):
+        modules = {n.split(".")[0] for n in layer_check.TorchtitanLayer.weights(case.tensors, p)}
+        assert modules | {"A_log", "dt_bias"} <= attrs, modules - attrs
