@@ -13,7 +13,7 @@
 #        absent from the image: spmd_types, tyro, typeguard, docstring_parser; appended to the
 #        path, so installed packages come first);
 #        K3REF_CORE_PATH (a built k3ref._core; else built here into OUT/build, ~1-2 min);
-#        LIMIT_LAYERS, LIMIT_MOE, LIMIT_ROOFLINE (seconds; defaults 170, 60, 200); HEADS (96).
+#        LIMIT_LAYERS, LIMIT_MOE, LIMIT_ROOFLINE, LIMIT_KCP (seconds; defaults 150, 60, 200, 150); HEADS (96).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -40,8 +40,8 @@ if [ -z "${K3REF_CORE_PATH:-}" ]; then
 fi
 $PY -c "import flash_kda" 2>/dev/null || echo "flash_kda not importable from $TP/FlashKDA: the roofline reports FlashKDA as not loaded"
 
-step "FLA's and torchtitan's KimiDeltaAttention (k3ref.layer_check, KCP on 2 ranks)"
-timeout "${LIMIT_LAYERS:-170}" $PY -m k3ref.layer_check --layer both --device cuda --kcp \
+step "FLA's and torchtitan's KimiDeltaAttention (k3ref.layer_check: goldens, self-consistency)"
+timeout "${LIMIT_LAYERS:-150}" $PY -m k3ref.layer_check --layer both --device cuda --checks golden,self \
   --fla-path "$TP/fla_pkg" --torchtitan-path "$TP/torchtitan" --json "$OUT/layers.json" \
   --measurement "$OUT/h200_kda_layers.json" > "$OUT/layers.txt" 2>&1
 rc=$?; [ $rc = 0 ] || { status=1; echo "layer_check exit $rc (124: over its limit)"; }
@@ -56,8 +56,15 @@ timeout "${LIMIT_ROOFLINE:-200}" $PY -m k3ref.gpu_check.bench --roofline --heads
   --json "$OUT/roofline.json" --measurement "$OUT/h200_roofline_kda.json" > "$OUT/roofline.txt" 2>&1
 rc=$?; [ $rc = 0 ] || { status=1; echo "roofline exit $rc (its rows so far are in $OUT/roofline.json)"; }
 
+# Last: each rank autotunes FLA's chunk_kda (its only mode under KCP), up to minutes.
+step "torchtitan's KCP path on 2 ranks (NCCL with 2 GPUs, else gloo on one)"
+timeout "${LIMIT_KCP:-150}" $PY -m k3ref.layer_check --layer torchtitan --device cuda --checks kcp \
+  --torchtitan-path "$TP/torchtitan" --json "$OUT/kcp.json" --measurement "$OUT/h200_torchtitan_kcp.json" > "$OUT/kcp.txt" 2>&1
+rc=$?; [ $rc = 0 ] || { status=1; echo "KCP exit $rc (124: over its limit)"; }
+
 step "summary"
 echo "--- layers (last lines of $OUT/layers.txt)"; grep -v '^{' "$OUT/layers.txt" | tail -40
+echo "--- KCP"; grep -v '^{' "$OUT/kcp.txt" | tail -4
 echo "--- moe"; $PY - "$OUT/moe.json" <<'EOF' || tail -5 "$OUT/moe.txt"
 import json, sys
 for r in json.load(open(sys.argv[1])):

@@ -2,7 +2,8 @@
 and against themselves (docs/kda-layer.md, "Checking FLA's and torchtitan's layers").
 
     python3 -m k3ref.layer_check --layer fla|torchtitan|both [--fla-path DIR] [--torchtitan-path DIR]
-                                 [--device cuda] [--kcp] [--json OUT] [--measurement OUT]
+                                 [--device cuda] [--checks golden,self,kcp] [--long]
+                                 [--json OUT] [--measurement OUT]
 
 Each layer is built from a golden's sizes and its weights loaded from the golden's tensors
 (bf16 values, exact in bf16; A_log and dt_bias fp32), then:
@@ -405,11 +406,24 @@ def _run(rows: list[dict[str, Any]], layer_name: str, check: str, fn: Callable[[
     rows.append(row)
 
 
+def _row(layer_name: str, check: str, fn: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    _run(rows, layer_name, check, fn)
+    return rows
+
+
 def _na(rows: list[dict[str, Any]], layer_name: str, check: str, reason: str) -> None:
     rows.append({"layer": layer_name, "check": check, "status": "not applicable", "reason": reason})
 
 
-def fla_self_checks(a: FLALayer, lengths: tuple[int, ...] = (37, 1, 90)) -> list[dict[str, Any]]:
+# Documents of the self-consistency checks: 51 tokens in all, so FLA's layer (chunk mode only
+# above 64 tokens in a call) runs fused_recurrent throughout and the device run autotunes no
+# chunk kernel (40-160 s per new shape); --long takes 128 (the 90-token document and the
+# packed batch in chunk mode, the decode against a chunked prefill).
+SHORT_DOCUMENTS, LONG_DOCUMENTS = (20, 1, 30), (37, 1, 90)
+
+
+def fla_self_checks(a: FLALayer, lengths: tuple[int, ...] = SHORT_DOCUMENTS) -> list[dict[str, Any]]:
     import torch
     p = _sizes()
     layer = a.build(random_weights(p, 7, torch), p)
@@ -499,22 +513,29 @@ def fla_self_checks(a: FLALayer, lengths: tuple[int, ...] = (37, 1, 90)) -> list
     return rows
 
 
-def torchtitan_self_checks(a: TorchtitanLayer, kcp: bool) -> list[dict[str, Any]]:
+def _torchtitan_layer(a: TorchtitanLayer) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     import torch
     p = _sizes()
     p.update(HV=p["H"], g_bias=False)
     t = random_weights(p, 7, torch)
-    layer = a.build(t, p)
+    return a.build(t, p), t, p
+
+
+def torchtitan_self_checks(a: TorchtitanLayer, T: int = 40) -> list[dict[str, Any]]:
+    """T = 40: fused_recurrent (torchtitan's layer runs chunk mode above 64 tokens)."""
+    import torch
+    layer, t, p = _torchtitan_layer(a)
     rows: list[dict[str, Any]] = []
 
     def rows_isolated() -> dict[str, Any]:
-        x = hidden((3, 80, p["D"]), 12, torch)
+        x = hidden((3, T, p["D"]), 12, torch)
         y1 = a.forward(layer, x)
         x2 = x.clone()
         x2[1] = -x2[1]
         y2 = a.forward(layer, x2)
         v = pair_verdict({"y": (y2[[0, 2]], y1[[0, 2]])}, exact=True)
-        return v
+        changed = not torch.equal(y2[1], y1[1])
+        return {**v, "passed": v["passed"] and changed, "changed_row_differs": changed}
 
     _run(rows, a.name, "rows", rows_isolated)
     for check in ("isolation", "mask_cu"):
@@ -522,10 +543,6 @@ def torchtitan_self_checks(a: TorchtitanLayer, kcp: bool) -> list[dict[str, Any]
             "says packed documents carry state across their boundaries)")
     for check in ("decode", "verify", "pools"):
         _na(rows, a.name, check, "forward(x) has no cache: a training layer")
-    if kcp:
-        _run(rows, a.name, "kcp", lambda: kcp_check(a, t, p))
-    else:
-        _na(rows, a.name, "kcp", "not requested (--kcp)")
     return rows
 
 
@@ -556,13 +573,14 @@ def _kcp_rank(rank: int, world: int, backend: str, device: str, model_path: str 
         dist.destroy_process_group()
 
 
-def kcp_check(a: TorchtitanLayer, t: dict[str, Any], p: dict[str, Any], world: int = 2, T: int = 256) -> dict[str, Any]:
+def kcp_check(a: TorchtitanLayer, world: int = 2, T: int = 256) -> dict[str, Any]:
+    """The whole sequence (chunk mode: T > 64) against KCP's shards, T / world tokens each."""
     import tempfile
 
     import torch
     import torch.multiprocessing as mp
+    layer, t, p = _torchtitan_layer(a)
     x = hidden((1, T, p["D"]), 13, torch)
-    layer = a.build(t, p)
     whole = a.forward(layer, x)
     backend = "nccl" if a.device.startswith("cuda") and torch.cuda.device_count() >= world else "gloo"
     os.environ["MASTER_PORT"] = str(29500 + os.getpid() % 1000)
@@ -591,9 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torchtitan-path", default=os.environ.get("K3REF_TORCHTITAN_PATH"))
     ap.add_argument("--golden-dir", default=os.environ.get("K3REF_GOLDENS", str(Path(__file__).resolve().parents[2] / "goldens")))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--kcp", action="store_true", help="also run torchtitan's KCP path on 2 ranks")
-    ap.add_argument("--no-self-checks", action="store_true", help="the goldens only")
-    ap.add_argument("--json", help="write the rows as JSON to this file")
+    ap.add_argument("--checks", default="golden,self", help="of golden, self, kcp (torchtitan's KCP path on 2 ranks)")
+    ap.add_argument("--long", action="store_true", help="the FLA self-checks on 128 tokens (chunk mode) instead of 51")
+    ap.add_argument("--json", help="write the rows as JSON to this file (rewritten after each stage)")
     ap.add_argument("--measurement", help="write a measurements/ file (tools/render_measurements.py) to this path")
     args = ap.parse_args(argv)
     import torch
@@ -610,26 +628,43 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"layer": name, "check": "import", "status": "error", "reason": why})
             else:
                 adapters.append(cls(source, args.device, torch.bfloat16))
+    checks = set(args.checks.split(","))
+    if checks - {"golden", "self", "kcp"}:
+        ap.error(f"--checks: unknown {sorted(checks - {'golden', 'self', 'kcp'})}")
+    command = "python3 -m k3ref.layer_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    save(rows, args, command)
     for a in adapters:
-        rows += check_goldens(a, args.golden_dir)
-        if not args.no_self_checks:
+        stages: list[tuple[str, Callable[[], list[dict[str, Any]]]]] = []
+        if "golden" in checks:
+            stages.append(("golden", lambda: check_goldens(a, args.golden_dir)))
+        if "self" in checks:
+            stages.append(("self", lambda: fla_self_checks(a, LONG_DOCUMENTS if args.long else SHORT_DOCUMENTS)
+                           if isinstance(a, FLALayer) else torchtitan_self_checks(a)))
+        if "kcp" in checks and isinstance(a, TorchtitanLayer):
+            stages.append(("kcp", lambda: _row(a.name, "kcp", lambda: kcp_check(a))))
+        for stage, run in stages:
             try:
-                rows += fla_self_checks(a) if isinstance(a, FLALayer) else torchtitan_self_checks(a, args.kcp)
+                new = run()
             except Exception as e:  # the layer could not be built at the checks' sizes
-                rows.append({"layer": a.name, "check": "self-checks", "status": "error", "reason": _one_line(e)})
-    for r in rows:
-        print(json.dumps(r, default=str))
+                new = [{"layer": a.name, "check": stage, "status": "error", "reason": _one_line(e)}]
+            for r in new:
+                print(json.dumps(r, default=str), flush=True)
+            rows += new
+            save(rows, args, command)
+    print(summary(rows))
+    bad = [r for r in rows if r.get("status") in ("fail", "error")]
+    return 1 if bad else 0
+
+
+def save(rows: list[dict[str, Any]], args: Any, command: str) -> None:
+    """The rows so far to --json and --measurement (a run cut short keeps what it checked)."""
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
     if args.measurement:
         from . import measurement
         m = measurement.record(Path(args.measurement).stem, "FLA's and torchtitan's KimiDeltaAttention layers: goldens and "
-                               "self-consistency checks", {"layers": measurement_table(rows)},
-                               commands=["python3 -m k3ref.layer_check " + " ".join(argv if argv is not None else sys.argv[1:])])
+                               "self-consistency checks", {"layers": measurement_table(rows)}, commands=[command])
         measurement.write(m, args.measurement)
-    print(summary(rows))
-    bad = [r for r in rows if r.get("status") in ("fail", "error")]
-    return 1 if bad else 0
 
 
 def _cell(r: dict[str, Any]) -> str:
