@@ -38,7 +38,6 @@ What a layer's API does not expose is reported "not applicable: <reason>".
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib
 import json
 import math

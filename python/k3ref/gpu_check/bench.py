@@ -143,7 +143,6 @@ def device_peaks(matmul_n=8192, copy_elements=1 << 28):
         b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=dtype)
         a @ b  # warm: cuBLAS picks its kernel
         out[name] = 2 * matmul_n**3 / (_median_ms(lambda: a @ b, reps=10) / 1e3)
-        del a, b
     src = torch.empty(copy_elements, device="cuda", dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
