@@ -34,8 +34,8 @@ status=0
 
 step "k3ref._core (the judge)"
 if [ -z "${K3REF_CORE_PATH:-}" ]; then
-  meson setup "$OUT/build" -Dtests=disabled -Dbenchmarks=disabled -Dgpu_check=disabled -Dpython=enabled \
-    -Dmpfr=disabled > "$OUT/meson.txt" 2>&1 && ninja -C "$OUT/build" > "$OUT/ninja.txt" 2>&1 \
+  { [ -f "$OUT/build/build.ninja" ] || meson setup "$OUT/build" -Dtests=disabled -Dbenchmarks=disabled -Dgpu_check=disabled \
+    -Dpython=enabled -Dmpfr=disabled > "$OUT/meson.txt" 2>&1; } && ninja -C "$OUT/build" > "$OUT/ninja.txt" 2>&1 \
     && export K3REF_CORE_PATH=$OUT/build/python || { echo "k3ref._core not built (see $OUT/ninja.txt)"; status=1; }
 fi
 $PY -c "import flash_kda" 2>/dev/null || echo "flash_kda not importable from $TP/FlashKDA: the roofline reports FlashKDA as not loaded"
