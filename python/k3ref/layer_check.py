@@ -673,6 +673,10 @@ def _cell(r: dict[str, Any]) -> str:
         return f"error: {r['reason']}"
     if "ratios" in r:
         return r["status"] + " (" + ", ".join(f"{n} {v:.2g}x" for n, v in r["ratios"].items()) + ")"
+    if "all_ones_mask_with_cu" in r:
+        ones, pad = r["all_ones_mask_with_cu"], r["padding_mask"]
+        return (f"{r['status']} (all-ones mask with cu_seqlens: {'==' if ones['bitwise'] else 'differs'}; padding mask: "
+                f"worst {pad['worst_floors']:.3g} floors of 16)")
     if "worst_floors" in r:
         return f"{r['status']} ({r['policy']}; worst {r['worst_floors']:.3g} floors{', bitwise' if r.get('bitwise') else ''})"
     return str(r.get("status"))
