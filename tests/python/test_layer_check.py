@@ -163,3 +163,29 @@ def test_the_torchtitan_adapter_names_what_its_model_defines():
     for p in (case.params, {**case.params, "g_rank": 0}):
         modules = {n.split(".")[0] for n in layer_check.TorchtitanLayer.weights(case.tensors, p)}
         assert modules | {"A_log", "dt_bias"} <= attrs, modules - attrs
+
+
+@needs_core
+def test_the_command_writes_rows_and_a_measurement_that_renders(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import json
+    monkeypatch.setattr(layer_check, "import_fla", lambda path: (StandInKDA, None))
+
+    class F64(layer_check.FLALayer):  # the stand-in computes in float64: give it float64 inputs
+        def __init__(self, source, device, dtype):
+            super().__init__(source, device, torch.float64)
+
+    monkeypatch.setattr(layer_check, "FLALayer", F64)
+    out = tmp_path / "measurements"
+    out.mkdir()
+    rc = layer_check.main(["--layer", "fla", "--device", "cpu", "--json", str(tmp_path / "rows.json"),
+                           "--measurement", str(out / "cpu_layers.json")])
+    assert rc == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {r["check"] for r in rows} == {"golden", "isolation", "mask_cu", "decode", "verify", "rows", "pools"}
+    spec = importlib.util.spec_from_file_location("render_measurements", ROOT / "tools" / "render_measurements.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    table = render.render_table(render.load_measurements(tmp_path)["cpu_layers"], "layers")
+    assert "`kda_layer_fla_b2`" in table and "not applicable" in table
+    assert "fla" in capsys.readouterr().out.splitlines()[-1]
