@@ -12,7 +12,8 @@
 #        FlashKDA (its extension built in place), pydeps (torchtitan's Python dependencies
 #        absent from the image: spmd_types, tyro, typeguard, docstring_parser; appended to the
 #        path, so installed packages come first);
-#        K3REF_CORE_PATH (a built k3ref._core; else built here into OUT/build, ~1-2 min);
+#        K3REF_CORE_PATH (a built k3ref._core; else built here into BUILD_DIR, default
+#        /tmp/k3ref_layers_build, ~1-2 min);
 #        LIMIT_LAYERS, LIMIT_MOE, LIMIT_ROOFLINE, LIMIT_KCP (seconds; defaults 150, 60, 200, 150); HEADS (96).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,31 +35,32 @@ status=0
 
 step "k3ref._core (the judge)"
 if [ -z "${K3REF_CORE_PATH:-}" ]; then
-  { [ -f "$OUT/build/build.ninja" ] || meson setup "$OUT/build" -Dtests=disabled -Dbenchmarks=disabled -Dgpu_check=disabled \
-    -Dpython=enabled -Dmpfr=disabled > "$OUT/meson.txt" 2>&1; } && ninja -C "$OUT/build" > "$OUT/ninja.txt" 2>&1 \
-    && export K3REF_CORE_PATH=$OUT/build/python || { echo "k3ref._core not built (see $OUT/ninja.txt)"; status=1; }
+  B=${BUILD_DIR:-/tmp/k3ref_layers_build}  # outside OUT: OUT comes back to the caller
+  { [ -f "$B/build.ninja" ] || meson setup "$B" -Dtests=disabled -Dbenchmarks=disabled -Dgpu_check=disabled \
+    -Dpython=enabled -Dmpfr=disabled > "$OUT/meson.txt" 2>&1; } && ninja -C "$B" > "$OUT/ninja.txt" 2>&1 \
+    && export K3REF_CORE_PATH=$B/python || { echo "k3ref._core not built (see $OUT/ninja.txt)"; status=1; }
 fi
 $PY -c "import flash_kda" 2>/dev/null || echo "flash_kda not importable from $TP/FlashKDA: the roofline reports FlashKDA as not loaded"
 
 step "FLA's and torchtitan's KimiDeltaAttention (k3ref.layer_check: goldens, self-consistency)"
-timeout "${LIMIT_LAYERS:-150}" $PY -m k3ref.layer_check --layer both --device cuda --checks golden,self \
+timeout -k 10 "${LIMIT_LAYERS:-150}" $PY -m k3ref.layer_check --layer both --device cuda --checks golden,self \
   --fla-path "$TP/fla_pkg" --torchtitan-path "$TP/torchtitan" --json "$OUT/layers.json" \
   --measurement "$OUT/h200_kda_layers.json" > "$OUT/layers.txt" 2>&1
 rc=$?; [ $rc = 0 ] || { status=1; echo "layer_check exit $rc (124: over its limit)"; }
 
 step "torchtitan's latent MoE layer (k3ref.moe_check --device cuda)"
-timeout "${LIMIT_MOE:-60}" $PY -m k3ref.moe_check --torchtitan-path "$TP/torchtitan" --device cuda \
+timeout -k 10 "${LIMIT_MOE:-60}" $PY -m k3ref.moe_check --torchtitan-path "$TP/torchtitan" --device cuda \
   --json "$OUT/moe.json" --measurement "$OUT/h200_torchtitan_latent_moe.json" > "$OUT/moe.txt" 2>&1
 rc=$?; [ $rc = 0 ] || { status=1; echo "moe_check exit $rc"; }
 
 step "roofline (k3ref.gpu_check.bench --roofline)"
-timeout "${LIMIT_ROOFLINE:-200}" $PY -m k3ref.gpu_check.bench --roofline --heads "${HEADS:-96}" \
+timeout -k 10 "${LIMIT_ROOFLINE:-200}" $PY -m k3ref.gpu_check.bench --roofline --heads "${HEADS:-96}" \
   --json "$OUT/roofline.json" --measurement "$OUT/h200_roofline_kda.json" > "$OUT/roofline.txt" 2>&1
 rc=$?; [ $rc = 0 ] || { status=1; echo "roofline exit $rc (its rows so far are in $OUT/roofline.json)"; }
 
 # Last: each rank autotunes FLA's chunk_kda (its only mode under KCP), up to minutes.
 step "torchtitan's KCP path on 2 ranks (NCCL with 2 GPUs, else gloo on one)"
-timeout "${LIMIT_KCP:-150}" $PY -m k3ref.layer_check --layer torchtitan --device cuda --checks kcp \
+timeout -k 10 "${LIMIT_KCP:-150}" $PY -m k3ref.layer_check --layer torchtitan --device cuda --checks kcp \
   --torchtitan-path "$TP/torchtitan" --json "$OUT/kcp.json" --measurement "$OUT/h200_torchtitan_kcp.json" > "$OUT/kcp.txt" 2>&1
 rc=$?; [ $rc = 0 ] || { status=1; echo "KCP exit $rc (124: over its limit)"; }
 
