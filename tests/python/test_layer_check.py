@@ -14,7 +14,7 @@ from conftest import GOLDENS, ROOT, needs_core
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.append(str(ROOT / "tests"))  # the NumPy oracle (tests/oracle)
 from oracle.layer import Layer  # noqa: E402  (the one NumPy layer)
 
 from k3ref import layer_check  # noqa: E402
