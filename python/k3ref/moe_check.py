@@ -50,13 +50,19 @@ def load_torchtitan(path: str | None) -> tuple[Any, Any, str | None]:
         assert spec is not None and spec.loader is not None
         qb = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(qb)
-    if root:
-        sys.path.insert(0, str(root))
+    model, why = import_model(path)
+    return model, qb, why
+
+
+def import_model(path: str | None) -> tuple[Any, str | None]:
+    """(torchtitan.models.kimi_k3.model of the checkout at `path`, None), or (None, why not in
+    one line): the model needs the torchtitan package and its dependencies."""
+    if path and str(Path(path).resolve()) not in sys.path:
+        sys.path.insert(0, str(Path(path).resolve()))
     try:
-        model = importlib.import_module("torchtitan.models.kimi_k3.model")
-    except Exception as e:  # the layer needs the whole package: say why, in one line
-        return None, qb, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return model, qb, None
+        return importlib.import_module("torchtitan.models.kimi_k3.model"), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def build_layer(model: Any, p: dict[str, Any]) -> Any:
@@ -105,7 +111,7 @@ def rel_rms(a: Any, b: Any) -> float:
     return math.sqrt(float(((a - b) ** 2).sum())) / den if den > 0 else float(np.abs(a).max(initial=0))
 
 
-def check_case(path: Path, model: Any, qbmod: Any, device: str) -> list[dict[str, Any]]:
+def check_case(path: Path, model: Any, qbmod: Any, device: str, dtype: str = "bfloat16") -> list[dict[str, Any]]:
     """Rows of one golden. Without the model, the QB part alone, on the golden's affinities."""
     import numpy as np
     import torch
@@ -120,6 +126,11 @@ def check_case(path: Path, model: Any, qbmod: Any, device: str) -> list[dict[str
     if model is not None:
         layer = build_layer(model, p).to(device)
         set_weights(layer, t, torch)
+        # The parameters in the input's dtype (torch._grouped_mm takes one dtype; the golden's
+        # weights are bf16 values, exact); the buffers (the expert bias, the load counts) stay
+        # fp32, as torchtitan keeps them.
+        for prm in layer.parameters():
+            prm.data = prm.data.to(getattr(torch, dtype))
         layer.eval()
     k, n, m = p["k"], p["n"], p["m"]
     rows = []
@@ -133,7 +144,7 @@ def check_case(path: Path, model: Any, qbmod: Any, device: str) -> list[dict[str
         if layer is not None:
             with torch.no_grad():
                 layer._moe.expert_bias_E.copy_(torch.as_tensor(-golden_bias, dtype=torch.float32))
-                x = torch.as_tensor(t["x"][b], dtype=torch.bfloat16, device=device)[None]
+                x = torch.as_tensor(t["x"][b], dtype=getattr(torch, dtype), device=device)[None]
                 start = time.perf_counter()
                 y = layer(x)[0].float().cpu().numpy()
                 row["seconds"] = time.perf_counter() - start
@@ -172,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torchtitan-path", default=os.environ.get("K3REF_TORCHTITAN_PATH"))
     ap.add_argument("--golden-dir", default=os.environ.get("K3REF_GOLDENS", str(Path(__file__).resolve().parents[2] / "goldens")))
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16", help="the layer's parameters and input (default bfloat16)")
     ap.add_argument("--json", help="write the rows as JSON to this file")
+    ap.add_argument("--measurement", help="write a measurements/ file of the rows to this path")
     a = ap.parse_args(argv)
     try:
         model, qbmod, why = load_torchtitan(a.torchtitan_path)
@@ -184,14 +197,44 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for path in sorted(Path(a.golden_dir).glob("latent_moe_*.safetensors")):
         try:
-            rows += check_case(path, model, qbmod, a.device)
+            rows += check_case(path, model, qbmod, a.device, a.dtype)
         except Exception as e:
             rows.append({"case": path.stem, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
     for r in rows:
         print(json.dumps(r))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    if a.measurement:
+        from . import measurement
+        notes = [f"torchtitan's kimi_k3 model did not import: {why}"] if why else []
+        m = measurement.record(Path(a.measurement).stem, f"torchtitan's latent MoE layer (KimiMoE) and its QB update on "
+                               f"the moe.latent goldens, {a.device}", {"layer": measurement_table(rows)},
+                               commands=["python3 -m k3ref.moe_check " + " ".join(argv if argv is not None else sys.argv[1:])],
+                               notes=notes, torchtitan=None)
+        measurement.write(m, a.measurement)
     return 0
+
+
+COLUMNS = (("case", "golden"), ("batch", "batch"), ("output_rel_rms", "output rel RMS"),
+           ("affinity_error", "affinity max error"), ("carried_bias_error", "carried bias, max error"),
+           ("selection_differs_outside_ties", "selections differing outside near-ties"), ("loads_equal", "loads equal"),
+           ("max_vio", "MaxVio torchtitan"), ("golden_max_vio", "MaxVio golden"), ("note", "skipped / error"))
+
+
+def measurement_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rows as a measurements/ table (booleans as text: the renderer takes none)."""
+    out = []
+    for r in rows:
+        cell = {k: r.get(k) for k, _ in COLUMNS if k in r}
+        cell["case"] = f"`{r['case']}`"
+        if "loads_equal" in r:
+            cell["loads_equal"] = "yes" if r["loads_equal"] else "no"
+        if "skipped" in r or "error" in r:
+            cell["note"] = r.get("skipped") or r.get("error")
+        out.append(cell)
+    return {"caption": "Per golden and batch (output and affinities against the golden's; QB state carried from zero):",
+            "columns": [{"key": k, "title": t, **({"format": "{:.2e}"} if k.endswith(("rms", "error")) else {"format": "{:.3g}"} if "vio" in k else {})}
+                        for k, t in COLUMNS], "rows": out}
 
 
 if __name__ == "__main__":

@@ -283,6 +283,10 @@ std::vector<Case> layer_default_cases() {
   };
   // Prefill. FLA's layer, two rows, no states.
   add("kda_layer_fla_b2", "layer.kda", with(fla_layer(16, 2, 2, 8, 8), batch(2, 9, false)));
+  // torchtitan's KimiDeltaAttention (kimi_k3/model.py): H = HV, K = V, the low-rank output
+  // gate without a bias (its g_b_proj has none), K3's lower-bound gate; two rows, no states
+  // (its forward reads neither cu_seqlens nor a cache).
+  add("kda_layer_torchtitan_b2", "layer.kda", with(with(k3_layer(16, 2, 2, 8, 8), {{"g_bias", false}}), batch(2, 9, false)));
   // GVA (HV = 3H), K != V, K3's gate, conv bias, allow_neg_eigval (2 sigmoid beta), entering
   // states, documents of 0, 1, 5, 0 and 5 tokens.
   add("kda_layer_gva_varlen_states", "layer.kda",

@@ -23,7 +23,7 @@ np = pytest.importorskip("numpy")
 from oracle import rel_rms, worst_element  # noqa: E402  (the one NumPy oracle)
 from oracle.layer import MUTANTS, layer_outputs  # noqa: E402
 
-# Bound on the relative RMS difference: measured worst 3.96e-16 over 9 goldens
+# Bound on the relative RMS difference: measured worst 3.96e-16 over 10 goldens
 # (date 2026-12-02); bound 4x (3.8x).
 TOLERANCE = 1.5e-15
 # The recommended policy's floor multiple for the layer's outputs, read from the table.
@@ -31,7 +31,7 @@ POLICY = "kda-layer"
 _TABLE = json.loads((Path(__file__).resolve().parents[2] / "policy" / "policies.json").read_text())
 FLOOR_MULTIPLE = _TABLE["policies"][POLICY]["rules"]["layer.kda"]["output"]["multiple"]
 # The bf16 emulation's worst ratio to the bf16 floor: measured 3.80x (y of
-# kda_layer_decode_chunked_prefill; states at most 2.5x) over the 9 goldens (date 2026-12-02).
+# kda_layer_decode_chunked_prefill; states at most 2.5x) over the 10 goldens (date 2026-12-02).
 EMULATION_WORST_RATIO = 3.8
 
 

@@ -1,7 +1,17 @@
 """Throughput of the comparator against the device copy bandwidth, and the fp64 reference's
-time for the K3 shape (96 heads, K = V = 128) over 10^6 tokens.
+time for the K3 shape (96 heads, K = V = 128) over 10^6 tokens; with --roofline, the roofline
+table of the KDA kernels instead.
 
-python3 -m k3ref.gpu_check.bench [--elements N] [--tokens T] [--chunk C]"""
+python3 -m k3ref.gpu_check.bench [--elements N] [--tokens T] [--chunk C]
+python3 -m k3ref.gpu_check.bench --roofline [--heads H] [--json OUT] [--measurement OUT]
+
+The roofline: for FLA's chunk_kda and fused_recurrent_kda and FlashKDA at K = V = 128, prefill
+of T in ROOFLINE_PREFILL_T tokens and decode of ROOFLINE_DECODE_BATCH sequences of one token,
+the cost model's FLOPs and bytes (k3ref.cost: FlashKDA's chunked-prefill model at the kernel's
+chunk size, the decode model per token for the token-by-token kernels), the measured time (CUDA
+events, median of warm calls), and the fractions of the device's peaks reached. The peaks are
+measured on the device in the same run: bf16 and fp32 FLOP/s by a large matmul, bytes/s by a
+large device-to-device copy (bytes read plus bytes written)."""
 import argparse
 import json
 import time
@@ -12,6 +22,7 @@ from . import checks, lib, metrics, references
 
 
 def _median_ms(fn, reps=5):
+    """Median of `reps` CUDA-event timings of fn(), each on a warm device."""
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -117,12 +128,151 @@ def reference_agreement(T=300, H=2, K=128, V=128):
     return {"gpu_vs_torch_rel_rms": m.rel_rms, "split_bitwise_equal": split_equal}
 
 
+ROOFLINE_PREFILL_T = (4096, 32768)
+ROOFLINE_DECODE_BATCH = (1, 64)
+# The chunk each kernel's prefill runs in (the cost model's C): FLA's chunk_kda uses chunks of
+# 64, FlashKDA of 16; fused_recurrent_kda is token by token (the decode model per token).
+ROOFLINE_KERNELS = {"fla.chunk_kda": 64, "fla.fused_recurrent_kda": None, "flashkda.fwd": 16}
+
+
+def device_peaks(matmul_n=8192, copy_elements=1 << 28):
+    """The device's peaks, measured: {"bf16_flops", "fp32_flops", "copy_bytes"} per second."""
+    out = {}
+    for name, dtype in (("bf16_flops", torch.bfloat16), ("fp32_flops", torch.float32)):
+        a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=dtype)
+        b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=dtype)
+        a @ b  # warm: cuBLAS picks its kernel
+        out[name] = 2 * matmul_n**3 / (_median_ms(lambda: a @ b, reps=10) / 1e3)
+    src = torch.empty(copy_elements, device="cuda", dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    out["copy_bytes"] = 2 * src.numel() * 4 / (_median_ms(lambda: dst.copy_(src), reps=10) / 1e3)
+    out["tf32_allowed"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    return out
+
+
+def _roofline_case(adapter, chunk, mode, size, H, K=128, V=128, reps=10):
+    from .. import cost
+    params = k3_params()
+    if mode == "prefill":
+        inputs = k3_inputs(size, H, K, V, 21)
+        model = (cost.prefill(tokens=size, head_dim=K, chunk=chunk, heads=H)["total"] if chunk else
+                 cost.decode(head_dim=K, heads=H, tokens=size))
+    else:
+        inputs = {n: t.expand(size, *t.shape[1:]).contiguous() for n, t in k3_inputs(1, H, K, V, 22).items()}
+        inputs["initial_state"] = torch.rand(size, H, K, V, device="cuda", dtype=torch.float32) * 0.1
+        model = cost.decode(head_dim=K, heads=H, tokens=size)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    inputs["A_log"] = torch.rand(H, generator=gen, device="cuda") - 0.5
+    inputs["dt_bias"] = torch.rand(H, K, generator=gen, device="cuda") - 0.5
+    for _ in range(3):  # autotuning and compilation happen here, outside the timing
+        adapter.run(inputs, params)
+    torch.cuda.synchronize()
+    ms = _median_ms(lambda: adapter.run(inputs, params), reps=reps)
+    return {"model": "prefill C=%d" % chunk if chunk and mode == "prefill" else "decode per token",
+            "flops": model["flops"], "bytes": model["bytes"], "ms": ms}
+
+
+def roofline(H=96, reps=10, on_row=None):
+    """Rows of the roofline table (a failing kernel or shape is a row with its error);
+    on_row(result so far) after each row, so a run cut short keeps what it measured."""
+    from .adapters import FlaAdapter, FlashKdaAdapter
+    peaks = device_peaks()
+    rows = []
+    made = {"fla.chunk_kda": lambda: FlaAdapter("chunk_kda"), "fla.fused_recurrent_kda": lambda: FlaAdapter("fused_recurrent_kda"),
+            "flashkda.fwd": FlashKdaAdapter}
+    for name, chunk in ROOFLINE_KERNELS.items():
+        try:
+            adapter = made[name]()
+            adapter.load()
+        except Exception as e:
+            rows.append({"kernel": name, "error": f"not loaded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            continue
+        for mode, sizes in (("prefill", ROOFLINE_PREFILL_T), ("decode", ROOFLINE_DECODE_BATCH)):
+            for size in sizes:
+                row = {"kernel": name, "mode": mode, ("T" if mode == "prefill" else "batch"): size, "heads": H, "K": 128, "V": 128}
+                try:
+                    row.update(_roofline_case(adapter, chunk, mode, size, H, reps=reps))
+                    sec = row["ms"] / 1e3
+                    row.update({"flops_per_second": row["flops"] / sec, "bytes_per_second": row["bytes"] / sec,
+                                "fraction_bf16_peak": row["flops"] / sec / peaks["bf16_flops"],
+                                "fraction_fp32_peak": row["flops"] / sec / peaks["fp32_flops"],
+                                "fraction_copy_bandwidth": row["bytes"] / sec / peaks["copy_bytes"]})
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                rows.append(row)
+                torch.cuda.empty_cache()
+                if on_row:
+                    on_row({"device": torch.cuda.get_device_name(), "heads": H, "peaks": peaks, "rows": rows})
+    return {"device": torch.cuda.get_device_name(), "heads": H, "peaks": peaks, "rows": rows}
+
+
+def roofline_table(res):
+    lines = [f"peaks: bf16 {res['peaks']['bf16_flops'] / 1e12:.0f} TFLOP/s, fp32 {res['peaks']['fp32_flops'] / 1e12:.1f} "
+             f"TFLOP/s, copy {res['peaks']['copy_bytes'] / 1e9:.0f} GB/s",
+             f"{'kernel':<24} {'shape':<12} {'GFLOP':>9} {'GB':>8} {'ms':>9} {'%bf16':>7} {'%fp32':>7} {'%copy':>7}"]
+    for r in res["rows"]:
+        shape = f"T={r['T']}" if "T" in r else (f"batch={r['batch']}" if "batch" in r else "")
+        if "error" in r:
+            lines.append(f"{r['kernel']:<24} {shape:<12} {r['error'][:80]}")
+            continue
+        lines.append(f"{r['kernel']:<24} {shape:<12} {r['flops'] / 1e9:9.2f} {r['bytes'] / 1e9:8.3f} {r['ms']:9.4f} "
+                     f"{100 * r['fraction_bf16_peak']:6.2f}% {100 * r['fraction_fp32_peak']:6.2f}% "
+                     f"{100 * r['fraction_copy_bandwidth']:6.2f}%")
+    return "\n".join(lines)
+
+
+def roofline_measurement(res, command):
+    from .. import measurement
+    fmt = lambda k, f: {"key": k, "title": f[0], "format": f[1]}  # noqa: E731
+    cols = [{"key": "kernel", "title": "kernel"}, {"key": "shape", "title": "shape"}, {"key": "model", "title": "cost model"},
+            fmt("gflop", ("GFLOP", "{:.3g}")), fmt("gb", ("GB", "{:.3g}")), fmt("ms", ("ms (median)", "{:.4g}")),
+            fmt("bf16", ("of bf16 peak", "{:.2%}")), fmt("fp32", ("of fp32 peak", "{:.2%}")),
+            fmt("copy", ("of copy bandwidth", "{:.2%}"))]
+    table_rows = []
+    for r in res["rows"]:
+        shape = f"T = {r['T']}" if "T" in r else (f"batch {r['batch']}" if "batch" in r else None)
+        if "error" in r:
+            table_rows.append({"kernel": r["kernel"], "shape": shape, "model": r["error"]})
+            continue
+        table_rows.append({"kernel": r["kernel"], "shape": shape, "model": r["model"], "gflop": r["flops"] / 1e9,
+                           "gb": r["bytes"] / 1e9, "ms": r["ms"], "bf16": r["fraction_bf16_peak"],
+                           "fp32": r["fraction_fp32_peak"], "copy": r["fraction_copy_bandwidth"]})
+    p = res["peaks"]
+    return measurement.record(
+        "h200_roofline_kda", "Roofline of the KDA kernels at K = V = 128: the cost models' FLOPs and bytes against the "
+        "measured time and the device's measured peaks",
+        {"roofline": {"caption": f"{res['heads']} heads; peaks measured in the same run: bf16 matmul "
+                      f"{p['bf16_flops'] / 1e12:.0f} TFLOP/s, fp32 matmul {p['fp32_flops'] / 1e12:.1f} TFLOP/s "
+                      f"(TF32 {'on' if p['tf32_allowed'] else 'off'}), copy {p['copy_bytes'] / 1e9:.0f} GB/s:",
+                      "columns": cols, "rows": table_rows}},
+        commands=[command], notes=["peaks and times: CUDA events, median of warm calls (3 untimed calls first)"])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--elements", type=int, default=1 << 31)
     ap.add_argument("--tokens", type=int, default=1_000_000)
     ap.add_argument("--chunk", type=int, default=125_000)
+    ap.add_argument("--roofline", action="store_true", help="the roofline table of the KDA kernels only")
+    ap.add_argument("--heads", type=int, default=96)
+    ap.add_argument("--json", help="--roofline: write the rows and peaks as JSON here")
+    ap.add_argument("--measurement", help="--roofline: write a measurements/ file here")
     args = ap.parse_args(argv)
+    if args.roofline:
+        def save(res):
+            print(json.dumps(res["rows"][-1]), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1)
+            if args.measurement:
+                from .. import measurement
+                measurement.write(roofline_measurement(res, "python3 -m k3ref.gpu_check.bench --roofline --heads "
+                                                       f"{args.heads}"), args.measurement)
+        res = roofline(args.heads, on_row=save)
+        save(res)
+        print(roofline_table(res))
+        return
     assert lib.available(), lib.load_error()
     res = {"device": torch.cuda.get_device_name()}
     res["reference_agreement"] = reference_agreement()
