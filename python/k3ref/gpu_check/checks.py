@@ -11,9 +11,9 @@ import torch
 
 from .. import policy
 from . import metrics as M
-from . import probe
 from .autotune import NOT_APPLICABLE, describe, kernel_name, pinned, recording
 from .protocol import CheckResult  # noqa: F401 (checks.CheckResult, as before)
+from .protocol import NotSupported
 from .protocol import shapes_of as _shapes
 
 
@@ -185,7 +185,7 @@ def _guard(adapter, check, case, fn):
     t0 = time.time()
     try:
         res = fn()
-    except probe.NotSupported as e:  # the installed version lacks an option or feature: not applicable
+    except NotSupported as e:  # the installed version lacks an option or feature: not applicable
         res = CheckResult(adapter.name, check, case, "skip", f"n/a ({e})")
     except Exception as e:
         res = CheckResult(adapter.name, check, case, "error", f"{type(e).__name__}: {e}".splitlines()[0][:300],

@@ -22,8 +22,7 @@ import textwrap
 import torch
 
 
-class NotSupported(Exception):
-    """A case needs what this version of the kernel does not accept (reported not applicable)."""
+from .protocol import NotSupported  # noqa: F401 (probe.NotSupported, where the probe raises it)
 
 
 _ACCEPTED = {}

@@ -30,6 +30,10 @@ KERNEL_PATHS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla packag
                 ("lib", "K3GC_LIB", "path of libk3gc.so (default: build*/gpu_check/)"))
 
 
+class NotSupported(Exception):
+    """A case needs what this version of the kernel does not accept (reported not applicable)."""
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """Every option of a run, as the plugin's command line gave it (`--k3ref-*`)."""

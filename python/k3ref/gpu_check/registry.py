@@ -161,10 +161,10 @@ def _broken(name, reason):
 BUILTIN_SPECS = ("k3ref.gpu_check.adapters:kda_adapters",          # libk3gc, FLA, FlashKDA
                  "k3ref.gpu_check.attnres_check:LigerAttnResAdapter",
                  "k3ref.gpu_check.qb_check:torchtitan_adapters",
-                 "k3ref.gpu_check.serving_check:serving_adapters",  # FLA's serving paths
-                 "k3ref.gpu_check.engine_vllm:adapters",            # the serving engines' own kernels
-                 "k3ref.gpu_check.engine_sglang:adapters",
-                 "k3ref.gpu_check.engine_tokenspeed:adapters")
+                 "k3ref.gpu_check.serving_check:serving_adapters")  # FLA's serving paths
+# The serving engines' own kernels (their table: serving_check --engines).
+ENGINE_SPECS = ("k3ref.gpu_check.engine_vllm:adapters", "k3ref.gpu_check.engine_sglang:adapters",
+                "k3ref.gpu_check.engine_tokenspeed:adapters")
 TEST_KERNELS = "k3ref.gpu_check.adapters:torch_test_kernels"
 
 
@@ -173,7 +173,7 @@ def builtin_adapters():
     point): libk3gc's fp64 reference and fp32 kernel and its mutants, FLA, FlashKDA, Liger's
     AttnRes, torchtitan's Quantile Balancing, FLA's serving paths (serving_check.py) and the serving
     engines' own kernels (engine_vllm.py, engine_sglang.py, engine_tokenspeed.py)."""
-    return [a for spec in BUILTIN_SPECS for a in resolve(spec)]
+    return [a for spec in BUILTIN_SPECS + ENGINE_SPECS for a in resolve(spec)]
 
 
 def kernel_by_name(name, extra=()):

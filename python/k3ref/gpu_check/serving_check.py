@@ -1268,10 +1268,9 @@ def main(argv=None):
                      ("tokenspeed_path", "K3REF_TOKENSPEED_PATH"), ("fla_path", "K3REF_FLA_PATH")):
         if getattr(args, opt):
             os.environ[env] = str(Path(getattr(args, opt)).resolve())
-    from . import engine_sglang, engine_tokenspeed, engine_vllm
+    from .registry import ENGINE_SPECS, resolve  # the engines' modules import this one: named, not imported
 
-    adapters = (engine_vllm.adapters() + engine_sglang.adapters() + engine_tokenspeed.adapters() if args.engines
-                else serving_adapters())
+    adapters = [a for spec in ENGINE_SPECS for a in resolve(spec)] if args.engines else serving_adapters()
     if args.only:
         wanted = set(args.only.split(","))
         adapters = [a for a in adapters if a.name in wanted]
