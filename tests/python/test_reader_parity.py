@@ -730,6 +730,7 @@ def read_py_outputs(path):
     return in_child(read, path)
 
 
+@needs_core  # the Python side expands through k3ref._core (check::expand_outputs)
 def test_the_output_pattern_expansions_agree(tmp_path):
     if not os.path.exists(EXE):
         pytest.skip(f"no k3ref command at {EXE}")
