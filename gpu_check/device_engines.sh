@@ -24,14 +24,8 @@ if [ -n "${K3REF_CORE_PATH:-}" ] && $PY -c "import k3ref; k3ref._compiled()" 2>/
   echo "== k3ref._core from K3REF_CORE_PATH=$K3REF_CORE_PATH"
 else
   echo "== k3ref._core (the judge)"
-  if [ ! -f "$OUT/build/build.ninja" ]; then
-    rm -rf "$OUT/build"
-    meson setup "$OUT/build" -Dpython=enabled -Dtests=disabled -Dbenchmarks=disabled -Dgpu_check=disabled \
-      > "$OUT/meson.txt" 2>&1 || meson setup "$OUT/build" -Dpython=enabled -Dtests=disabled -Dbenchmarks=disabled \
-      -Dgpu_check=disabled -Dmpfr=disabled > "$OUT/meson.txt" 2>&1 || { tail -5 "$OUT/meson.txt"; }
-  fi
-  targets=$(ninja -C "$OUT/build" -t targets all 2>/dev/null | sed -n 's/^\(python\/_core[^:]*\.so\): .*/\1/p')
-  ninja -C "$OUT/build" $targets > "$OUT/ninja.txt" 2>&1 || { echo "k3ref._core not built:"; tail -5 "$OUT/ninja.txt"; }
+  . gpu_check/device_build.sh
+  device_build "$OUT/build" "$OUT" || echo "k3ref._core not built (see $OUT/ninja.txt)"
   echo "built in $(( $(date +%s) - t0 )) s"
   export K3REF_CORE_PATH=$OUT/build/python
 fi

@@ -36,9 +36,8 @@ status=0
 step "k3ref._core (the judge)"
 if [ -z "${K3REF_CORE_PATH:-}" ]; then
   B=${BUILD_DIR:-/tmp/k3ref_layers_build}  # outside OUT: OUT comes back to the caller
-  { [ -f "$B/build.ninja" ] || meson setup "$B" -Dtests=disabled -Dbenchmarks=disabled -Dgpu_check=disabled \
-    -Dpython=enabled -Dmpfr=disabled > "$OUT/meson.txt" 2>&1; } && ninja -C "$B" > "$OUT/ninja.txt" 2>&1 \
-    && export K3REF_CORE_PATH=$B/python || { echo "k3ref._core not built (see $OUT/ninja.txt)"; status=1; }
+  . gpu_check/device_build.sh
+  device_build "$B" "$OUT" && export K3REF_CORE_PATH=$B/python || { echo "k3ref._core not built (see $OUT/ninja.txt)"; status=1; }
 fi
 $PY -c "import flash_kda" 2>/dev/null || echo "flash_kda not importable from $TP/FlashKDA: the roofline reports FlashKDA as not loaded"
 

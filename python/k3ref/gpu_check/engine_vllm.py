@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from .adapters import _env_path, _need_cuda
-from .serving_check import (GDN_POOL_OPS, REPLAY_OPS, BuiltinDomain, PolicyBound, ServingAdapter, engine_version,
-                            import_engine_module, scalar_gate)
+from .serving_check import (GDN_POOL_OPS, REPLAY_OPS, BuiltinDomain, PolicyBound, ServingAdapter, ServingModes,
+                            engine_version, import_engine_module, scalar_gate)
 
 OPS = "vllm/model_executor/layers/fla/ops"
 NEEDS = (f"a directory holding {OPS}/ (fused_recurrent.py, op.py; fused_recurrent_replayssm.py and "
@@ -114,7 +114,7 @@ def gdn_gating(inputs, params):
     return g.contiguous(), beta.contiguous()
 
 
-class VllmGdnRecurrentAdapter(VllmAdapter):
+class VllmGdnRecurrentAdapter(ServingModes, VllmAdapter):
     """vLLM's fused_recurrent_gated_delta_rule_fwd (GDN, fp32 state and arithmetic, bf16 in and
     out) in its two serving modes. Its pool is K-first ([slots, HV, K, V]) and an index -1 is not
     guarded: it addresses the slot before the pool."""
@@ -136,13 +136,7 @@ class VllmGdnRecurrentAdapter(VllmAdapter):
     pad_reason = "vLLM's kernel (this commit) reads and writes slot -1, the memory before the pool"
     multi_token_reason = "its continuous batching stores the state after token t into index column t"
 
-    def __init__(self, mode="spec_decode"):
-        super().__init__()
-        if mode not in ("continuous_batching", "spec_decode"):
-            raise ValueError(f"unknown mode {mode!r}")
-        self.mode = mode
-        self.name = f"vllm.fused_recurrent_gdn[{mode}]"
-        self.modes = ("decode", "prefill") if mode == "continuous_batching" else ("verify", "varlen")
+    kernel_name = "vllm.fused_recurrent_gdn"
 
     def _call(self, inputs, params, initial_state, **kw):
         g, beta = gdn_gating(inputs, params)

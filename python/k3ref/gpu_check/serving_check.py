@@ -1015,7 +1015,23 @@ class TorchServingAdapter(ServingAdapter):
         return h.transpose(-1, -2) if v_first else h
 
 
-class FlaServingAdapter(ServingAdapter):
+class ServingModes:
+    """A recurrent kernel adapted in its two serving modes, one adapter each (`kernel_name[mode]`).
+    Each check runs once over the two: decode, the split and the layouts with continuous
+    batching; verify, accepted count 0 and the plain varlen call with spec decoding."""
+
+    kernel_name = None
+
+    def __init__(self, mode="spec_decode"):
+        super().__init__()
+        if mode not in ("continuous_batching", "spec_decode"):
+            raise ValueError(f"unknown mode {mode!r}")
+        self.mode = mode
+        self.name = f"{self.kernel_name}[{mode}]"
+        self.modes = ("decode", "prefill") if mode == "continuous_batching" else ("verify", "varlen")
+
+
+class FlaServingAdapter(ServingModes, ServingAdapter):
     """FLA's fused_recurrent_kda_fwd with ssm_state_indices (continuous batching, the pool as
     initial_state, inplace_final_state=True) and num_accepted_tokens (spec decoding). Decode maps
     to 1-D ssm_state_indices with one token per sequence (FLA stores the state after token t into
@@ -1037,15 +1053,7 @@ class FlaServingAdapter(ServingAdapter):
     per_token_reason = "with inplace_final_state=False FLA allocates N state rows but writes row bos + t"
     multi_token_reason = "FLA's continuous batching stores the state after token t into index column t"
 
-    def __init__(self, mode="spec_decode"):
-        super().__init__()
-        if mode not in ("continuous_batching", "spec_decode"):
-            raise ValueError(f"unknown mode {mode!r}")
-        self.mode = mode
-        self.name = f"fla.fused_recurrent_kda[{mode}]"
-        # Each check runs once over the two: decode, the split and the layouts with continuous
-        # batching; verify, accepted count 0 and the plain varlen call with spec decoding.
-        self.modes = ("decode", "prefill") if mode == "continuous_batching" else ("verify", "varlen")
+    kernel_name = "fla.fused_recurrent_kda"
 
     def load(self):
         _need_cuda()
