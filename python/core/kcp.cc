@@ -20,20 +20,20 @@ py::dict kcp_forward(const py::dict& inputs, const py::dict& options, const std:
     exec::ProgressLines progress =
         kda::token_head_progress("k3ref.kcp_forward", in, kda_options<double>(options), !std::is_same_v<S, double>,
                                  kda::RelativeCost::kcp_forward, progress_after, python_stderr_line);
-    const std::optional<kcp::ContextParallelResult<S>> cp = with_progress(
-        progress, true, [&] { return std::optional(kcp::context_parallel_forward(kda::lift<S>(in), opt, splits, how)); });
+    const kcp::ContextParallelResult<S> cp =
+        with_progress(progress, true, [&] { return kcp::context_parallel_forward(kda::lift<S>(in), opt, splits, how); });
     py::dict r;
-    put_outputs(r, cp->out);
+    put_outputs(r, cp.out);
     std::vector<Tensor<S>> transitions, states;
     std::vector<std::int64_t> origin;
-    for (const auto& f : cp->fragments) {
+    for (const auto& f : cp.fragments) {
       transitions.push_back(f.transition);
       states.push_back(f.state);
     }
-    for (const auto& s : cp->plan.ranks) origin.push_back(s.origin_rank);
+    for (const auto& s : cp.plan.ranks) origin.push_back(s.origin_rank);
     r["fragment_transition"] = to_numpy(stack(transitions));
     r["fragment_state"] = to_numpy(stack(states));
-    r["entering_state"] = to_numpy(stack(cp->entering_states));
+    r["entering_state"] = to_numpy(stack(cp.entering_states));
     r["origin_rank"] = to_numpy(Tensor<std::int64_t>({static_cast<std::int64_t>(origin.size())}, origin));
     return r;
   });
@@ -50,13 +50,12 @@ py::dict kcp_backward(const py::dict& inputs, const py::dict& cotangents, const 
     exec::ProgressLines progress =
         kda::token_head_progress("k3ref.kcp_backward", in, kda_options<double>(options), !std::is_same_v<S, double>,
                                  kda::RelativeCost::kcp_backward, progress_after, python_stderr_line);
-    const std::optional<kcp::ContextParallelBackwardResult<S>> res = with_progress(progress, true, [&] {
-      return std::optional(kcp::context_parallel_backward(kda::lift<S>(in), opt, splits, cot, how));
-    });
+    const kcp::ContextParallelBackwardResult<S> res = with_progress(
+        progress, true, [&] { return kcp::context_parallel_backward(kda::lift<S>(in), opt, splits, cot, how); });
     py::dict r;
-    put_gradients(r, res->gradients);
-    r["cp_entering_states"] = to_numpy(stack(res->entering_states));
-    r["cp_entering_state_gradients"] = to_numpy(stack(res->state.entering_gradients));
+    put_gradients(r, res.gradients);
+    r["cp_entering_states"] = to_numpy(stack(res.entering_states));
+    r["cp_entering_state_gradients"] = to_numpy(stack(res.state.entering_gradients));
     return r;
   });
 }

@@ -36,19 +36,18 @@ py::dict attnres(const Array& values, const Array& queries, const Array& norm_we
     exec::ProgressLines progress("k3ref.attnres", "token-slots", slots * tokens,
                                  exec::estimated_seconds(static_cast<double>(slots * slots * tokens * width), per_element, 1, 1),
                                  progress_after, python_stderr_line);
-    const std::optional<attnres::Outputs<S>> out = with_progress(progress, true, [&] {
-      return std::optional(block_size ? attnres::block_forward(weights, vals, *block_size,
-                                                               two_phase ? attnres::BlockForm::two_phase
-                                                                         : attnres::BlockForm::direct)
-                                      : attnres::full_forward(weights, vals));
+    const attnres::Outputs<S> out = with_progress(progress, true, [&] {
+      return block_size ? attnres::block_forward(weights, vals, *block_size,
+                                                 two_phase ? attnres::BlockForm::two_phase : attnres::BlockForm::direct)
+                        : attnres::full_forward(weights, vals);
     });
     py::dict r;
-    r["h"] = to_numpy(out->h);
-    r["alpha"] = to_numpy(out->alpha);
-    if (out->block_sums) r["block_sums"] = to_numpy(*out->block_sums);
-    if (out->phase1_output) r["phase1_output"] = to_numpy(*out->phase1_output);
-    if (out->phase1_max) r["phase1_max"] = to_numpy(*out->phase1_max);
-    if (out->phase1_sum) r["phase1_sum"] = to_numpy(*out->phase1_sum);
+    r["h"] = to_numpy(out.h);
+    r["alpha"] = to_numpy(out.alpha);
+    if (out.block_sums) r["block_sums"] = to_numpy(*out.block_sums);
+    if (out.phase1_output) r["phase1_output"] = to_numpy(*out.phase1_output);
+    if (out.phase1_max) r["phase1_max"] = to_numpy(*out.phase1_max);
+    if (out.phase1_sum) r["phase1_sum"] = to_numpy(*out.phase1_sum);
     return r;
   });
 }
