@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving engines' own KDA/GDN kernels (vLLM, SGLang, TokenSpeed) under every serving check, on one
-# GPU: builds k3ref._core (the judge), runs `python3 -m k3ref.gpu_check.serving_check --engines`
+# GPU: builds k3ref._core (the judge; with libk3gc, through device_build.sh), runs `python3 -m k3ref.gpu_check.serving_check --engines`
 # and writes its rows (kernel x check x case: verdict, figure = worst error / bound, bound,
 # reason, engine source and commit) to OUT/engines.json; prints the kernel x check table last.
 # A kernel that does not load is one row with its reason; the others still run.
