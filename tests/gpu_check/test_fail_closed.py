@@ -168,10 +168,13 @@ def test_skips_of_kernels_nobody_asked_for_pass_and_known_limitations_are_strict
 
 def test_the_package_known_limitations_file_is_valid_and_names_real_cases():
     from k3ref import goldens
-    from k3ref.gpu_check import collection
+    from k3ref.gpu_check import checks, collection, shapes
 
-    names = {c.name for c in goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent", "attnres.full",
-                                                                       "attnres.block", "attnres.phase1"))}
+    suite = goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent", "attnres.full", "attnres.block",
+                                                      "attnres.phase1"))
+    # golden cases, and the metamorphic checks' configurations (built in, and one per KDA golden)
+    names = ({c.name for c in suite} | {c["name"] for c in checks.CONFIGS}
+             | {c["name"] for c in shapes.golden_configs(suite)})
     entries = collection.load_limitations()
     assert len(entries) > 0
     for e in entries:
