@@ -2,7 +2,8 @@
 # The serving engines' own KDA/GDN kernels (vLLM, SGLang, TokenSpeed) under every serving check, on one
 # GPU: builds k3ref._core (the judge; with libk3gc, through device_build.sh), runs `python3 -m k3ref.gpu_check.serving_check --engines`
 # and writes its rows (kernel x check x case: verdict, figure = worst error / bound, bound,
-# reason, engine source and commit) to OUT/engines.json; prints the kernel x check table last.
+# reason, engine source and commit) to OUT/engines.json and as a measurements/ file
+# (OUT/h200_engine_serving.json, known limitations applied); prints the kernel x check table last.
 # A kernel that does not load is one row with its reason; the others still run.
 #
 #   gpu_check/device_engines.sh [OUT_DIR]
@@ -54,7 +55,7 @@ for k in $kernels; do files+=("$OUT/rows/$(stem "$k").json"); done
 echo "== findings/vllm-gdn-spec-verify-edges/repro.py (predicted from the source; exit 1: reproduced)"
 timeout 120 $PY findings/vllm-gdn-spec-verify-edges/repro.py "$TP/vllm" > "$OUT/vllm_repro.txt" 2>&1
 echo "rc $?" >> "$OUT/vllm_repro.txt"; tail -4 "$OUT/vllm_repro.txt"
-$SC --merge "${files[@]}" --out "$OUT/engines.json" > "$OUT/table.txt" 2>&1
+$SC --merge "${files[@]}" --out "$OUT/engines.json" --measurement "$OUT/h200_engine_serving.json" > "$OUT/table.txt" 2>&1
 rc=$?
 echo "rc $rc, $(( $(date +%s) - t0 )) s in all" >> "$OUT/table.txt"
 cat "$OUT/table.txt"

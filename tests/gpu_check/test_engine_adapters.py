@@ -457,3 +457,55 @@ class TestRegistry:
 
         envs = {env for _, env, _ in KERNEL_PATHS}
         assert {"K3REF_VLLM_PATH", "K3REF_TOKENSPEED_PATH"} <= envs
+
+
+# ---------------------------------------------------------------------------- the engines' table
+
+def _row(kernel, check, case, verdict, reason="r"):
+    return dict(kernel=kernel, check=check, case=case, verdict=verdict, figure=1.5 if verdict == "fail" else 0.5,
+                bound="b", reason=reason, source="src")
+
+
+def _entries(tmp_path, *entries):
+    import json
+
+    from k3ref.gpu_check import collection
+
+    p = tmp_path / "limits.json"
+    p.write_text(json.dumps({"entries": [dict(reason="the finding", **e) for e in entries]}))
+    return p, collection.load_limitations(p)
+
+
+class TestEngineTable:
+    KERNEL = "vllm.fused_recurrent_gdn[spec_decode]"
+
+    def test_a_named_failure_is_known_and_a_named_pass_fails_the_table(self, tmp_path):
+        _, entries = _entries(tmp_path, {"adapter": self.KERNEL, "check": "accepted_zero"},
+                              {"adapter": self.KERNEL, "check": "golden", "case": "c2"})
+        rows = SC.apply_known_limitations(
+            [_row(self.KERNEL, "accepted_zero", "-", "fail", "48 of 48 NaN"), _row(self.KERNEL, "golden", "c1", "fail"),
+             _row(self.KERNEL, "golden", "c2", "pass"), _row("other", "accepted_zero", "-", "fail")], entries)
+        assert [r["verdict"] for r in rows] == ["known", "fail", "xpass", "fail"]
+        assert "the finding" in rows[0]["reason"] and "48 of 48 NaN" in rows[0]["reason"]
+        cells = SC.table_cells(rows)
+        assert cells[self.KERNEL]["accepted_zero"] == "1K" and cells[self.KERNEL]["golden"] == "1F1X"
+
+    def test_merge_exit_codes_follow_the_registry(self, tmp_path, capsys):
+        import json
+
+        limits, _ = _entries(tmp_path, {"adapter": self.KERNEL, "check": "accepted_zero"})
+        part = tmp_path / "rows.json"
+        part.write_text(json.dumps({"torch": "2.11", "triton": "3.6", "rows": [
+            _row(self.KERNEL, "accepted_zero", "-", "fail"), _row(self.KERNEL, "golden", "c1", "pass")]}))
+        out = tmp_path / "m.json"
+        assert SC.main(["--merge", str(part), "--known-limitations", str(limits), "--measurement", str(out),
+                        "--measured-on", "GPU X"]) == 0  # the one failure is a finding
+        m = json.loads(out.read_text())
+        assert m["device"] == "GPU X" and m["versions"]["torch"] == "2.11" and m["versions"]["triton"] == "3.6"
+        assert m["versions"]["fla"] is None  # not recorded by the rows: never this host's
+        grid = {r["kernel"]: r for r in m["tables"]["cells"]["rows"]}
+        assert grid[self.KERNEL]["accepted_zero"] == "1K" and grid[self.KERNEL]["golden"] == "1P"
+        assert [r["verdict"] for r in m["tables"]["notable"]["rows"]] == ["known"]
+        empty, _ = _entries(tmp_path)
+        assert SC.main(["--merge", str(part), "--known-limitations", str(empty)]) == 1  # unregistered: a failure
+        assert "FAIL " + self.KERNEL in capsys.readouterr().out

@@ -1231,24 +1231,100 @@ def engine_table(adapters, suite, device):
     return rows
 
 
-def print_table(rows, out=None):
-    """kernel x check: P passes, F failures, E errors, - n/a (counts over cases), last."""
-    out = out or sys.stdout
-    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
-    width = max(len(k) for k in kernels) if kernels else 10
-    out.write(f"{'kernel':<{width}}  " + "  ".join(f"{c[:12]:>12}" for c in SERVING_CHECKS) + "\n")
-    for k in kernels:
+def apply_known_limitations(rows, entries):
+    """The known-limitations registry on the engines' table, strictly, as the pytest plugin
+    applies it: a failing row that an entry names becomes "known" (its reason the entry's); a
+    passing one becomes "xpass" (the kernel was fixed, or the entry is wrong: either way the
+    table no longer vouches for the registry), which fails the table."""
+    from .collection import limitation_for
+
+    out = []
+    for r in rows:
+        cases = [x["case"] for x in rows if x["kernel"] == r["kernel"] and x["check"] == r["check"]]
+        known = limitation_for(entries, r["kernel"], r["check"], r["case"], cases) \
+            if r["verdict"] in ("pass", "fail") else None
+        if known and r["verdict"] == "fail":
+            r = dict(r, verdict="known", reason=f"{known} (measured: {r['reason']})")
+        elif known:
+            r = dict(r, verdict="xpass", reason=f"passed, but the registry expects a failure: {known}")
+        out.append(r)
+    return out
+
+
+FAILING = ("fail", "error", "unavailable", "xpass")
+CELL_SYMBOLS = (("pass", "P"), ("known", "K"), ("fail", "F"), ("error", "E"), ("xpass", "X"))
+
+
+def table_cells(rows):
+    """{kernel: {check: cell}} over the rows (counts over cases: 2P 1K; "-" where not applicable;
+    the reason for a kernel that did not load)."""
+    cells = {}
+    for k in dict.fromkeys(r["kernel"] for r in rows):
         mine = [r for r in rows if r["kernel"] == k]
-        if any(r["verdict"] == "unavailable" for r in mine):
-            out.write(f"{k:<{width}}  unavailable: {mine[0]['reason'][:150]}\n")
+        down = [r for r in mine if r["verdict"] == "unavailable"]
+        if down:
+            cells[k] = {"(load)": "unavailable: " + down[0]["reason"][:150]}
             continue
-        cells = []
-        for c in SERVING_CHECKS:
-            got = [r["verdict"] for r in mine if r["check"] == c]
-            text = "".join(f"{got.count(v)}{s}" for v, s in (("pass", "P"), ("fail", "F"), ("error", "E"))
-                           if got.count(v)) or "-"
-            cells.append(f"{text:>12}")
-        out.write(f"{k:<{width}}  " + "  ".join(cells) + "\n")
+        cells[k] = {c: "".join(f"{n}{sym}" for v, sym in CELL_SYMBOLS
+                               if (n := sum(r["verdict"] == v for r in mine if r["check"] == c))) or "-"
+                    for c in SERVING_CHECKS}
+    return cells
+
+
+def measurement_of(rows, measured_on=None, commands=(), recorded=None):
+    """The engines' table as a measurements/ file (k3ref.measurement's schema): the kernel x
+    check cells, every row that is not a pass or n/a with its reason, and each kernel's source.
+    measured_on: rows measured on another machine (merged here): its device, and the versions
+    its row files recorded (`recorded`), the others not recorded."""
+    from .. import measurement
+
+    cells = table_cells(rows)
+    columns = [{"key": "kernel", "title": "kernel"}] + [{"key": c, "title": c} for c in SERVING_CHECKS]
+    grid = [dict({"kernel": k}, **({c: v.get(c, v.get("(load)") if c == SERVING_CHECKS[0] else None)
+                                    for c in SERVING_CHECKS})) for k, v in cells.items()]
+    notable = [dict(kernel=r["kernel"], check=r["check"], case=r["case"], verdict=r["verdict"],
+                    figure=r.get("figure"), reason=r["reason"][:400])
+               for r in rows if r["verdict"] not in ("pass", "n/a", "time")]
+    sources = [dict(kernel=k, source=next((r["source"] for r in rows if r["kernel"] == k and r.get("source")), None),
+                    seconds=next((r["reason"] for r in rows if r["kernel"] == k and r["verdict"] == "time"), None))
+               for k in cells]
+    m = measurement.record(
+        "h200_engine_serving", "The serving engines' own kernels under every serving check",
+        tables={"cells": {"columns": columns, "rows": grid, "null": "-",
+                          "caption": "counts over cases: P pass, K a known limitation (a finding), F fail, E error, "
+                                     "X passed against the registry; - not applicable to the kernel's modes"},
+                "notable": {"columns": [{"key": k, "title": k} for k in ("kernel", "check", "case", "verdict")]
+                            + [{"key": "figure", "title": "error / bound", "format": "{:.3g}"},
+                               {"key": "reason", "title": "reason"}], "rows": notable},
+                "sources": {"columns": [{"key": "kernel", "title": "kernel"}, {"key": "source", "title": "source"},
+                                        {"key": "seconds", "title": "checks' wall time"}], "rows": sources}},
+        commands=list(commands))
+    if measured_on:
+        m["device"] = measured_on
+        m["versions"] = {k: (recorded or {}).get(k) for k in ("torch", "triton", "cuda", "fla", "flashkda")}
+    return m
+
+
+def print_table(rows, out=None):
+    """kernel x check: P passes, K known limitations, F failures, E errors, X passes against the
+    registry, - n/a (counts over cases), last."""
+    out = out or sys.stdout
+    cells = table_cells(rows)
+    width = max(map(len, cells)) if cells else 10
+    out.write(f"{'kernel':<{width}}  " + "  ".join(f"{c[:12]:>12}" for c in SERVING_CHECKS) + "\n")
+    for k, v in cells.items():
+        if "(load)" in v:
+            out.write(f"{k:<{width}}  {v['(load)']}\n")
+            continue
+        out.write(f"{k:<{width}}  " + "  ".join(f"{v[c]:>12}" for c in SERVING_CHECKS) + "\n")
+
+
+def _triton_version():
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return None
 
 
 def main(argv=None):
@@ -1271,6 +1347,10 @@ def main(argv=None):
     ap.add_argument("--goldens", default=str(Path(__file__).resolve().parents[3] / "goldens"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", help="the rows as JSON")
+    ap.add_argument("--known-limitations", metavar="FILE", help="known-limitations file (default: the package's)")
+    ap.add_argument("--measurement", metavar="FILE", help="also write the table as a measurements/ file")
+    ap.add_argument("--measured-on", metavar="TEXT", help="the device the rows were measured on, for --measurement "
+                    "with --merge of rows from another machine (default: this process's device)")
     args = ap.parse_args(argv)
     for opt, env in (("vllm_path", "K3REF_VLLM_PATH"), ("sglang_path", "K3REF_SGLANG_PATH"),
                      ("tokenspeed_path", "K3REF_TOKENSPEED_PATH"), ("fla_path", "K3REF_FLA_PATH")):
@@ -1285,12 +1365,16 @@ def main(argv=None):
     if args.list:
         print("\n".join(a.name for a in adapters))
         return 0
-    meta = dict(format="k3ref-serving-table", version=1, device=args.device, torch=torch.__version__)
+    meta = dict(format="k3ref-serving-table", version=1, device=args.device, torch=torch.__version__,
+                triton=_triton_version())
+    recorded = {}
     if args.merge:
         rows = []
         for f in map(Path, args.merge):
             if f.is_file():
-                rows += json.loads(f.read_text())["rows"]
+                part = json.loads(f.read_text())
+                rows += part["rows"]
+                recorded = recorded or {k: part.get(k) for k in ("torch", "triton")}
             else:
                 log = f.with_suffix(".log")
                 last = (log.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1] if log.is_file() \
@@ -1299,14 +1383,27 @@ def main(argv=None):
                                  reason=f"its process died or ran out of time: {last[:300]}", source=""))
     else:
         rows = engine_table(adapters, load_serving_suite(args.goldens), args.device)
+    from .collection import load_limitations
+
+    try:
+        rows = apply_known_limitations(rows, load_limitations(args.known_limitations))
+    except ValueError as e:
+        print(f"serving_check: {e}", file=sys.stderr)
+        return 2
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=1, default=str))
+    if args.measurement:
+        from .. import measurement
+
+        command = " ".join(["python3 -m k3ref.gpu_check.serving_check", *(argv or sys.argv[1:])])
+        measurement.write(measurement_of(rows, args.measured_on, [command], recorded if args.merge else None),
+                          args.measurement)
     for r in rows:
-        if r["verdict"] in ("fail", "error", "unavailable"):
+        if r["verdict"] in FAILING:
             print(f"{r['verdict'].upper()} {r['kernel']} {r['check']}[{r['case']}]: {r['reason'][:300]}")
     print_table(rows)
-    return 1 if any(r["verdict"] in ("fail", "error", "unavailable") for r in rows) else 0
+    return 1 if any(r["verdict"] in FAILING for r in rows) else 0
 
 
 if __name__ == "__main__":
