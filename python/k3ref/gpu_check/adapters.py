@@ -155,9 +155,30 @@ FLA_DISPATCH = {"FLA_DISABLE_BACKEND_DISPATCH": "1", "FLA_FLASH_KDA": "0", "FLA_
 FLA_BARE_PACKAGES = ("fla", "fla.ops", "fla.modules")
 
 
+def bare_packages(root, names):
+    """Registers each dotted package of `names` (outer ones first) as an empty module whose path
+    is its folder under `root`, without running its __init__ (FLA's, and an engine's, import the
+    whole library); a package already imported is left as it is. Returns the names made."""
+    import types
+
+    made = []
+    for name in names:
+        if name in sys.modules:
+            continue
+        d = Path(root).joinpath(*name.split("."))
+        mod = types.ModuleType(name)
+        mod.__path__, mod.__file__, mod.__package__ = [str(d)], str(d / "__init__.py"), name
+        mod.__k3ref_bare__ = True  # recorded in the version line
+        sys.modules[name] = mod
+        made.append(name)
+        parent, _, leaf = name.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], leaf, mod)
+    return made
+
+
 def _import_fla_kda_bare():
     import importlib.util
-    import types
 
     spec = importlib.util.find_spec("fla")
     if spec is None or not spec.submodule_search_locations:
@@ -167,17 +188,8 @@ def _import_fla_kda_bare():
     for line in (root / "__init__.py").read_text(errors="replace").splitlines():
         if line.startswith("__version__"):
             version = line.partition("=")[2].strip().strip("'\"")
-    made = []
     try:
-        for name in FLA_BARE_PACKAGES:
-            d = root.joinpath(*name.split(".")[1:])
-            mod = types.ModuleType(name)
-            mod.__path__, mod.__file__, mod.__package__ = [str(d)], str(d / "__init__.py"), name
-            mod.__k3ref_bare__ = True  # recorded in the version line
-            sys.modules[name] = mod
-            made.append(name)
-            if "." in name:
-                setattr(sys.modules[name.rpartition(".")[0]], name.rpartition(".")[2], mod)
+        bare_packages(root.parent, FLA_BARE_PACKAGES)
         sys.modules["fla"].__version__ = version
         return importlib.import_module("fla.ops.kda")
     except Exception:

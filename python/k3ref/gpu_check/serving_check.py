@@ -230,7 +230,8 @@ def import_engine_module(full, root, needs, option, packages=(), shims=None):
     `shims()` then registers the engine modules the kernel imports from the rest of the engine.
     One-line errors naming what is needed; a second copy of the engine already imported is refused."""
     import importlib
-    import types
+
+    from .adapters import bare_packages
 
     parts = full.split(".")
     if root is not None:
@@ -238,11 +239,7 @@ def import_engine_module(full, root, needs, option, packages=(), shims=None):
         if top is not None and getattr(top, "__path__", None) and \
                 Path(list(top.__path__)[0]).resolve() != (Path(root) / parts[0]).resolve():
             raise RuntimeError(f"another {parts[0]} is already imported ({list(top.__path__)[0]}): give one {option}")
-        for name in [".".join(parts[:i]) for i in range(1, len(parts))] + list(packages):
-            if name not in sys.modules:
-                mod = types.ModuleType(name)
-                mod.__path__ = [str(Path(root).joinpath(*name.split(".")))]
-                sys.modules[name] = mod
+        bare_packages(root, [".".join(parts[:i]) for i in range(1, len(parts))] + list(packages))
         if shims is not None:
             shims()
     try:
