@@ -24,6 +24,11 @@ is one test that passes when a check catches it; a session in which no k3ref che
 or in which a collected test has no result, fails; `--k3ref-report DIR` writes report.html and
 report.json after the session, and a report that cannot be written fails the session.
 
+`--k3ref-tier scale` runs the scale tier instead (k3ref.gpu_check.scale, docs/gpu_check.md):
+one test per kernel x scale case through the same planning child and workers, a scale
+mutant's `MUTANT-scale-caught` test judged here from its cases' results, and DIR/scale.json
+(`--k3ref-report DIR`) in place of report.html and report.json.
+
 The plugin is registered by the package's `pytest11` entry point; from a source tree, pass
 `-p k3ref.pytest_plugin`.
 """

@@ -147,6 +147,21 @@ def test_an_uncaught_mutant_fails_its_caught_test_and_a_crash_is_a_catch(tmp_pat
     assert "mutant standin.bf16_state_long_t: missed" in r.stdout and "scale tier: FAIL" in r.stdout
 
 
+def test_run_tier_scale_is_a_front_end_of_the_plugin_and_minus_k_selects(tmp_path, child_env, gpu_check):
+    out = tmp_path / "o"
+    r = gpu_check("run", "--tier", "scale", "--adapter", "scale_standins:tier_standins", "--only",
+                  "standin,standin.bf16_state_long_t", "--device", "cpu", "--out", out, "--", "-k", "long_sequence",
+                  cwd=tmp_path, env=child_env(K3REF_SCALE_LIMITS=SMALL_TEXT))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "scale.json").read_text())
+    assert [(d["kernel"], d["case"], d["verdict"]) for d in data["results"]] == [
+        ("standin", "long_sequence", "pass"), ("standin.bf16_state_long_t", "long_sequence", "fail")]
+    assert data["summary"]["mutants"] == {"standin.bf16_state_long_t": "caught"}
+    names = sorted(c.get("name") for c in ET.parse(out / "report.xml").getroot().iter("testcase"))
+    assert names == ["standin-long_sequence-scale", "standin.bf16_state_long_t-long_sequence-scale"]
+    assert "2 passed, 10 deselected" in r.stdout and "scale tier: PASS" in r.stdout
+
+
 def test_an_unknown_scale_case_is_a_usage_error_naming_the_valid_ones(tmp_path, child_env, run_pytest, gpu_check):
     r = run_pytest("--k3ref-tier", "scale", "--k3ref-device", "cpu", "--k3ref-cases", "nope", "-q", cwd=tmp_path)
     assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]

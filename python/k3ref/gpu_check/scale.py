@@ -1,7 +1,10 @@
-"""The scale tier (`python3 -m k3ref.gpu_check run --tier scale`, docs/gpu_check.md): each
-KDA kernel at K3's production shapes and at the sizes where indexing breaks, against
-libk3gc's fp64 recurrence computed on the device (on a CPU, k3ref's compiled reference in
-double, for the tests' scaled-down limits).
+"""The scale tier (`pytest -p k3ref.pytest_plugin --k3ref-tier scale`, or its front end
+`python3 -m k3ref.gpu_check run --tier scale`; docs/gpu_check.md): each KDA kernel at K3's
+production shapes and at the sizes where indexing breaks, against libk3gc's fp64 recurrence
+computed on the device (on a CPU, k3ref's compiled reference in double, for the tests'
+scaled-down limits). The plugin runs each case of each kernel as one test (run_case) and
+writes scale.json (state) from pytest's results; this module holds the cases, their judging,
+the kernels' selection and the summary.
 
 Cases (`Limits` sets their sizes; FULL is the tier, K = V = 128, HV = 64 value heads over 16
 query heads, or 64 over 64 for a kernel without GVA):
