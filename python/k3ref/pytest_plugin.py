@@ -642,10 +642,11 @@ def _junit(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadscope with two repairs of pytest-xdist's (3.1 to 3.8): a test that crashed its
+    """--dist loadscope with three repairs of pytest-xdist's (3.1 to 3.8): a test that crashed its
     worker is not run again (its scope goes back to the queue with it undone, and another
-    worker would run it), and a replacement worker that is still collecting is not given work
-    (3.1 raised KeyError when two workers died close together)."""
+    worker would run it), a replacement worker that is still collecting is not given work
+    (3.1 raised KeyError when two workers died close together), and a finished scope that went
+    back to the queue with a dead worker's is not given to a worker (it hung the run)."""
     if _role(config) != "isolated" or config.option.dist != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -662,13 +663,16 @@ def pytest_xdist_make_scheduler(config, log):
             for unit in work.values():
                 if crashitem in unit:
                     unit[crashitem] = True
-            # pytest-xdist queues every scope of the dead worker again, finished ones too: a
-            # worker given a finished scope gets no test to run and is never given more work
-            # (the run hangs). Only the scopes with tests left go back.
-            for scope in [s for s, unit in work.items() if all(unit.values())]:
-                del work[scope]
             super().remove_node(node)  # queues the rest of its work again
             return crashitem
+
+        def _assign_work_unit(self, node):
+            # remove_node queues every scope of the dead worker again, finished ones too: a
+            # worker given only a finished scope has no test to run, so no result of it would
+            # ever ask for more work, and the run would hang. It asks again at once.
+            super()._assign_work_unit(node)
+            if not self._pending_of(self.assigned_work[node]):
+                self._reschedule(node)
 
         def _reschedule(self, node):
             if node in self.registered_collections:

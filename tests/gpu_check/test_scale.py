@@ -159,7 +159,7 @@ def test_run_tier_scale_is_a_front_end_of_the_plugin_and_minus_k_selects(tmp_pat
     assert data["summary"]["mutants"] == {"standin.bf16_state_long_t": "caught"}
     names = sorted(c.get("name") for c in ET.parse(out / "report.xml").getroot().iter("testcase"))
     assert names == ["standin-long_sequence-scale", "standin.bf16_state_long_t-long_sequence-scale"]
-    assert "2 passed, 10 deselected" in r.stdout and "scale tier: PASS" in r.stdout
+    assert "2 passed" in r.stdout and "scale tier: PASS" in r.stdout  # the workers deselect the other 10
 
 
 def test_an_unknown_scale_case_is_a_usage_error_naming_the_valid_ones(tmp_path, child_env, run_pytest, gpu_check):

@@ -518,7 +518,8 @@ def select_kernels(opts, conftest_objects=()):
     requested = {a.name for a in given}
     clash = sorted({a.name for a in kernels} & requested)
     if clash:
-        raise UsageError(f"adapter {clash[0]!r}: a built-in kernel of the scale tier has that name; names must be unique")
+        raise UsageError(f"adapter {clash[0]!r}: a built-in kernel of the scale tier has that name; names must "
+                         f"be unique")
     kernels += given
     if opts.only:
         unknown = [n for n in opts.only if n not in {a.name for a in kernels}]
