@@ -645,8 +645,9 @@ def pytest_xdist_make_scheduler(config, log):
     """--dist loadscope with three repairs of pytest-xdist's (3.1 to 3.8): a test that crashed its
     worker is not run again (its scope goes back to the queue with it undone, and another
     worker would run it), a replacement worker that is still collecting is not given work
-    (3.1 raised KeyError when two workers died close together), and a finished scope that went
-    back to the queue with a dead worker's is not given to a worker (it hung the run)."""
+    (3.1 raised KeyError when two workers died close together), and a worker given only a
+    finished scope (a dead worker's finished scopes go back to the queue too) asks for more work
+    at once (it waited for results it would never have, and the run hung)."""
     if _role(config) != "isolated" or config.option.dist != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
