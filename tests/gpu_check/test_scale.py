@@ -1,6 +1,8 @@
 """Host-side test of the scale tier (k3ref/gpu_check/scale.py) on a CPU PyTorch, at limits
 scaled down (2^12 elements for 2^31, 64 grid pairs for 65,535, 64-token windows for 4,096):
-the tier's own code (cases, slices, poisoning, windows, verdicts) as it runs on the H200.
+the tier's own code (cases, slices, poisoning, windows, verdicts) as it runs on the H200, run
+as the tier runs: through the pytest plugin (`--k3ref-tier scale`, a planning child and
+pytest-xdist workers), its record the scale.json the session's end writes.
 
 The four scale mutants of libk3gc have CPU forms here (the PyTorch recurrence with the same
 mistake, at a given limit). At the scaled limits the tier catches each of them, each in the
