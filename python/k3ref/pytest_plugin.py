@@ -24,6 +24,11 @@ is one test that passes when a check catches it; a session in which no k3ref che
 or in which a collected test has no result, fails; `--k3ref-report DIR` writes report.html and
 report.json after the session, and a report that cannot be written fails the session.
 
+`--k3ref-tier scale` runs the scale tier instead (k3ref.gpu_check.scale, docs/gpu_check.md):
+one test per kernel x scale case through the same planning child and workers, a scale
+mutant's `MUTANT-scale-caught` test judged here from its cases' results, and DIR/scale.json
+(`--k3ref-report DIR`) in place of report.html and report.json.
+
 The plugin is registered by the package's `pytest11` entry point; from a source tree, pass
 `-p k3ref.pytest_plugin`.
 """
@@ -59,7 +64,12 @@ def pytest_addoption(parser):
     add("--k3ref-no-mutants", action="store_true", help="leave out mutants not named in --k3ref-only or --k3ref-adapter")
     add("--k3ref-checks", metavar="NAMES", help="comma-separated check names (default all)")
     add("--k3ref-cases", metavar="NAMES", help="comma-separated golden case names (default all; checks that build "
-                                               "their own inputs are not filtered)")
+                                               "their own inputs are not filtered); under --k3ref-tier scale, the "
+                                               "scale tier's case names")
+    add("--k3ref-tier", choices=("default", "scale"), default="default",
+        help="scale: the built-in KDA kernels, the scale mutants and the KDA adapters given at K3's production "
+             "shapes and index limits, one test per kernel x scale case (k3ref.gpu_check.scale; "
+             "--k3ref-report DIR writes DIR/scale.json); default: the golden and metamorphic checks")
     add("--k3ref-goldens", metavar="DIR", help="golden directory (default: $K3REF_GOLDENS, else the checkout's "
                                                "goldens/, else the suite installed with the package)")
     add("--k3ref-device", metavar="DEVICE", help="torch device (default: cuda when available, else cpu)")
@@ -113,7 +123,8 @@ def _role(config):
         return "worker" if config.workerinput.get("k3ref_plan") else None
     if config.getoption("k3ref_plan_out"):
         return "planner"
-    if not (config.getoption("k3ref_adapter") or config.getoption("k3ref_builtin") or _conftest_specs(config)):
+    if not (config.getoption("k3ref_adapter") or config.getoption("k3ref_builtin") or _conftest_specs(config)
+            or config.getoption("k3ref_tier") == "scale"):  # the scale tier has built-in kernels of its own
         return None
     return "in_process" if config.getoption("k3ref_no_isolation") else "isolated"
 
@@ -416,7 +427,7 @@ def pytest_collection_modifyitems(session, config, items):
         state["plan_speed"] = plan.get("speed")
         from k3ref.gpu_check.execute import Executor
 
-        state["executor"] = Executor(run_plan.options_of(config), _conftest_specs(config))
+        state["executor"] = Executor(run_plan.options_of(config), _conftest_specs(config), scale=plan.get("scale"))
     elif role == "isolated":
         plan = config.stash[PLAN]  # --collect-only in the controller: the items of the plan, no adapter imported
     else:
@@ -441,7 +452,7 @@ def pytest_collection_modifyitems(session, config, items):
         if role == "in_process":
             from k3ref.gpu_check.execute import Executor
 
-            state["executor"] = Executor(state["opts"], _conftest_specs(config))
+            state["executor"] = Executor(state["opts"], _conftest_specs(config), scale=plan.get("scale"))
     for e in plan["tests"]:
         items.append(K3refItem.from_parent(session, name=e["id"], nodeid=e["nodeid"], entry=e))
 
@@ -529,14 +540,77 @@ def pytest_runtest_makereport(item, call):
 # --------------------------------------------------------------------------- the controller's record
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_logreport(report):
+    """Each k3ref test's reports, kept by the controller (tryfirst: a scale mutant's `caught`
+    test gets its verdict here, before pytest, the JUnit writer or the terminal read it)."""
     if not report.nodeid.startswith("k3ref/"):
         return
     config = _CONFIG.get("config")
     state = config.stash.get(STATE, None) if config is not None else None
     if state is None or "reports" not in state:
         return
+    entry = _entries(config, state).get(report.nodeid)
+    scale_test = entry is not None and entry.get("tier") == "scale"
+    if scale_test and entry["check"] == "caught" and report.when == "call" and report.passed:
+        _judge_caught(state, entry, report)
     state["reports"].setdefault(report.nodeid, []).append(report)
+    if scale_test and (report.when == "call" or report.failed) and state["opts"].report:
+        _scale_checkpoint(config, state)
+
+
+def _entries(config, state):
+    """The plan's tests by node id (the controller has no items of its own under pytest-xdist)."""
+    if "entries" not in state:
+        plan = config.stash.get(PLAN, None)
+        if plan is None:
+            return {}
+        state["entries"] = {e["nodeid"]: e for e in plan["tests"]}
+    return state["entries"]
+
+
+def _judge_caught(state, entry, report):
+    """A scale mutant's `caught` test: it passes when one of the mutant's cases (those
+    collected) caught it. Judged here, in the controller, from the records of those cases:
+    they may have run in several workers (a crash or a CUDA error ends one), so no worker
+    holds them all."""
+    from k3ref.gpu_check import scale
+    from k3ref.gpu_check.report import _result_of
+
+    collected = state.get("collected")
+    results = []
+    for nodeid in entry["cases"]:
+        if collected is not None and nodeid not in collected:
+            continue  # deselected
+        for rep in state["reports"].get(nodeid, ()):
+            record = _record_of(rep)
+            if record:
+                results += [_result_of(d) for d in record["results"]]
+    verdict, caught_by = scale.mutant_verdict(results)
+    record = _record_of(report) or {"loaded": None, "recycle": False, "results": []}
+    if verdict == "caught":
+        record.update(verdict="pass", reason="caught by " + ", ".join(caught_by))
+    else:
+        ran = [r for r in results if r.status != "skip"]
+        reason = (f"mutant {entry['adapter']} NOT CAUGHT by any of the {len(ran)} scale cases that ran"
+                  if verdict == "missed" else f"mutant {entry['adapter']} could not run: " +
+                  (results[0].reason if results else "none of its cases ran"))
+        record.update(verdict="fail", reason=reason)
+        report.outcome, report.longrepr = "failed", reason
+    report.k3ref = json.dumps(record)
+
+
+def _scale_checkpoint(config, state):
+    """DIR/scale.json after each result of the scale tier (a run ended from outside keeps the
+    rows of the cases it finished); the session's end writes the whole one."""
+    from k3ref.gpu_check import report as R
+
+    done = {nodeid for nodeid, reps in state["reports"].items() if any(r.when == "call" or r.failed for r in reps)}
+    try:
+        R.write_scale(state["opts"].report, R.scale_from_pytest(config.stash[PLAN], state["reports"], done,
+                                                                 time.time() - state["t0"]))
+    except Exception:  # the session's end writes it, and fails when it cannot
+        pass
 
 
 _CONFIG = {}
@@ -568,10 +642,12 @@ def _junit(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadscope with two repairs of pytest-xdist's (3.1 to 3.8): a test that crashed its
+    """--dist loadscope with three repairs of pytest-xdist's (3.1 to 3.8): a test that crashed its
     worker is not run again (its scope goes back to the queue with it undone, and another
-    worker would run it), and a replacement worker that is still collecting is not given work
-    (3.1 raised KeyError when two workers died close together)."""
+    worker would run it), a replacement worker that is still collecting is not given work
+    (3.1 raised KeyError when two workers died close together), and a worker given only a
+    finished scope (a dead worker's finished scopes go back to the queue too) asks for more work
+    at once (it waited for results it would never have, and the run hung)."""
     if _role(config) != "isolated" or config.option.dist != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -590,6 +666,14 @@ def pytest_xdist_make_scheduler(config, log):
                     unit[crashitem] = True
             super().remove_node(node)  # queues the rest of its work again
             return crashitem
+
+        def _assign_work_unit(self, node):
+            # remove_node queues every scope of the dead worker again, finished ones too: a
+            # worker given only a finished scope has no test to run, so no result of it would
+            # ever ask for more work, and the run would hang. It asks again at once.
+            super()._assign_work_unit(node)
+            if not self._pending_of(self.assigned_work[node]):
+                self._reschedule(node)
 
         def _reschedule(self, node):
             if node in self.registered_collections:
@@ -629,6 +713,20 @@ def pytest_handlecrashitem(crashitem, report, sched):
         state.setdefault("crashes", {}).setdefault(entry["adapter"], set()).add(pid or f"unknown {crashitem}")
     if entry is not None and entry.get("xfail"):  # a known limitation that crashes is still that limitation
         report.outcome, report.wasxfail = "skipped", entry["xfail"]
+    if entry is not None and entry.get("of_mutant"):
+        # A scale mutant's case that ended its worker caught it (a timeout is no catch): the
+        # case's error result; the test itself passes, as a mutant's case tests do.
+        from k3ref.gpu_check.protocol import CheckResult
+        from k3ref.gpu_check.report import result_record
+
+        reason = str(report.longrepr).splitlines()[0][:600]
+        timed_out = reason.startswith("timed out")
+        res = CheckResult(entry["adapter"], entry["check"], entry["case"], "error", reason,
+                          extra={"crash": True, "timed_out": timed_out, "stderr_tail": str(report.longrepr)[-3000:]})
+        report.k3ref = json.dumps({"verdict": "pass", "reason": ("not caught by this case (a timeout is no catch): "
+                                   if timed_out else "caught by this case: ") + reason, "loaded": None,
+                                   "recycle": False, "results": [result_record(res)]})
+        report.outcome, report.when, report.longrepr = "passed", "call", None
 
 
 def _record_of(report):
@@ -650,11 +748,24 @@ def pytest_sessionfinish(session, exitstatus):
         return
     from k3ref.gpu_check import report as R
 
-    run = R.from_pytest(plan, state["reports"], state.get("collected"), time.time() - state["t0"],
-                        crashes=state.get("crashes"))
+    seconds = time.time() - state["t0"]
+    run = R.from_pytest(plan, state["reports"], state.get("collected"), seconds, crashes=state.get("crashes"))
     state["run"] = run
     failed = not run["passed"]
-    if state["opts"].report:
+    if plan.get("tier") == "scale":
+        # The scale tier's record is scale.json (scale.state), from the same reports.
+        wanted = set(state["collected"]) if state.get("collected") is not None else {e["nodeid"] for e in plan["tests"]}
+        run["scale"] = R.scale_from_pytest(plan, state["reports"], wanted, seconds)
+        failed = failed or run["scale"]["summary"]["verdict"] != "PASS"
+        if state["opts"].report:
+            try:
+                R.write_scale(state["opts"].report, run["scale"])
+            except Exception as e:  # no record, no verdict
+                run["failures"].append(f"FAIL: scale.json could not be written into {state['opts'].report}: "
+                                       f"{type(e).__name__}: {e}".splitlines()[0])
+                failed = True
+        run["passed"] = not failed
+    elif state["opts"].report:
         try:
             R.write_all(Path(state["opts"].report), run["rows"], run["results"], run["summary"])
         except Exception as e:  # no report, no verdict
@@ -710,6 +821,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     from k3ref.gpu_check import report as R
 
     tr = terminalreporter
+    if "scale" in run:
+        _scale_summary(tr, state, run)
+        return
     tr.section("k3ref")
     tr.write_line(R.markdown_table(run["results"]))
     for t, v, reason, _ in run["rows"]:
@@ -726,3 +840,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         out = Path(state["opts"].report)
         tr.write_line(f"reports: {out / 'report.html'}, {out / 'report.json'}"
                       + (f", {config.option.xmlpath}" if getattr(config.option, "xmlpath", None) else ""))
+
+
+def _scale_summary(tr, state, run):
+    """The scale tier's table (kernel x case: figure, bound, ratio, verdict, seconds), each
+    mutant's verdict, the failures and the verdict line."""
+    from k3ref.gpu_check import scale
+
+    result = run["scale"]
+    s = result["summary"]
+    tr.section("k3ref scale tier")
+    tr.write_line(scale.table(result["results"]))
+    for n, v in s["mutants"].items():
+        tr.write_line(f"mutant {n}: {v}" + (f" by {', '.join(s['mutant_catches'][n])}" if v == "caught" else ""))
+    lines = ["FAIL " + line for line in s["failures"]]
+    if s["verdict"] == "PASS":  # then what failed is pytest's record of the tests (a missing result, a report)
+        lines += run["failures"]
+    for line in lines:
+        tr.write_line(line, red=True)
+    path = Path(state["opts"].report) / "scale.json" if state["opts"].report else None
+    tr.write_line(f"scale tier: {'PASS' if run['passed'] else 'FAIL'} in {result['wall_s']:.1f} s"
+                  + (f"; {path}" if path else "")
+                  + (f", {tr.config.option.xmlpath}" if getattr(tr.config.option, "xmlpath", None) else ""))

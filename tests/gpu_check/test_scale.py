@@ -1,6 +1,8 @@
 """Host-side test of the scale tier (k3ref/gpu_check/scale.py) on a CPU PyTorch, at limits
 scaled down (2^12 elements for 2^31, 64 grid pairs for 65,535, 64-token windows for 4,096):
-the tier's own code (cases, slices, poisoning, windows, verdicts) as it runs on the H200.
+the tier's own code (cases, slices, poisoning, windows, verdicts) as it runs on the H200, run
+as the tier runs: through the pytest plugin (`--k3ref-tier scale`, a planning child and
+pytest-xdist workers), its record the scale.json the session's end writes.
 
 The four scale mutants of libk3gc have CPU forms here (the PyTorch recurrence with the same
 mistake, at a given limit). At the scaled limits the tier catches each of them, each in the
@@ -9,16 +11,21 @@ default tier (golden and metamorphic checks) runs them and they all pass: it can
 the sizes where they break. On the GPU, gpu_check/device_scale.sh shows both for the CUDA
 mutants. Skipped without torch or k3ref._core.
 """
+import json
 import math
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from k3ref import goldens, kernel_domains  # noqa: E402
-from k3ref.gpu_check import checks, references, scale, torch_model  # noqa: E402
-from k3ref.gpu_check.adapters import KdaAdapter  # noqa: E402
+from k3ref import goldens  # noqa: E402
+from k3ref.gpu_check import checks, references, scale  # noqa: E402
+from k3ref.gpu_check.adapters import HostReferenceAdapter  # noqa: E402
+from scale_standins import TILE, StandIn  # noqa: E402
 
 if references._module() is None:
     pytest.skip("k3ref._core is not importable", allow_module_level=True)
@@ -26,101 +33,47 @@ if references._module() is None:
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = scale.Limits(index=2**12, grid=64, long_T=256, window=64, H=1, HV=2, K=8, V=8, packed_T=256, doc_max=8,
                      index_doc=40, chunk=16, sample_heads=2, contract_tokens=128, threads=2)
-TILE = 16  # libk3gc's fp32 kernel stages 16 tokens at a time (its read-past mutant's tile)
 SUITE = goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent",))
 
 
-def _storage_after(t):
-    """t's elements followed by whatever its storage holds after them (flat)."""
-    st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
-    size = (st.nbytes() // t.element_size()) if hasattr(st, "nbytes") else st.size()
-    return torch.as_strided(t, (size - t.storage_offset(),), (1,), t.storage_offset())
+SMALL_TEXT = ",".join(f"{k}={v}" for k, v in asdict(SMALL).items())  # $K3REF_SCALE_LIMITS of SMALL
 
 
-class StandIn(KdaAdapter):
-    """The PyTorch recurrence, bf16 output, fp32 state; with `mutation`, the CPU form of that
-    libk3gc scale mutant (k3gc.h) at `limits`."""
-
-    accepts_out = True
-    policy = "recurrent"
-
-    def __init__(self, mutation=None, limits=scale.FULL):
-        super().__init__()
-        self.mutation, self.limits = mutation, limits
-        self.name = "standin" + (f".{mutation}" if mutation else "")
-        self.kind = "mutant" if mutation else "kernel"
-        self.domain = kernel_domains.builtin("torch.fp64_bf16")
-
-    def run(self, inputs, params, out=None):
-        L, m = self.limits, self.mutation
-        x = dict(inputs)
-        hook = None
-        if m == "bf16_state_long_t":
-            hook = lambda pos, S: S.to(torch.bfloat16).to(torch.float64) if pos >= L.window else S  # noqa: E731
-        if m == "int32_offset_wrap":  # offsets wrap modulo the limit: reads past it come from the start
-            for n in checks.TOKEN_INPUTS:
-                t = x[n]
-                if t.numel() > L.index:
-                    x[n] = t.reshape(-1)[torch.arange(t.numel()) % L.index].view(t.shape)
-        o, final = torch_model.kda_forward(x, params, state_hook=hook)
-        o, final = o.to(torch.bfloat16), final.float()
-        buf = out if out is not None else torch.zeros_like(o)
-        HV = o.shape[2]
-        seqs = torch_model.sequences(inputs)
-        if m == "int32_offset_wrap" and o.numel() > L.index:
-            flat, src = buf.reshape(-1), o.reshape(-1)
-            flat[: L.index] = src[: L.index]
-            flat[: src.numel() - L.index] = src[L.index :]  # the wrapped writes land at the start
-            return buf, final
-        if m == "grid_drops_sequences":
-            for n, (b, begin, end) in enumerate(seqs):
-                for hv in range(HV):
-                    if n * HV + hv >= L.grid:  # never computed: the buffer and an unwritten state stay
-                        o[b, begin:end, hv] = buf[b, begin:end, hv]
-                        final[n, hv] = 0
-        if m == "last_chunk_read_past_end":
-            H = inputs["q"].shape[2]
-            T = inputs["q"].shape[1]
-            for n, (b, begin, end) in enumerate(seqs):
-                count = (end - begin) - TILE * ((end - begin - 1) // TILE) if end > begin else 0
-                if not 1 <= count <= TILE // 2:
-                    continue
-                rows = range(b * T + end, b * T + end + TILE - count)  # flat token rows read past the end
-                for hv in range(HV):
-                    bad = False
-                    for name, head, width in (("k", hv // (HV // H), inputs["k"].shape[3]),
-                                              ("v", hv, inputs["v"].shape[3]), ("g", hv, inputs["g"].shape[3]),
-                                              ("beta", hv, 1)):
-                        t = inputs[name]
-                        per_token = t[0, 0].numel()
-                        mem = _storage_after(t)
-                        for r in rows:
-                            lo = r * per_token + head * width
-                            if lo + width <= mem.numel():
-                                bad = bad or not bool(torch.isfinite(mem[lo : lo + width].double()).all())
-                    if bad:  # 0 * NaN in the state's update: the whole state of the head is NaN
-                        final[n, hv] = float("nan")
-        buf.copy_(o)
-        return buf, final
+def _tier(tmp, *args, child_env, run_pytest, timeout=300):
+    """`pytest --k3ref-tier scale ARGS` on the CPU at SMALL, the stand-ins given (a child, in
+    `tmp`): (the CompletedProcess, scale.json or None, {test id: JUnit outcome})."""
+    out = tmp / "out"
+    r = run_pytest("--k3ref-tier", "scale", "--k3ref-adapter", "scale_standins:tier_standins", "--k3ref-device", "cpu",
+                   "--k3ref-goldens", ROOT / "goldens", "--k3ref-report", out, "--junitxml", tmp / "j.xml", "-q",
+                   *args, cwd=tmp, env=child_env(K3REF_SCALE_LIMITS=SMALL_TEXT), timeout=timeout)
+    data = json.loads((out / "scale.json").read_text()) if (out / "scale.json").is_file() else None
+    outcomes = {}
+    if (tmp / "j.xml").is_file():
+        for case in ET.parse(tmp / "j.xml").getroot().iter("testcase"):
+            kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+            outcomes[case.get("name")] = kinds[0] if kinds else "passed"
+    return r, data, outcomes
 
 
-class ModuleReference(KdaAdapter):
-    """k3ref's compiled reference in double: the tier's CPU reference, judged on the goldens."""
-
-    name = "k3ref.double"
-    kind = "reference"
-    policy = "rel-rms:1e-12"
-    output_dtype = torch.float64
-    checks = ("golden",)
-
-    def run(self, inputs, params, out=None):
-        return references.module_reference(inputs, params)
+STANDINS = ["standin"] + [f"standin.{m}" for m in scale.lib.SCALE_MUTANTS]
 
 
 @pytest.fixture(scope="module")
-def small_run():
-    kernels = [StandIn(None, SMALL)] + [StandIn(m, SMALL) for m in scale.lib.SCALE_MUTANTS]
-    return scale.run(kernels, SMALL, "cpu", goldens=ROOT / "goldens", reference_adapter=ModuleReference())
+def tier_run(tmp_path_factory, child_env, run_pytest):
+    """The scale tier through the pytest plugin (planning child, one pytest-xdist worker) on the
+    correct stand-in and the four mutants' at SMALL, the reference its CPU one (k3ref.double)."""
+    t0 = time.time()
+    r, data, outcomes = _tier(tmp_path_factory.mktemp("scale_tier"), "--k3ref-only", ",".join(STANDINS),
+                              child_env=child_env, run_pytest=run_pytest)
+    print(f"the small tier through pytest: {time.time() - t0:.1f} s")
+    return r, data, outcomes
+
+
+@pytest.fixture(scope="module")
+def small_run(tier_run):
+    r, data, _ = tier_run
+    assert data is not None, r.stdout[-3000:] + r.stderr[-3000:]
+    return data
 
 
 def _rows(result, kernel):
@@ -134,7 +87,7 @@ def test_the_correct_kernel_passes_every_case_and_the_reference_every_golden(sma
         assert r["verdict"] == "pass", (case, r["reason"])
         assert r["ratio"] == pytest.approx(1.0, rel=1e-6), (case, r["ratio"])  # the recurrence rounded once: the floor
     ref = _rows(small_run, "k3ref.double")["reference_vs_goldens"]
-    in_domain = [c for c in SUITE if ModuleReference().case_unsupported(c) is None]
+    in_domain = [c for c in SUITE if HostReferenceAdapter().case_unsupported(c) is None]
     # double against 256 bits: 4.5e-16 measured at worst
     assert ref["verdict"] == "pass" and ref["goldens"] == len(in_domain) and ref["figure"] <= 1e-15, ref["reason"]
 
@@ -149,6 +102,76 @@ def test_each_scale_mutant_is_caught_by_its_case(small_run, mutant):
     caught = sorted(c for c, r in rows.items() if r["verdict"] in ("fail", "error"))
     assert EXPECTED_CATCH[mutant] in caught, (mutant, {c: r["reason"][:200] for c, r in rows.items()})
     assert small_run["summary"]["mutants"][f"standin.{mutant}"] == "caught"
+
+
+def test_the_tier_is_one_pytest_test_per_kernel_and_case_and_its_hook_writes_scale_json(tier_run):
+    r, data, outcomes = tier_run
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    cases = list(scale.CASE_FUNCTIONS)
+    ids = (["k3ref.double-reference_vs_goldens-scale"] + [f"{k}-{c}-scale" for k in STANDINS for c in cases]
+           + [f"standin.{m}-scale-caught" for m in scale.lib.SCALE_MUTANTS])
+    # every test passed: the correct kernel's cases, the reference's, each mutant's cases (a
+    # case that catches a mutant does not fail the run) and each mutant's `caught`
+    assert outcomes == {i: "passed" for i in ids}, outcomes
+    assert data["tier"] == "scale" and data["limits"] == asdict(SMALL) and data["device"] == "cpu"
+    assert [(d["kernel"], d["case"]) for d in data["results"]] == (
+        [("k3ref.double", "reference_vs_goldens")] + [(k, c) for k in STANDINS for c in cases])
+    assert data["summary"]["verdict"] == "PASS" and data["summary"]["failures"] == []
+    assert data["wall_s"] > 0
+    for d in data["results"]:
+        if d["case"] != "reference_vs_goldens":
+            assert d["tensors"] and "figure" in d and "bound" in d and d["seconds"] > 0, d  # per tensor, the worst
+    assert scale.table(data["results"]).splitlines()[1].startswith("k3ref.double")
+    assert "k3ref scale tier" in r.stdout and scale.table(data["results"]).splitlines()[0] in r.stdout
+    for m in scale.lib.SCALE_MUTANTS:
+        line = next((l for l in r.stdout.splitlines() if l.startswith(f"mutant standin.{m}: caught by ")), "")
+        assert EXPECTED_CATCH[m] in line.partition(" by ")[2].split(", "), r.stdout[-3000:]
+    assert "scale tier: PASS" in r.stdout
+
+
+def test_an_uncaught_mutant_fails_its_caught_test_and_a_crash_is_a_catch(tmp_path, child_env, run_pytest):
+    # ragged_tail alone: the bf16-state mutant (wrong past 64 tokens) is not caught; the
+    # `exits` mutant ends its worker in the case, which pytest-xdist replaces: a catch.
+    r, data, outcomes = _tier(tmp_path, "--k3ref-adapter", "scale_standins:exiting_mutant", "--k3ref-only",
+                              "standin.bf16_state_long_t,standin.exits", "--k3ref-cases", "ragged_tail",
+                              child_env=child_env, run_pytest=run_pytest)
+    assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-3000:]
+    assert outcomes == {"standin.bf16_state_long_t-ragged_tail-scale": "passed",
+                        "standin.bf16_state_long_t-scale-caught": "failure",
+                        "standin.exits-ragged_tail-scale": "passed", "standin.exits-scale-caught": "passed"}, outcomes
+    s = data["summary"]
+    assert s["mutants"] == {"standin.bf16_state_long_t": "missed", "standin.exits": "caught"}, s
+    assert s["mutant_catches"]["standin.exits"] == ["ragged_tail"] and s["verdict"] == "FAIL"
+    rows = {d["kernel"]: d for d in data["results"]}
+    assert rows["standin.bf16_state_long_t"]["verdict"] == "pass"
+    assert rows["standin.exits"]["verdict"] == "error" and "worker process" in rows["standin.exits"]["reason"]
+    assert "NOT CAUGHT by any of the 1 scale cases that ran" in r.stdout, r.stdout[-3000:]
+    assert "mutant standin.bf16_state_long_t: missed" in r.stdout and "scale tier: FAIL" in r.stdout
+
+
+def test_run_tier_scale_is_a_front_end_of_the_plugin_and_minus_k_selects(tmp_path, child_env, gpu_check):
+    out = tmp_path / "o"
+    r = gpu_check("run", "--tier", "scale", "--adapter", "scale_standins:tier_standins", "--only",
+                  "standin,standin.bf16_state_long_t", "--device", "cpu", "--out", out, "--", "-k", "long_sequence",
+                  cwd=tmp_path, env=child_env(K3REF_SCALE_LIMITS=SMALL_TEXT))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "scale.json").read_text())
+    assert [(d["kernel"], d["case"], d["verdict"]) for d in data["results"]] == [
+        ("standin", "long_sequence", "pass"), ("standin.bf16_state_long_t", "long_sequence", "fail")]
+    assert data["summary"]["mutants"] == {"standin.bf16_state_long_t": "caught"}
+    names = sorted(c.get("name") for c in ET.parse(out / "report.xml").getroot().iter("testcase"))
+    assert names == ["standin-long_sequence-scale", "standin.bf16_state_long_t-long_sequence-scale"]
+    assert "2 passed" in r.stdout and "scale tier: PASS" in r.stdout  # the workers deselect the other 10
+
+
+def test_an_unknown_scale_case_is_a_usage_error_naming_the_valid_ones(tmp_path, child_env, run_pytest, gpu_check):
+    r = run_pytest("--k3ref-tier", "scale", "--k3ref-device", "cpu", "--k3ref-cases", "nope", "-q", cwd=tmp_path)
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    line = next(l for l in r.stderr.splitlines() if "nope" in l)
+    assert "unknown scale case 'nope'" in line and all(c in line for c in scale.CASES), r.stderr
+    r = gpu_check("run", "--tier", "scale", "--device", "cpu", "--cases", "nope", "--out", tmp_path / "o", cwd=tmp_path)
+    assert r.returncode == 2 and "unknown scale case 'nope'" in r.stderr, r.stderr[-2000:]
+    assert all(c in r.stderr for c in scale.CASES)
 
 
 def test_the_ragged_case_fails_exactly_the_residues_the_read_past_mutant_reads_poison_at(small_run):
@@ -248,9 +271,10 @@ def test_limits_from_text():
 def test_a_tier_in_which_nothing_ran_fails():
     a = StandIn(None, SMALL)
     skipped = [scale.CheckResult(a.name, "scale", c, "skip", "not available: no CUDA device") for c in scale.CASE_FUNCTIONS]
-    s = scale.summarize(skipped, [a])
+    s = scale.summarize(skipped, {a.name: a.kind})
     assert s["verdict"] == "FAIL" and s["failures"] == ["no kernel ran a case: nothing is vouched for"]
-    asked = scale.summarize(skipped + [scale.CheckResult(a.name, "scale", "x", "pass", "")], [a], asked={a.name})
+    asked = scale.summarize(skipped + [scale.CheckResult(a.name, "scale", "x", "pass", "")], {a.name: a.kind},
+                            asked={a.name})
     assert asked["verdict"] == "FAIL" and len(asked["failures"]) == len(skipped)  # asked for, not available
 
 

@@ -410,6 +410,30 @@ class LibReferenceAdapter(KdaAdapter):
                                out=out)
 
 
+class HostReferenceAdapter(KdaAdapter):
+    """k3ref's compiled reference in double (k3ref._core): the scale tier's reference off a
+    CUDA device (scale.reference), judged on the goldens as libk3gc's fp64 kernel is on one."""
+
+    name = "k3ref.double"
+    kind = "reference"
+    policy = "rel-rms:1e-12"
+    policy_reason = "double arithmetic against 256-bit goldens: error of order 1e-16"
+    contract = "CPU; k3ref's reference in double, fp64 output"
+    checks = ("golden",)
+    output_dtype = torch.float64
+
+    def load(self):
+        from . import references
+
+        if references._module() is None:
+            raise RuntimeError("k3ref._core is not importable")
+
+    def run(self, inputs, params, out=None):
+        from . import references
+
+        return references.module_reference(inputs, params)
+
+
 class TorchKernelAdapter(KdaAdapter):
     """The PyTorch fp64 recurrence with its output rounded to bf16 (1.0x the floor by
     construction): a kernel for the host-side tests, on the CPU. A mutation makes it wrong

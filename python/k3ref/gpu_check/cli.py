@@ -7,6 +7,7 @@ pytest-timeout), reports and verdict are the plugin's. It exits 0 when the kerne
 vouched for, 1 when not (a failed check, a known limitation that now passes, a mutant not
 caught or not run, a kernel asked for that is not available, no check executed, a test
 without a result, a report that could not be written), 2 on a usage error (one line).
+`run --tier scale` is the same front end with `--k3ref-tier scale` (its record: OUT/scale.json).
 `prop` and `warmup` are commands of their own.
 """
 import argparse
@@ -60,7 +61,10 @@ def parser():
     r.add_argument("--no-isolation", action="store_true", help="run every check in this process (a crash ends the run)")
     r.add_argument("--list", action="store_true", help="print the collected test node ids and exit")
     r.add_argument("--tier", choices=("default", "scale"), default="default",
-                   help="scale: the built-in kernels at K3's production shapes and index limits (scale.py)")
+                   help="scale: the built-in KDA kernels, the scale mutants and the KDA adapters given (--adapter) at "
+                        "K3's production shapes and index limits, one pytest test per kernel x scale case (the "
+                        "plugin's --k3ref-tier scale; --cases names scale cases; OUT/scale.json); default: the golden "
+                        "and metamorphic checks")
     r.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARG",
                    help="after --: arguments passed to pytest as they are (-k EXPR, -x, -v, ...)")
     p = sub.add_parser("prop", help="property-based testing of one KDA kernel against the reference (Hypothesis)")
@@ -171,6 +175,8 @@ def pytest_args(args):
         a.append("--k3ref-builtin")
     flags = {"no_mutants": "--k3ref-no-mutants", "no_isolation": "--k3ref-no-isolation", "no_warmup": "--k3ref-no-warmup"}
     a += [flag for dest, flag in flags.items() if getattr(args, dest)]
+    if args.tier != "default":
+        a += ["--k3ref-tier", args.tier]
     values = {"only": "--k3ref-only", "checks": "--k3ref-checks", "cases": "--k3ref-cases", "goldens": "--k3ref-goldens",
               "device": "--k3ref-device", "known_limitations": "--k3ref-known-limitations", "policy": "--k3ref-policy",
               "check_timeout": "--k3ref-check-timeout", "load_timeout": "--k3ref-load-timeout", "budget": "--k3ref-budget",
@@ -198,11 +204,6 @@ def run_command(args):
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
-    if args.tier == "scale":
-        from . import scale
-
-        apply_kernel_options(args)
-        return scale.command(args)
     if not args.no_isolation or args.list:
         return EXIT_CODES.get(int(pytest.main(pytest_args(args))), 1)
     # --no-isolation: the adapters run in the pytest process, where an exit of theirs would end
@@ -213,7 +214,7 @@ def run_command(args):
 
     started = time.time()
     rc = subprocess.run([sys.executable, "-m", "pytest", *pytest_args(args)]).returncode
-    report = out / "report.json"
+    report = out / ("scale.json" if args.tier == "scale" else "report.json")
     if rc == 0 and not (report.is_file() and report.stat().st_mtime >= started):
         print(f"{sys.argv[0]} run: FAIL: the run ended with exit 0 but wrote no report {report} (adapter code ended "
               f"the process?): nothing is vouched for", file=sys.stderr)

@@ -23,8 +23,9 @@ def _error(adapter, check, case, what, e):
 class Executor:
     """One per process: the adapters of the run, what loading each gave, and the time split."""
 
-    def __init__(self, opts, conftest_objects=()):
+    def __init__(self, opts, conftest_objects=(), scale=None):
         self.opts = opts
+        self.scale = scale   # the plan's scale section (limits, ...) of a --k3ref-tier scale run
         self.conftest_objects = conftest_objects
         self.device = selection.device_of(opts)
         self._adapters = None
@@ -34,7 +35,12 @@ class Executor:
 
     def adapter(self, name):
         if self._adapters is None:
-            adapters, self.requested, _ = selection.select_adapters(self.opts, self.conftest_objects)
+            if self.scale is not None:  # as the scale tier's plan selected them
+                from .scale import select_kernels
+
+                adapters, self.requested = select_kernels(self.opts, self.conftest_objects)
+            else:
+                adapters, self.requested, _ = selection.select_adapters(self.opts, self.conftest_objects)
             self._adapters = {a.name: a for a in adapters}
         if name not in self._adapters:
             raise LookupError(f"adapter {name} is in the plan but not selected in this process")
@@ -73,14 +79,9 @@ class Executor:
         self.loaded[a.name] = info
         return info
 
-    def run_one(self, a, entry):
-        """The CheckResult of one (check, case) of adapter `a`, with its time split."""
-        from .. import goldens
-        from . import timing
-
-        check, case_id = entry["check"], entry["case"]
-        if entry.get("skip"):
-            return CheckResult(a.name, check, case_id, "skip", entry["skip"])
+    def _not_run(self, a, check, case_id):
+        """A skip when the kernel's time budget is spent or it is not available (loading it
+        first), else None."""
         first = self.started.setdefault(a.name, time.monotonic())
         if self.opts.budget and time.monotonic() - first > self.opts.budget:
             return CheckResult(a.name, check, case_id, "skip",
@@ -89,6 +90,19 @@ class Executor:
         if not info["available"]:
             return CheckResult(a.name, check, case_id, "skip", "not available: " + (info.get("reason") or "unknown"),
                                extra={"unavailable": True})
+        return None
+
+    def run_one(self, a, entry):
+        """The CheckResult of one (check, case) of adapter `a`, with its time split."""
+        from .. import goldens
+        from . import timing
+
+        check, case_id = entry["check"], entry["case"]
+        if entry.get("skip"):
+            return CheckResult(a.name, check, case_id, "skip", entry["skip"])
+        not_run = self._not_run(a, check, case_id)
+        if not_run is not None:
+            return not_run
         before = timing.COUNTERS.snapshot()
         t0 = time.perf_counter()
         try:
@@ -110,6 +124,8 @@ class Executor:
     def run(self, entry):
         """(verdict, reason, results) of one planned test: verdict pass | fail | skip (a known
         limitation's xfail is pytest's strict marker, applied by the plugin)."""
+        if entry.get("tier") == "scale" and entry["case"] == "reference_vs_goldens":
+            return self.run_reference(entry)
         try:
             a = self.adapter(entry["adapter"])
         except (KeyboardInterrupt, GeneratorExit):
@@ -118,11 +134,54 @@ class Executor:
             res = _error(entry["adapter"], entry["check"], entry["case"], "selecting the adapters: ", e)
             return "fail", res.reason, [res]
         test = Test(a, entry["check"], entry["case"])
+        if entry.get("tier") == "scale":
+            return self.run_scale(a, test, entry)
         if entry.get("mutant") is not None:
             results = [self.run_one(a, x) for x in entry["mutant"]]
             verdict, reason = mutant_outcome(_Mutant(a, test), results, self.requested)
             return verdict, reason, results
         res = self.run_one(a, entry)
+        verdict, reason = outcome(test, res, self.requested)
+        return verdict, reason, [res]
+
+
+    def run_reference(self, entry):
+        """The scale tier's reference_vs_goldens test: the reference the tier computes with, on
+        the goldens (not a selected adapter: scale.reference_adapter of the device)."""
+        from . import scale
+
+        try:
+            res = scale.reference_vs_goldens(self.device, self.opts.goldens)[0]
+        except (KeyboardInterrupt, GeneratorExit):
+            raise
+        except BaseException as e:
+            res = _error(entry["adapter"], entry["check"], entry["case"], "", e)
+        return ("pass" if res.status == "pass" else "fail"), res.reason, [res]
+
+    def run_scale(self, a, test, entry):
+        """One case of the scale tier (scale.run_case at the plan's limits). A scale mutant's
+        case test passes whatever the case found (its result says whether the case caught
+        it); its `caught` test runs nothing here: the controller judges it from the results of
+        the mutant's cases, which may come from several workers (pytest_plugin)."""
+        from . import scale
+
+        if entry["check"] == "caught":
+            return "pass", "judged from the results of its cases", []
+        res = self._not_run(a, entry["check"], entry["case"])
+        if res is None:
+            t0 = time.perf_counter()
+            try:
+                res = scale.run_case(a, entry["case"], scale.Limits(**self.scale["limits"]), self.device)
+            except (KeyboardInterrupt, GeneratorExit):
+                raise
+            except BaseException as e:  # run_case guards the case; this is what is outside it
+                res = _error(a.name, entry["check"], entry["case"], "", e)
+            res.seconds = res.seconds or time.perf_counter() - t0
+        if entry.get("of_mutant"):
+            if res.status == "skip":
+                return "skip", res.reason, [res]
+            return "pass", ("caught by this case: " if res.status in ("fail", "error") else
+                            "not caught by this case: ") + res.reason, [res]
         verdict, reason = outcome(test, res, self.requested)
         return verdict, reason, [res]
 

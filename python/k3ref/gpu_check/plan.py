@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from .protocol import KERNEL_PATHS, RunOptions
@@ -35,7 +36,8 @@ def options_of(config):
         load_timeout=float(g("k3ref_load_timeout")), budget=float(g("k3ref_budget")),
         isolate=not g("k3ref_no_isolation"), report=g("k3ref_report"), warmup=not g("k3ref_no_warmup"),
         warmup_jobs=g("k3ref_warmup_jobs"), warmup_timeout=float(g("k3ref_warmup_timeout")),
-        autotune_configs=g("k3ref_autotune_configs"), cache_dir=g("k3ref_cache_dir"), kernel_paths=paths)
+        autotune_configs=g("k3ref_autotune_configs"), cache_dir=g("k3ref_cache_dir"), kernel_paths=paths,
+        tier=g("k3ref_tier"))
 
 
 def apply_environment(opts):
@@ -78,6 +80,8 @@ def make(opts, conftest_objects=(), progress=print):
     run while it compiles (docs/gpu_check.md)."""
     from . import collection, selection, shapes, warmup
 
+    if opts.tier == "scale":
+        return make_scale(opts, conftest_objects), None
     adapters, requested, suite = select_adapters(opts, conftest_objects)
     try:
         limitations = collection.load_limitations(opts.known_limitations)
@@ -116,12 +120,62 @@ def make(opts, conftest_objects=(), progress=print):
     plan = {
         "version": PLAN_VERSION, "device": device, "requested": sorted(requested), "n_goldens": len(suite),
         "golden_dir": str(opts.goldens or selection.default_goldens("--k3ref-goldens")),
-        "adapters": {a.name: {"family": a.family, "kind": a.kind, "policy": a.policy, "policy_reason": a.policy_reason,
-                              "contract": a.contract, "asked_for": a.name in requested, "group": groups[a.name]}
-                     for a in adapters},
+        "adapters": {a.name: _facts(a, requested, groups[a.name]) for a in adapters},
         "tests": entries, "speed": speed,
     }
     return plan, warm_up
+
+
+def _facts(a, requested, group):
+    return {"family": a.family, "kind": a.kind, "policy": a.policy, "policy_reason": a.policy_reason,
+            "contract": a.contract, "asked_for": a.name in requested, "group": group}
+
+
+def make_scale(opts, conftest_objects=()):
+    """The plan of the scale tier (--k3ref-tier scale, scale.py): one test per kernel x case,
+    `KERNEL-CASE-scale`, after the reference's `REFERENCE-reference_vs_goldens-scale`; a scale
+    mutant's case tests record whether that case caught it and never fail, and its test
+    `MUTANT-scale-caught`, last in its group, fails when none did (the controller judges it
+    from their results: pytest_plugin). No warm-up: each kernel compiles its shapes in its
+    first case. The limits ($K3REF_SCALE_LIMITS) go into the plan, for the workers."""
+    from . import scale, selection
+
+    if opts.checks:
+        raise selection.UsageError("--checks: the scale tier has no checks to pick; --cases picks its cases "
+                                   f"({', '.join(scale.CASES)})")
+    kernels, requested = scale.select_kernels(opts, conftest_objects)
+    cases = scale.cases_of(opts.cases)
+    limits = scale.environment_limits()
+    device = device_of(opts)
+    ref = scale.reference_adapter(device)
+    entries, facts = [], {}
+
+    def add(a, check, case, **extra):
+        group = group_of(a)
+        facts[a.name] = _facts(a, requested, group)
+        e = {"id": f"{a.name}-{case}-{check}", "group": group, "xfail": None, "adapter": a.name, "check": check,
+             "case": case, "case_path": None, "skip": None, "tier": "scale", **extra}
+        e["nodeid"] = f"k3ref/{scope_name(group)}::{e['id']}"
+        entries.append(e)
+        return e
+
+    if "reference_vs_goldens" in cases:
+        add(ref, "scale", "reference_vs_goldens")
+    for a in kernels:
+        mutant = a.kind == "mutant"
+        mine = [add(a, "scale", c, of_mutant=mutant) for c in cases if c in scale.CASE_FUNCTIONS]
+        if mutant and mine:
+            add(a, "caught", "scale", cases=[e["nodeid"] for e in mine])
+    gpu = None
+    if str(device).startswith("cuda"):
+        import torch
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    golden_dir = (str(opts.goldens or selection.default_goldens("--k3ref-goldens"))
+                  if "reference_vs_goldens" in cases else opts.goldens)
+    return {"version": PLAN_VERSION, "tier": "scale", "device": device, "requested": sorted(requested),
+            "n_goldens": None, "golden_dir": golden_dir, "adapters": facts, "tests": entries, "speed": {},
+            "scale": {"limits": asdict(limits), "cases": list(cases), "gpu": gpu}}
 
 
 def _warm_up_of(selected, opts, device, speed, progress):

@@ -59,6 +59,7 @@ class RunOptions:
     autotune_configs: str = "winner"
     cache_dir: str = None
     kernel_paths: tuple = ()      # ((environment variable, path), ...)
+    tier: str = "default"         # default | scale (the scale tier's cases, scale.py)
 
 
 @dataclass

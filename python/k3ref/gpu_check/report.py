@@ -290,16 +290,14 @@ def _timing_of(results, loaded, crashed=()):
     return t
 
 
-def from_pytest(plan, reports, collected, seconds, versions_=None, crashes=None):
-    """The run as the report shows it, from the plan and pytest's reports of its tests
-    (reports: node id -> [TestReport], each call report carrying the worker's record in
-    `report.k3ref`). A collected test with no result, or a run in which no check executed,
-    fails the run. Returns {rows, results, failures, passed, summary}."""
+def test_rows(plan, reports, wanted):
+    """(rows, results, loaded_by) of the plan's tests in `wanted` (node ids), in the plan's
+    order: each row (test, verdict, one-line reason, its CheckResults) from pytest's reports of
+    it; a test without any is an error with no result."""
     from .protocol import CheckResult
 
-    rows, results, failures = [], [], []
+    rows, results = [], []
     loaded_by = {}   # adapter -> [what loading gave, one per process that loaded it]
-    wanted = set(collected) if collected is not None else {e["nodeid"] for e in plan["tests"]}
     for e in plan["tests"]:
         if e["nodeid"] not in wanted:
             continue  # deselected (-k, --deselect)
@@ -344,6 +342,16 @@ def from_pytest(plan, reports, collected, seconds, versions_=None, crashes=None)
             r.extra["test_id"] = e["id"]
         rows.append((row, verdict, reason, rs))
         results += rs
+    return rows, results, loaded_by
+
+
+def from_pytest(plan, reports, collected, seconds, versions_=None, crashes=None):
+    """The run as the report shows it, from the plan and pytest's reports of its tests
+    (reports: node id -> [TestReport], each call report carrying the worker's record in
+    `report.k3ref`). A collected test with no result, or a run in which no check executed,
+    fails the run. Returns {rows, results, failures, passed, summary}."""
+    wanted = set(collected) if collected is not None else {e["nodeid"] for e in plan["tests"]}
+    rows, results, loaded_by = test_rows(plan, reports, wanted)
     failures = [f"FAIL {t.id}: {reason}" for t, v, reason, _ in rows if v == "fail"]
     if sum(r.status != "skip" and not r.extra.get("no_result") for r in results) == 0:
         failures.append("FAIL: no check was executed (every test was skipped or nothing was collected)")
@@ -363,6 +371,31 @@ def from_pytest(plan, reports, collected, seconds, versions_=None, crashes=None)
                 golden_dir=plan.get("golden_dir"), versions_=versions_)
     s.update(plan.get("speed") or {})
     return {"rows": rows, "results": results, "failures": failures, "passed": passed, "summary": s}
+
+
+def scale_from_pytest(plan, reports, wanted, seconds):
+    """What scale.json holds (scale.state: tier, limits, device, results rows, summary, wall_s)
+    of a --k3ref-tier scale run, from pytest's reports of the tests in `wanted` (node ids): the
+    rows of the reference's and the kernels' cases (a mutant's `caught` test is its verdict
+    in the summary)."""
+    from . import scale
+
+    rows, _, _ = test_rows(plan, reports, wanted)
+    results = [r for t, _, _, rs in rows if t.check != "caught" for r in rs]
+    kinds = {name: facts["kind"] for name, facts in plan["adapters"].items()}
+    s = plan["scale"]
+    return scale.state(results, kinds, set(plan["requested"]), s["limits"], plan["device"], s.get("gpu"), seconds)
+
+
+def write_scale(directory, result):
+    """DIR/scale.json, replaced atomically (a reader sees the last whole state)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "scale.json"
+    part = directory / "scale.json.part"
+    part.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(part, path)
+    return path
 
 
 def _skip_reason(rep):

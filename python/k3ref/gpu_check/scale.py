@@ -1,7 +1,10 @@
-"""The scale tier (`python3 -m k3ref.gpu_check run --tier scale`, docs/gpu_check.md): each
-KDA kernel at K3's production shapes and at the sizes where indexing breaks, against
-libk3gc's fp64 recurrence computed on the device (on a CPU, k3ref's compiled reference in
-double, for the tests' scaled-down limits).
+"""The scale tier (`pytest -p k3ref.pytest_plugin --k3ref-tier scale`, or its front end
+`python3 -m k3ref.gpu_check run --tier scale`; docs/gpu_check.md): each KDA kernel at K3's
+production shapes and at the sizes where indexing breaks, against libk3gc's fp64 recurrence
+computed on the device (on a CPU, k3ref's compiled reference in double, for the tests'
+scaled-down limits). The plugin runs each case of each kernel as one test (run_case) and
+writes scale.json (state) from pytest's results; this module holds the cases, their judging,
+the kernels' selection and the summary.
 
 Cases (`Limits` sets their sizes; FULL is the tier, K = V = 128, HV = 64 value heads over 16
 query heads, or 64 over 64 for a kernel without GVA):
@@ -28,10 +31,8 @@ The four scale mutants of libk3gc (lib.SCALE_MUTANTS) must each fail at least on
 `python3 -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.scale:scale_mutants`
 runs the default tier on them, which they pass (gpu_check/device_scale.sh shows both).
 """
-import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -80,7 +81,8 @@ def limits_from(text, base=FULL):
         except ValueError:
             raise ValueError(f"scale limits: {name}={value!r} is not an integer") from None
     return replace(base, **changes)
-# In this order: a case that ends the process (a CUDA error is sticky) loses only those after it.
+# In this order (each one pytest test, run in a worker process that a crash or a CUDA error ends
+# and pytest-xdist replaces: the cases after it still run).
 CASES = ("reference_vs_goldens", "ragged_tail", "long_sequence", "packed_documents", "many_sequences", "index_limit")
 # Raw gate inputs of the lower-bound gate, -5 sigmoid(exp(A_log)(x + dt_bias)) with A_log and
 # dt_bias in [-0.5, 0.5]: decays from exp(-3.47) to 1 - 5.7e-4, so that the slowest channels
@@ -419,13 +421,13 @@ CASE_FUNCTIONS = {"ragged_tail": case_ragged_tail, "long_sequence": case_long_se
 assert tuple(CASE_FUNCTIONS) == CASES[1:]  # the order they run in
 
 
-def reference_vs_goldens(device, goldens=None, reference_adapter=None):
-    """The device reference on every KDA golden inside its domain, judged as the default tier
-    judges it (rel RMS <= 1e-12 against the 256-bit goldens)."""
+def reference_vs_goldens(device, goldens=None, reference=None):
+    """The tier's reference (reference_adapter(device), or the adapter given) on every KDA
+    golden inside its domain, judged as the default tier judges it (rel RMS <= 1e-12 against
+    the 256-bit goldens)."""
     from .. import goldens as G
-    from . import adapters
 
-    ref = reference_adapter or adapters.LibReferenceAdapter()
+    ref = reference or reference_adapter(device)
     if not ref.available():
         return [CheckResult(ref.name, "scale", "reference_vs_goldens", "error", "not available: " + ref.unavailable_reason)]
     ref.device_sync = str(device).startswith("cuda")
@@ -442,28 +444,31 @@ def reference_vs_goldens(device, goldens=None, reference_adapter=None):
     return [res]
 
 
-def run_kernel(adapter, L=FULL, device="cuda", cases=CASES, progress=None, on_result=None):
-    """The tier's results of one kernel: one CheckResult per case, in CASES' order (skip with the
-    reason when the kernel is unavailable or the case is outside its domain; error with the
-    exception); on_result(result) after each."""
+def run_case(adapter, case, L=FULL, device="cuda"):
+    """One case (of CASE_FUNCTIONS) of one kernel: its CheckResult (skip with the reason when the
+    kernel is unavailable or the case is outside its domain; error with the exception)."""
     adapter.device_sync = str(device).startswith("cuda")
-    out = []
-    todo = [c for c in CASES if c in CASE_FUNCTIONS and c in cases]
     if not adapter.available():
-        out = [CheckResult(adapter.name, "scale", c, "skip", "not available: " + adapter.unavailable_reason) for c in todo]
-        for r in out if on_result else ():
-            on_result(r)
-        return out
+        return CheckResult(adapter.name, "scale", case, "skip", "not available: " + adapter.unavailable_reason,
+                           extra={"unavailable": True})
     hv = heads_for(adapter, L)
-    for c in todo:
-        if hv is None:
-            res = CheckResult(adapter.name, "scale", c, "skip", "n/a (outside the kernel's domain: K3's "
-                              f"configuration at K = {L.K}, V = {L.V}, HV = {L.HV})")
-        else:
-            t0 = time.time()
-            res = checks._guard(adapter, "scale", c, lambda c=c: CASE_FUNCTIONS[c](adapter, *hv, L, device))
-            res.seconds = time.time() - t0
-            _free(device)
+    if hv is None:
+        return CheckResult(adapter.name, "scale", case, "skip", "n/a (outside the kernel's domain: K3's "
+                           f"configuration at K = {L.K}, V = {L.V}, HV = {L.HV})")
+    t0 = time.time()
+    res = checks._guard(adapter, "scale", case, lambda: CASE_FUNCTIONS[case](adapter, *hv, L, device))
+    res.seconds = time.time() - t0
+    _free(device)
+    return res
+
+
+def run_kernel(adapter, L=FULL, device="cuda", cases=CASES, progress=None, on_result=None):
+    """The tier's results of one kernel in this process: one CheckResult per case (run_case), in
+    CASES' order; on_result(result) after each. The tier itself runs each case as one pytest
+    test (k3ref.pytest_plugin, --k3ref-tier scale)."""
+    out = []
+    for c in (c for c in CASES if c in CASE_FUNCTIONS and c in cases):
+        res = run_case(adapter, c, L, device)
         out.append(res)
         if on_result:
             on_result(res)
@@ -486,26 +491,105 @@ def builtin_kernels(include_mutants=True):
     return kernels + (scale_mutants() if include_mutants else [])
 
 
-def summarize(results, kernels, asked=()):
-    """{verdict, failures, mutants: {name: caught | missed | could not run}} of a tier run; a
-    kernel in `asked` (named with --only) that is not available fails it."""
-    mutants, failures = {}, []
-    kinds = {a.name: a.kind for a in kernels}
+def reference_adapter(device):
+    """The tier's reference as an adapter (reference_vs_goldens judges it on the goldens): the one
+    reference() computes with, libk3gc's fp64 kernel on a CUDA device, else k3ref's compiled
+    reference in double."""
+    from . import adapters
+
+    return adapters.LibReferenceAdapter() if str(device).startswith("cuda") else adapters.HostReferenceAdapter()
+
+
+def select_kernels(opts, conftest_objects=()):
+    """(kernels, requested names) of a scale run (the plugin's options, RunOptions): the
+    built-in kernels and the scale mutants, then the KDA forward kernels among the adapters
+    given (--k3ref-adapter, conftest.py's k3ref_adapters); --k3ref-only picks among them (each
+    must exist), --k3ref-no-mutants leaves out the mutants not named. Named kernels are asked
+    for (one that is not available fails). Raises selection.UsageError (one line)."""
+    from . import registry
+    from .selection import UsageError
+
+    kernels = builtin_kernels(include_mutants=True)
+    try:
+        given, requested = registry.discover(specs=opts.adapters, conftest_specs=conftest_objects, entry_points=False)
+    except registry.AdapterSpecError as e:
+        raise UsageError(str(e)) from e
+    given = [a for a in given if getattr(a, "family", "") == "kda" and hasattr(a, "unsupported")]  # KdaAdapter.run
+    requested = {a.name for a in given}
+    clash = sorted({a.name for a in kernels} & requested)
+    if clash:
+        raise UsageError(f"adapter {clash[0]!r}: a built-in kernel of the scale tier has that name; names must "
+                         f"be unique")
+    kernels += given
+    if opts.only:
+        unknown = [n for n in opts.only if n not in {a.name for a in kernels}]
+        if unknown:
+            raise UsageError(f"--only: unknown kernel {unknown[0]!r} (scale tier kernels: "
+                             f"{', '.join(a.name for a in kernels)})")
+        kernels = [a for a in kernels if a.name in opts.only]
+        requested |= set(opts.only)
+    if opts.no_mutants:
+        kernels = [a for a in kernels if a.kind != "mutant" or a.name in requested]
+    return kernels, requested
+
+
+def cases_of(names):
+    """The cases a --k3ref-cases list names, in CASES' order (all without one); an unknown name
+    is a one-line selection.UsageError naming the valid ones."""
+    from .selection import UsageError
+
+    if not names:
+        return CASES
+    bad = [c for c in names if c not in CASES]
+    if bad:
+        raise UsageError(f"--cases: unknown scale case {bad[0]!r} (cases: {', '.join(CASES)})")
+    return tuple(c for c in CASES if c in names)
+
+
+def environment_limits():
+    """The Limits of $K3REF_SCALE_LIMITS (FULL without it); a bad value is a one-line UsageError."""
+    from .selection import UsageError
+
+    try:
+        return limits_from(os.environ.get("K3REF_SCALE_LIMITS"))
+    except ValueError as e:
+        raise UsageError(f"$K3REF_SCALE_LIMITS: {e}") from None
+
+
+def mutant_verdict(results):
+    """(caught | missed | could not run, the cases that caught it) of a scale mutant from its
+    cases' results: caught when one failed or erred (a crash of its process included); a case
+    that gave no result, or ran past its time limit, is neither a catch nor a run."""
+    counted = [r for r in results if not ((r.extra or {}).get("no_result") or (r.extra or {}).get("timed_out"))]
+    caught = [r.case for r in counted if r.status in ("fail", "error")]
+    ran = [r for r in counted if r.status != "skip"]
+    return ("caught" if caught else ("missed" if ran else "could not run")), caught
+
+
+def summarize(results, kinds, asked=()):
+    """{verdict, failures, mutants: {name: caught | missed | could not run}} of a tier run
+    (kinds: kernel name -> kernel | mutant | reference); a kernel in `asked` (named with --only
+    or given) that is not available fails it."""
+    failures, of_mutant = [], {}
     for r in results:
         if kinds.get(r.adapter) == "mutant":
-            m = mutants.setdefault(r.adapter, {"caught_by": [], "ran": 0})
-            if r.status in ("fail", "error"):
-                m["caught_by"].append(r.case)
-            if r.status != "skip":
-                m["ran"] += 1
+            of_mutant.setdefault(r.adapter, []).append(r)
         elif r.status in ("fail", "error") or (r.adapter in asked and r.reason.startswith("not available")):
             failures.append(f"{r.adapter} {r.case}: {r.reason[:300]}")
     if not any(r.status != "skip" for r in results if kinds.get(r.adapter) in ("kernel", "mutant")):
         failures.append("no kernel ran a case: nothing is vouched for")
-    verdict = {n: ("caught" if m["caught_by"] else ("missed" if m["ran"] else "could not run")) for n, m in mutants.items()}
+    judged = {n: mutant_verdict(rs) for n, rs in of_mutant.items()}
+    verdict = {n: v for n, (v, _) in judged.items()}
     ok = not failures and all(v == "caught" for v in verdict.values())
     return {"verdict": "PASS" if ok else "FAIL", "failures": failures, "mutants": verdict,
-            "mutant_catches": {n: m["caught_by"] for n, m in mutants.items()}}
+            "mutant_catches": {n: by for n, (_, by) in judged.items()}}
+
+
+def state(results, kinds, asked, limits, device, gpu, wall_s):
+    """What scale.json holds: {tier, limits, device, gpu, results (rows), summary, wall_s}."""
+    return {"tier": "scale", "limits": limits if isinstance(limits, dict) else asdict(limits), "device": str(device),
+            "gpu": gpu, "results": [result_row(r) for r in results], "summary": summarize(results, kinds, asked),
+            "wall_s": round(wall_s, 2)}
 
 
 def result_row(r):
@@ -533,79 +617,4 @@ def table(rows):
     return "\n".join(lines)
 
 
-def run(kernels, L=FULL, device="cuda", cases=CASES, goldens=None, progress=None, reference_adapter=None, asked=(),
-        checkpoint=None):
-    """The whole tier: {limits, device, results (rows), summary, wall_s}; checkpoint(that dict so
-    far) after each result (a run ended from outside keeps what it did)."""
-    t0 = time.time()
-    results = []
-
-    def state():
-        return {"tier": "scale", "limits": asdict(L), "device": str(device),
-                "gpu": torch.cuda.get_device_name() if str(device).startswith("cuda") else None,
-                "results": [result_row(r) for r in results], "summary": summarize(results, kernels, asked),
-                "wall_s": round(time.time() - t0, 2)}
-
-    def add(r):
-        results.append(r)
-        if checkpoint:
-            checkpoint(state())
-
-    if "reference_vs_goldens" in cases:
-        for r in reference_vs_goldens(device, goldens, reference_adapter):
-            add(r)
-    for a in kernels:
-        run_kernel(a, L, device, cases, progress, on_result=add)
-    return state()
-
-
-def command(args):
-    """`run --tier scale`: --only picks kernels (built-in names and the scale mutants), --cases
-    the cases, --out the directory of scale.json; exit 0 when every kernel passes every case it
-    runs and every scale mutant is caught, else 1."""
-    from . import registry
-    from .selection import UsageError
-
-    kernels = builtin_kernels(include_mutants=not args.no_mutants)
-    for spec in args.adapter:  # the tier runs KDA forward kernels (KdaAdapter.run)
-        kernels += [a for a in registry.resolve(spec) if getattr(a, "family", "") == "kda" and hasattr(a, "unsupported")]
-    if args.only:
-        names = args.only.split(",")
-        unknown = [n for n in names if n not in {a.name for a in kernels}]
-        if unknown:
-            raise UsageError(f"--only: unknown kernel {unknown[0]!r} (scale tier kernels: "
-                             f"{', '.join(a.name for a in kernels)})")
-        kernels = [a for a in kernels if a.name in names]
-    cases = CASES
-    if args.cases:
-        cases = tuple(args.cases.split(","))
-        bad = [c for c in cases if c not in CASES]
-        if bad:
-            raise UsageError(f"--cases: unknown scale case {bad[0]!r} (cases: {', '.join(CASES)})")
-    try:
-        limits = limits_from(os.environ.get("K3REF_SCALE_LIMITS"))
-    except ValueError as e:
-        raise UsageError(f"$K3REF_SCALE_LIMITS: {e}") from None
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "scale.json")
-
-    def write(result):
-        with open(path + ".part", "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        os.replace(path + ".part", path)
-
-    result = run(kernels, limits, args.device, cases, args.goldens,
-                 progress=lambda line: print(line, file=sys.stderr, flush=True),
-                 asked=set(args.only.split(",")) if args.only else (), checkpoint=write)
-    write(result)
-    print(table(result["results"]))
-    s = result["summary"]
-    for n, v in s["mutants"].items():
-        print(f"mutant {n}: {v}" + (f" by {', '.join(s['mutant_catches'][n])}" if v == "caught" else ""))
-    for line in s["failures"]:
-        print("FAIL " + line)
-    print(f"scale tier: {s['verdict']} in {result['wall_s']:.1f} s; {path}")
-    return 0 if s["verdict"] == "PASS" else 1
-
-
-__all__ = ["Limits", "FULL", "CASES", "run", "run_kernel", "command", "scale_mutants", "judge_tensor", "replace"]
+__all__ = ["Limits", "FULL", "CASES", "run_case", "run_kernel", "scale_mutants", "judge_tensor", "replace"]
