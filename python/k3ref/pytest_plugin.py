@@ -159,6 +159,10 @@ def _plan_in_child(config, opts, path):
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([package_root] + [p for p in sys.path if p and os.path.isdir(p)]
                                                       + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.setdefault("PYTHONFAULTHANDLER", "1")
+    # Not a worker of this run (nor of an outer xdist run holding this one): a worker's stderr
+    # goes into its log, and the child's one-line usage error must come back here.
+    for variable in (LOG_DIR_VARIABLE, "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        env.pop(variable, None)
     args = [a for a in config.invocation_params.args]
     cmd = [sys.executable, "-m", "pytest", *args, "--collect-only", "-qq", "-p", "no:cacheprovider",
            "--k3ref-plan-out", str(path)]

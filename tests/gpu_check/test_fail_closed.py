@@ -75,6 +75,17 @@ def test_a_usage_error_is_one_line_with_warnings_shown(child_env, out):
         "determinism, poisoned_memory, inputs_unchanged)"], r.stderr
 
 
+def test_a_usage_error_comes_back_from_inside_an_outer_xdist_worker(child_env, out):
+    # A run started by a test that itself runs in a pytest-xdist worker (this suite under -n):
+    # its planning child is not a worker of it, and its stderr is not sent into a worker log.
+    env = dict(child_env(), PYTEST_XDIST_WORKER="gw7", PYTEST_XDIST_WORKER_COUNT="8")
+    r = subprocess.run([sys.executable, "-m", "k3ref.gpu_check", "run", "--no-builtin", "--adapter",
+                        "test_adapters:Correct", "--checks", "golden,no_such_check", "--out", str(out / "r")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and "no check named 'no_such_check'" in r.stderr, r.stderr
+
+
 def test_prop_on_an_unknown_kernel_is_a_usage_error(gpu_check_here):
     r = gpu_check_here("prop", "--kernel", "no.such_kernel")
     assert r.returncode == 2, r.stderr
