@@ -699,7 +699,7 @@ def pytest_handlecrashitem(crashitem, report, sched):
         return
     from k3ref.gpu_check.report import crash_excerpt, crash_reason
 
-    entry = next((e for e in (config.stash.get(PLAN, None) or {}).get("tests", ()) if e["nodeid"] == crashitem), None)
+    entry = _entries(config, state).get(crashitem) if config is not None else None
 
     workdir = state.get("workdir")
     worker = getattr(getattr(report, "node", None), "gateway", None)

@@ -495,13 +495,14 @@ class TestEngineTable:
 
         limits, _ = _entries(tmp_path, {"adapter": self.KERNEL, "check": "accepted_zero"})
         part = tmp_path / "rows.json"
-        part.write_text(json.dumps({"torch": "2.11", "triton": "3.6", "rows": [
+        part.write_text(json.dumps({"versions": {"torch": "2.11", "triton": "3.6", "cuda": "13.0"}, "rows": [
             _row(self.KERNEL, "accepted_zero", "-", "fail"), _row(self.KERNEL, "golden", "c1", "pass")]}))
         out = tmp_path / "m.json"
         assert SC.main(["--merge", str(part), "--known-limitations", str(limits), "--measurement", str(out),
                         "--measured-on", "GPU X"]) == 0  # the one failure is a finding
         m = json.loads(out.read_text())
         assert m["device"] == "GPU X" and m["versions"]["torch"] == "2.11" and m["versions"]["triton"] == "3.6"
+        assert m["versions"]["cuda"] == "13.0"
         assert m["versions"]["fla"] is None  # not recorded by the rows: never this host's
         grid = {r["kernel"]: r for r in m["tables"]["cells"]["rows"]}
         assert grid[self.KERNEL]["accepted_zero"] == "1K" and grid[self.KERNEL]["golden"] == "1P"

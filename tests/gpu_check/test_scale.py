@@ -230,7 +230,7 @@ def test_the_default_tier_misses_the_scale_mutants_at_the_real_limits():
 def test_a_kernel_with_a_contract_is_judged_by_it_on_the_sampled_heads():
     a = StandIn(None, SMALL)
     a.contract_name = "fla_recurrent"  # its contract: the fp32 recurrence, bf16 output (1.0x the floor)
-    rows = {r.case: r for r in scale.run_kernel(a, SMALL, "cpu", cases=("long_sequence", "packed_documents"))}
+    rows = {c: scale.run_case(a, c, SMALL, "cpu") for c in ("long_sequence", "packed_documents")}
     for case, r in rows.items():
         assert r.status == "pass", (case, r.reason)
         o = r.metrics["o"]
@@ -251,7 +251,7 @@ def test_the_fla_adapter_runs_the_tier_with_its_contract():
     a = StandInFla(fla_current)
     a.contract_name, a.policy = "fla_chunk", "chunk"
     L = scale.replace(SMALL, H=1, HV=4)
-    rows = {r.case: r for r in scale.run_kernel(a, L, "cpu", cases=tuple(scale.CASE_FUNCTIONS))}
+    rows = {c: scale.run_case(a, c, L, "cpu") for c in scale.CASE_FUNCTIONS}
     assert a.gva is True and set(rows) == set(scale.CASE_FUNCTIONS)
     for case, r in rows.items():
         assert r.status == "pass", (case, r.reason)

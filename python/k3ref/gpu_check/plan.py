@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .protocol import KERNEL_PATHS, RunOptions
+from .protocol import KERNEL_PATHS, RunOptions, write_json
 from .selection import device_of, select_adapters
 
 PLAN_VERSION = 1
@@ -190,10 +190,8 @@ def _warm_up_of(selected, opts, device, speed, progress):
 
         def write_status(done=False, record=None):
             if status is not None:
-                tmp = Path(f"{status}.tmp")
-                tmp.write_text(json.dumps({"pid": os.getpid(), "pending": pending, "done": done, "record": record},
-                                          default=str))
-                os.replace(tmp, status)
+                write_json({"pid": os.getpid(), "pending": pending, "done": done, "record": record}, status,
+                           default=str)
 
         def on_unit_done(name):
             with lock:
@@ -248,9 +246,7 @@ def wait_for_warmup(status, adapter, limit, poll=0.2):
 
 def write(plan, path):
     """Atomically: a reader sees the whole plan or none."""
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(plan))
-    os.replace(tmp, path)
+    write_json(plan, path)
 
 
 def read(path):

@@ -264,3 +264,14 @@ def source_identity(mod):
         ident = f"files sha256:{h.hexdigest()[:12]}"
     _SOURCE_IDENTITY[where] = ident
     return ident
+
+
+def write_json(obj, path, **dumps):
+    """`obj` as JSON at `path`, replaced atomically: a reader sees the last whole file or none."""
+    import json
+    import os
+
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(obj, **dumps))
+    os.replace(tmp, path)
+

@@ -389,13 +389,12 @@ def scale_from_pytest(plan, reports, wanted, seconds):
 
 def write_scale(directory, result):
     """DIR/scale.json, replaced atomically (a reader sees the last whole state)."""
+    from .protocol import write_json
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "scale.json"
-    part = directory / "scale.json.part"
-    part.write_text(json.dumps(result, indent=1, default=str))
-    os.replace(part, path)
-    return path
+    write_json(result, directory / "scale.json", indent=1, default=str)
+    return directory / "scale.json"
 
 
 def _skip_reason(rep):

@@ -462,21 +462,6 @@ def run_case(adapter, case, L=FULL, device="cuda"):
     return res
 
 
-def run_kernel(adapter, L=FULL, device="cuda", cases=CASES, progress=None, on_result=None):
-    """The tier's results of one kernel in this process: one CheckResult per case (run_case), in
-    CASES' order; on_result(result) after each. The tier itself runs each case as one pytest
-    test (k3ref.pytest_plugin, --k3ref-tier scale)."""
-    out = []
-    for c in (c for c in CASES if c in CASE_FUNCTIONS and c in cases):
-        res = run_case(adapter, c, L, device)
-        out.append(res)
-        if on_result:
-            on_result(res)
-        if progress:
-            progress(f"{adapter.name} {c}: {res.status} {res.seconds:.1f} s: {res.reason[:300]}")
-    return out
-
-
 def scale_mutants():
     """libk3gc's scale mutants as adapters (the default tier runs them with --adapter)."""
     from .adapters import LibKernelAdapter
@@ -511,7 +496,7 @@ def select_kernels(opts, conftest_objects=()):
 
     kernels = builtin_kernels(include_mutants=True)
     try:
-        given, requested = registry.discover(specs=opts.adapters, conftest_specs=conftest_objects, entry_points=False)
+        given, _ = registry.discover(specs=opts.adapters, conftest_specs=conftest_objects, entry_points=False)
     except registry.AdapterSpecError as e:
         raise UsageError(str(e)) from e
     given = [a for a in given if getattr(a, "family", "") == "kda" and hasattr(a, "unsupported")]  # KdaAdapter.run
@@ -617,4 +602,4 @@ def table(rows):
     return "\n".join(lines)
 
 
-__all__ = ["Limits", "FULL", "CASES", "run_case", "run_kernel", "scale_mutants", "judge_tensor", "replace"]
+__all__ = ["Limits", "FULL", "CASES", "run_case", "scale_mutants", "judge_tensor", "replace"]

@@ -1271,8 +1271,8 @@ def table_cells(rows):
 def measurement_of(rows, measured_on=None, commands=(), recorded=None):
     """The engines' table as a measurements/ file (k3ref.measurement's schema): the kernel x
     check cells, every row that is not a pass or n/a with its reason, and each kernel's source.
-    measured_on: rows measured on another machine (merged here): its device, and the versions
-    its row files recorded (`recorded`), the others not recorded."""
+    Rows measured on another machine and merged here: measured_on names its device, and
+    `recorded` holds the versions its row files recorded (measurement.versions() there)."""
     from .. import measurement
 
     cells = table_cells(rows)
@@ -1298,7 +1298,8 @@ def measurement_of(rows, measured_on=None, commands=(), recorded=None):
         commands=list(commands))
     if measured_on:
         m["device"] = measured_on
-        m["versions"] = {k: (recorded or {}).get(k) for k in ("torch", "triton", "cuda", "fla", "flashkda")}
+    if recorded is not None:
+        m["versions"] = {k: recorded.get(k) for k in m["versions"]}
     return m
 
 
@@ -1314,14 +1315,6 @@ def print_table(rows, out=None):
             out.write(f"{k:<{width}}  {v['(load)']}\n")
             continue
         out.write(f"{k:<{width}}  " + "  ".join(f"{v[c]:>12}" for c in SERVING_CHECKS) + "\n")
-
-
-def _triton_version():
-    try:
-        import triton
-        return triton.__version__
-    except ImportError:
-        return None
 
 
 def main(argv=None):
@@ -1362,16 +1355,19 @@ def main(argv=None):
     if args.list:
         print("\n".join(a.name for a in adapters))
         return 0
+    from .. import measurement
+
     meta = dict(format="k3ref-serving-table", version=1, device=args.device, torch=torch.__version__,
-                triton=_triton_version())
-    recorded = {}
+                versions=measurement.versions())
+    recorded = None
     if args.merge:
         rows = []
         for f in map(Path, args.merge):
             if f.is_file():
                 part = json.loads(f.read_text())
                 rows += part["rows"]
-                recorded = recorded or {k: part.get(k) for k in ("torch", "triton")}
+                # the first file's versions (an older file: its torch and triton lines)
+                recorded = recorded or part.get("versions") or {k: part.get(k) for k in ("torch", "triton")}
             else:
                 log = f.with_suffix(".log")
                 last = (log.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1] if log.is_file() \
@@ -1391,11 +1387,8 @@ def main(argv=None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=1, default=str))
     if args.measurement:
-        from .. import measurement
-
         command = " ".join(["python3 -m k3ref.gpu_check.serving_check", *(argv or sys.argv[1:])])
-        measurement.write(measurement_of(rows, args.measured_on, [command], recorded if args.merge else None),
-                          args.measurement)
+        measurement.write(measurement_of(rows, args.measured_on, [command], recorded), args.measurement)
     for r in rows:
         if r["verdict"] in FAILING:
             print(f"{r['verdict'].upper()} {r['kernel']} {r['check']}[{r['case']}]: {r['reason'][:300]}")
