@@ -16,8 +16,9 @@
 #        /tmp/k3ref_layers_build, ~1-2 min);
 #        LIMIT_LAYERS, LIMIT_MOE, LIMIT_ROOFLINE, LIMIT_KCP (seconds; defaults 150, 60, 200, 150); HEADS (96);
 #        LAYER (fla, torchtitan or both, default both: the layers step);
-#        STEPS (the parts to run, default "layers moe roofline kcp": KCP alone, which autotunes
-#        chunk_kda on each rank, can take a device call of its own).
+#        STEPS (the parts to run, default "layers moe roofline kcp"; "moe_cpu" runs the latent
+#        MoE check on the machine's CPU as well: KCP alone, which autotunes chunk_kda on each
+#        rank, can take a device call of its own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -51,7 +52,7 @@ step "FLA's and torchtitan's KimiDeltaAttention (k3ref.layer_check: goldens, sel
 timeout -k 10 "${LIMIT_LAYERS:-150}" $PY -m k3ref.layer_check --layer "${LAYER:-both}" --device cuda --checks golden,self \
   --fla-path "$TP/fla_pkg" --torchtitan-path "$TP/torchtitan" --json "$OUT/layers.json" \
   --measurement "$OUT/h200_kda_layers.json" > "$OUT/layers.txt" 2>&1
-rc=$?; [ $rc = 0 ] || { status=1; echo "layer_check exit $rc (124: over its limit)"; }
+rc=$?; [ $rc = 0 ] || { status=1; echo "layer_check exit $rc$([ $rc = 124 ] && echo ': over its limit')"; }
 fi
 
 if has moe; then
@@ -59,6 +60,13 @@ step "torchtitan's latent MoE layer (k3ref.moe_check --device cuda)"
 timeout -k 10 "${LIMIT_MOE:-60}" $PY -m k3ref.moe_check --torchtitan-path "$TP/torchtitan" --device cuda \
   --json "$OUT/moe.json" --measurement "$OUT/h200_torchtitan_latent_moe.json" > "$OUT/moe.txt" 2>&1
 rc=$?; [ $rc = 0 ] || { status=1; echo "moe_check exit $rc"; }
+fi
+
+if has moe_cpu; then
+step "torchtitan's latent MoE layer on this machine's CPU (k3ref.moe_check --device cpu)"
+timeout -k 10 "${LIMIT_MOE:-60}" $PY -m k3ref.moe_check --torchtitan-path "$TP/torchtitan" --device cpu \
+  --json "$OUT/moe_cpu.json" --measurement "$OUT/cpu_torchtitan_latent_moe.json" > "$OUT/moe_cpu.txt" 2>&1
+rc=$?; [ $rc = 0 ] || { status=1; echo "moe_check (cpu) exit $rc"; }
 fi
 
 if has roofline; then
@@ -73,7 +81,7 @@ if has kcp; then
 step "torchtitan's KCP path on 2 ranks (NCCL with 2 GPUs, else gloo on one)"
 timeout -k 10 "${LIMIT_KCP:-150}" $PY -m k3ref.layer_check --layer torchtitan --device cuda --checks kcp \
   --torchtitan-path "$TP/torchtitan" --json "$OUT/kcp.json" --measurement "$OUT/h200_torchtitan_kcp.json" > "$OUT/kcp.txt" 2>&1
-rc=$?; [ $rc = 0 ] || { status=1; echo "KCP exit $rc (124: over its limit)"; }
+rc=$?; [ $rc = 0 ] || { status=1; echo "KCP exit $rc$([ $rc = 124 ] && echo ': over its limit')"; }
 fi
 
 step "summary"

@@ -547,6 +547,22 @@ def torchtitan_self_checks(a: TorchtitanLayer, T: int = 40) -> list[dict[str, An
 
 # ---------------------------------------------------------------- KCP over 2 ranks
 
+def _gloo_accepts_stacked_all_gather(dist: Any) -> None:
+    """FLA's CP exchange gathers into an output of shape (world, *input) (fla/ops/cp/comm.py);
+    NCCL takes any output of world x the input's elements, gloo only the concatenation along
+    the first axis, (world * n, ...), and raises on the stacked form. The two have the same
+    memory, so a view of the output lets the KCP path run on gloo (one GPU, two ranks) with
+    FLA's code unchanged."""
+    gather = dist.all_gather_into_tensor
+
+    def concatenated(out: Any, inp: Any, group: Any = None, async_op: bool = False) -> Any:
+        if inp.dim() > 0 and out.dim() == inp.dim() + 1 and out.is_contiguous():
+            out = out.view(-1, *inp.shape[1:])
+        return gather(out, inp, group=group, async_op=async_op)
+
+    dist.all_gather_into_tensor = concatenated
+
+
 def _kcp_rank(rank: int, world: int, backend: str, device: str, model_path: str | None, t: dict[str, Any],
               p: dict[str, Any], x: Any, out_dir: str) -> None:
     import torch
@@ -556,6 +572,8 @@ def _kcp_rank(rank: int, world: int, backend: str, device: str, model_path: str 
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
     dist.init_process_group(backend, rank=rank, world_size=world)
+    if backend == "gloo":
+        _gloo_accepts_stacked_all_gather(dist)
     try:
         from .moe_check import import_model
         model, why = import_model(model_path)

@@ -35,9 +35,13 @@ def _version(module: str) -> str | None:
         return None
 
 
-def device_name() -> str:
+def device_name(device: str | None = None) -> str:
+    """The device a measurement ran on: the GPU's name, or "CPU" where the run used the CPU
+    (`device` "cpu", or no GPU), with torch's version when torch is there."""
     try:
         import torch
+        if device is not None and str(device).startswith("cpu"):
+            return f"CPU (torch {torch.__version__})"
         if torch.cuda.is_available():
             return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
     except Exception:
@@ -58,8 +62,8 @@ def versions(**more: str | None) -> dict[str, str | None]:
 
 
 def record(mid: str, title: str, tables: dict[str, Any], *, commands: list[str] | None = None,
-           notes: list[str] | None = None, **version_fields: str | None) -> dict[str, Any]:
-    return {"schema": 1, "id": mid, "title": title, "device": device_name(),
+           notes: list[str] | None = None, device: str | None = None, **version_fields: str | None) -> dict[str, Any]:
+    return {"schema": 1, "id": mid, "title": title, "device": device_name(device),
             "date": datetime.date.today().isoformat(),
             "k3ref_commit": os.environ.get("K3REF_COMMIT") or _git(["rev-parse", "--short", "HEAD"], ROOT),
             "goldens_generator_version": None, "versions": versions(**version_fields),

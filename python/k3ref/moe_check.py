@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         m = measurement.record(Path(a.measurement).stem, f"torchtitan's latent MoE layer (KimiMoE) and its QB update on "
                                f"the moe.latent goldens, {a.device}", {"layer": measurement_table(rows)},
                                commands=["python3 -m k3ref.moe_check " + " ".join(argv if argv is not None else sys.argv[1:])],
-                               notes=notes, torchtitan=None)
+                               notes=notes, device=a.device, torchtitan=None)
         measurement.write(m, a.measurement)
     return 0
 

@@ -189,3 +189,27 @@ def test_the_command_writes_rows_and_a_measurement_that_renders(tmp_path, monkey
     table = render.render_table(render.load_measurements(tmp_path)["cpu_layers"], "layers")
     assert "`kda_layer_fla_b2`" in table and "not applicable" in table
     assert "fla" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_the_gloo_shim_hands_fla_s_stacked_gather_over_as_a_concatenation():
+    """FLA's CP exchange gathers (3, 128) tails into a (world, 3, 128) output; gloo takes only
+    the (world * 3, 128) concatenation. The shim passes a view of the same memory, and leaves
+    an output already concatenated alone."""
+    calls = []
+
+    class FakeDist:
+        @staticmethod
+        def all_gather_into_tensor(out, inp, group=None, async_op=False):
+            calls.append(tuple(out.shape))
+            out.copy_(torch.cat([inp, inp + 1]))
+            return "work" if async_op else None
+
+    layer_check._gloo_accepts_stacked_all_gather(FakeDist)
+    tails = torch.arange(6.0).reshape(3, 2)
+    stacked = torch.empty(2, 3, 2)
+    assert FakeDist.all_gather_into_tensor(stacked, tails, async_op=True) == "work"
+    assert calls == [(6, 2)]
+    assert torch.equal(stacked[0], tails) and torch.equal(stacked[1], tails + 1)
+    flat = torch.empty(6, 2)
+    FakeDist.all_gather_into_tensor(flat, tails)
+    assert calls[-1] == (6, 2) and torch.equal(flat[3:], tails + 1)
