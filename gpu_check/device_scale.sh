@@ -16,7 +16,8 @@
 #        540, for one 10-minute call: a kernel's limit is cut to what is left less 40 s for the
 #        summary, a kernel with under 30 s left is not started, the default step needs 120 s),
 #        WARM_IF_UNDER (the warm pass runs only when the script has taken fewer seconds than
-#        this, default 200), PYTHON (default python3)
+#        this, default 200), KERNELS (the kernels, in order; default every built-in and mutant: the
+#        first one run also checks the reference against the goldens), PYTHON (default python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -47,12 +48,12 @@ export K3GC_LIB=$BUILD/gpu_check/libk3gc.so K3REF_CORE_PATH=$BUILD/python
 export PYTHONPATH=$ROOT/python:${PYTHONPATH:-}
 export FLA_FLASH_KDA=0 FLA_TILELANG=0 FLA_DISABLE_BACKEND_DISPATCH=1  # the harness pins the same (adapters.FLA_DISPATCH)
 PATHS="--fla-path $TP/fla_pkg --flashkda-path $TP/FlashKDA"
-KERNELS="fla.chunk_kda fla.fused_recurrent_kda flashkda.fwd k3gc.fp32 mutant.int32_offset_wrap mutant.grid_drops_sequences mutant.last_chunk_read_past_end mutant.bf16_state_long_t"
+KERNELS=${KERNELS:-fla.chunk_kda fla.fused_recurrent_kda flashkda.fwd k3gc.fp32 mutant.int32_offset_wrap mutant.grid_drops_sequences mutant.last_chunk_read_past_end mutant.bf16_state_long_t}
 
 # as the adapter imports it: $TP/FlashKDA first on sys.path
 if ! $PY -c "import sys; sys.path.insert(0, sys.argv[1]); import flash_kda" "$TP/FlashKDA" > "$OUT_DIR/flashkda_import.txt" 2>&1; then
   echo "FlashKDA skipped: not importable ($(tail -1 "$OUT_DIR/flashkda_import.txt"))"
-  KERNELS=${KERNELS/flashkda.fwd /}
+  KERNELS=$(echo " $KERNELS " | sed "s/ flashkda.fwd / /")
 fi
 
 scale_pass() {  # $1 = cold | warm: every kernel in its own process; the goldens check rides with the first
