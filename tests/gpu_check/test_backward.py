@@ -61,3 +61,101 @@ def test_the_scoring_fails_a_wrong_gradient_and_a_nan():
     nan = want.clone()
     nan.view(-1)[0] = float("nan")
     assert not dq_score(nan)["passed"] and not dq_score(nan)["finite"]
+
+
+# ---------------------------------------------------------------- the backward check of the matrix
+
+from k3ref.gpu_check import adapters, collection  # noqa: E402
+from k3ref.gpu_check.protocol import NotSupported  # noqa: E402
+
+
+def _backward_results(adapter):
+    suite = collection.load_suite(ROOT / "goldens", adapter.suite_ops())
+    out = {}
+    for case_id, case, why in adapter.cases("backward", suite):
+        out[case_id] = why if why else adapter.run_check("backward", case, "cpu")
+    return out
+
+
+def test_a_differentiable_kernel_gets_the_backward_check_on_every_gradient_golden():
+    a = adapters.TorchKernelAdapter()
+    assert "backward" in a.checks and "kda.backward" in a.suite_ops()
+    res = _backward_results(a)
+    assert len(res) == len(CASES)
+    na = {k: v for k, v in res.items() if isinstance(v, str)}
+    assert list(na) == ["kda_backward_cp2_varlen"] and "cp_backward" in na["kda_backward_cp2_varlen"]
+    for name, r in res.items():
+        if name in na:
+            continue
+        assert r.status == "pass", (name, r.reason)
+        # bf16 leaves take bf16 gradients: the exact gradient rounded once, 1.0x its floor
+        assert 0.1 < r.ratio < 0.3, (name, r.ratio)
+        assert {x["tensor"] for x in r.extra["gradients"]} >= {"dq", "dk", "dv", "dg", "dbeta", "d_initial_state"}
+
+
+def test_the_backward_check_catches_a_kernel_that_ignores_the_initial_state():
+    m = adapters.TorchKernelAdapter(mutation="ignore_initial_state")
+    case = next(c for c in CASES if c.name == "kda_backward_b2_t37")
+    r = m.run_check("backward", case, "cpu")
+    assert r.status == "fail" and "no gradient for d_initial_state" in r.reason and "failed dq" in r.reason
+
+
+def test_a_forward_only_kernel_is_not_applicable_and_a_kernel_without_gradients_has_no_backward_check():
+    class ForwardOnly(adapters.TorchKernelAdapter):
+        def run(self, inputs, params, out=None):
+            with torch.no_grad():
+                return super().run(inputs, params)
+
+    case = next(c for c in CASES if c.name == "kda_backward_b2_t37")
+    r = ForwardOnly().run_check("backward", case, "cpu")
+    assert r.status == "skip" and r.reason.startswith("n/a (no backward in this version")
+
+    class NoGradients(adapters.TorchKernelAdapter):
+        gradients = None
+
+    assert "backward" not in NoGradients().checks and NoGradients().suite_ops() == ("kda.recurrent",)
+    assert "backward" not in adapters.LibKernelAdapter(0).checks
+
+
+def test_a_user_kernel_gives_its_own_backward():
+    """run_backward overridden (a kernel with its own backward launch, not autograd): judged the
+    same way; a gradient off by 2 % fails under the default policy's 0.008 for dv."""
+    class OwnBackward(adapters.TorchKernelAdapter):
+        gradients = None
+        scale_dv = 1.0
+
+        def run_backward(self, inputs, params, d_o, d_final_state):
+            grads = backward.autograd_gradients(super().run, inputs, params, d_o, d_final_state)
+            grads["dv"] = grads["dv"].double() * self.scale_dv  # (in bf16, 1.02 would be 1.0234)
+            return grads
+
+    case = next(c for c in CASES if c.name == "kda_backward_t100")
+    good = OwnBackward()
+    assert "backward" in good.checks
+    assert good.run_check("backward", case, "cpu").status == "pass"
+    bad = OwnBackward()
+    bad.scale_dv = 1.02
+    r = bad.run_check("backward", case, "cpu")
+    assert r.status == "fail" and r.reason.startswith("failed dv (2.0") and r.extra["worst_tensor"] == "dv"
+
+
+def test_a_raising_backward_is_an_error_and_notsupported_is_not_applicable():
+    class Raises(adapters.TorchKernelAdapter):
+        exc = RuntimeError("boom")
+
+        def run_backward(self, inputs, params, d_o, d_final_state):
+            raise self.exc
+
+    case = next(c for c in CASES if c.name == "kda_backward_t100")
+    assert Raises().run_check("backward", case, "cpu").status == "error"
+    r = Raises()
+    r.exc = NotSupported("no backward for GVA")
+    assert r.run_check("backward", case, "cpu").reason == "n/a (no backward for GVA)"
+
+
+def test_the_matrix_collects_backward_tests_for_the_fla_kernels():
+    suite = collection.load_suite(ROOT / "goldens", ("kda.recurrent", "kda.backward"))
+    tests = collection.collect([adapters.FlaAdapter("chunk_kda"), adapters.FlashKdaAdapter()], suite)
+    backward_tests = [t for t in tests if t.check == "backward"]
+    assert {t.adapter.name for t in backward_tests} == {"fla.chunk_kda"}
+    assert len(backward_tests) == len(CASES)

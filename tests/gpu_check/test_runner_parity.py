@@ -32,8 +32,11 @@ def test_verdicts_and_figures_equal_the_runner_before(tmp_path):
     before = json.loads((Path(__file__).with_name("data") / "cpu_parity.json").read_text())
     # The same inputs: the goldens the record ran (goldens added since are outside it).
     recorded = sorted({key.split("|")[2] for key in before["results"]} & {p.stem for p in (ROOT / "goldens").glob("*.safetensors")})
+    # The checks the record had (checks added since, such as the backward check, are outside it).
+    checks = sorted({key.split("|")[1] for key in before["results"]})
     cmd = [sys.executable, "-m", "k3ref.gpu_check", "run", "--no-builtin", "--goldens", str(ROOT / "goldens"),
-           "--device", "cpu", "--no-warmup", "--check-jobs", "2", "--cases", ",".join(recorded), "--out", str(out)]
+           "--device", "cpu", "--no-warmup", "--check-jobs", "2", "--cases", ",".join(recorded),
+           "--checks", ",".join(checks), "--out", str(out)]
     for spec in parity.ADAPTER_SPECS:
         cmd += ["--adapter", spec]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), **parity.CP_ENV)

@@ -59,7 +59,6 @@ class KdaAdapter(Adapter):
 
     name = "?"
     family = "kda"
-    checks = ("golden",) + KDA_METAMORPHIC
     golden_ops = ("kda.recurrent",)
     policy = "recurrent"
     policy_reason = ""
@@ -70,6 +69,31 @@ class KdaAdapter(Adapter):
     # The kernel's precision contract (k3ref.gpu_check.contracts, docs/contracts.md): when set,
     # golden, split and prop verdicts are err <= m x max(bf16 floor, contract error).
     contract_name = None  # its multiple: the rule of the policy table's contracts.policy_of(contract_name)
+    # The optional backward (backward.py): "autograd" when run() is differentiable, or override
+    # run_backward; either puts the `backward` check among the adapter's checks. Its gradients
+    # are judged under `backward_policy` (a policy with kda.backward rules).
+    gradients = None
+    backward_policy = "chunk"
+    forward_checks = ("golden",) + KDA_METAMORPHIC
+
+    @property
+    def checks(self):
+        return self.forward_checks + (("backward",) if self.has_backward() else ())
+
+    def has_backward(self):
+        return self.gradients == "autograd" or type(self).run_backward is not KdaAdapter.run_backward
+
+    def suite_ops(self):
+        return tuple(self.golden_ops) + (("kda.backward",) if "backward" in self.checks else ())
+
+    def run_backward(self, inputs, params, d_o, d_final_state):
+        """{gradient name: tensor} for dq, dk, dv, dg, dbeta, d_initial_state (and dA_log,
+        ddt_bias where the inputs have them) of the loss <o, d_o> + <final_state, d_final_state>;
+        `inputs` are leaves that require grad (backward.gradient_inputs). By default autograd
+        through run(); raise protocol.NotSupported for what the kernel cannot do."""
+        from . import backward
+
+        return backward.autograd_gradients(self.run, inputs, params, d_o, d_final_state)
 
     def unsupported(self, params, shapes):
         """None, or why (params, shapes) is outside the kernel: by default its `domain`."""
@@ -93,6 +117,11 @@ class KdaAdapter(Adapter):
         if check == "golden":
             yield from super().cases(check, suite)
             return
+        if check == "backward":
+            from . import backward
+
+            yield from backward.cases(self, suite)
+            return
         from . import checks
 
         c = checks.pick_config(self)
@@ -108,6 +137,10 @@ class KdaAdapter(Adapter):
             if autotune.deep_mode():  # --autotune-configs all: once per autotune configuration
                 return checks.golden_all_configs(self, case, device)
             return checks.golden_check(self, case, device)
+        if check == "backward":
+            from . import backward
+
+            return checks.guard(self, "backward", case.name, lambda: backward.backward_check(self, case, device))
         return checks.METAMORPHIC_BY_NAME[check](self, device)
 
     def run(self, inputs, params, out=None):
@@ -244,6 +277,7 @@ class FlaAdapter(KdaAdapter):
     requires_cuda = True
 
     fla_path = None  # else $K3REF_FLA_PATH, else the installed fla
+    gradients = "autograd"  # chunk_kda has FLA's backward; a version without one is n/a (backward.py)
     gva = None  # whether the loaded version takes HV > H (probe.py; None: not known yet)
     _unpicklable = ("fn",)
 
@@ -444,6 +478,7 @@ class TorchKernelAdapter(KdaAdapter):
     policy = "recurrent"
     policy_reason = "the exact recurrence rounded once to bf16: 1.0x the floor by construction"
     contract = "PyTorch; fp64 recurrence, output rounded to bf16, final state to fp32"
+    gradients = "autograd"  # through the fp64 recurrence (and the roundings, which pass gradients through)
     MUTATIONS = (None, "future_leak", "ignore_initial_state")
 
     def __init__(self, future_leak=False, device="cpu", mutation=None):

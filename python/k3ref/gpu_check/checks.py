@@ -166,14 +166,14 @@ def _run(adapter, inputs, params, out=None):
 
 def _metamorphic(name):
     """A metamorphic check `name`: run on the adapter's first supported configuration c
-    (pick_config), skipped without one; an exception is the check's error (_guard)."""
+    (pick_config), skipped without one; an exception is the check's error (guard)."""
     def wrap(body):
         @functools.wraps(body)
         def check(adapter, device, *args, **kw):
             c = pick_config(adapter)
             if c is None:
                 return CheckResult(adapter.name, name, "-", "skip", "no supported configuration")
-            return _guard(adapter, name, c["name"], lambda: body(adapter, device, c, *args, **kw))
+            return guard(adapter, name, c["name"], lambda: body(adapter, device, c, *args, **kw))
 
         check.check_name = name
         return check
@@ -181,7 +181,8 @@ def _metamorphic(name):
     return wrap
 
 
-def _guard(adapter, check, case, fn):
+def guard(adapter, check, case, fn):
+    """fn()'s CheckResult, timed; NotSupported is not applicable, any other exception the check's error."""
     t0 = time.time()
     try:
         res = fn()
@@ -286,7 +287,7 @@ def golden_check(adapter, case, device, window_tokens=8):
         o, final = _run(adapter, inputs, case.params)
         return judge_golden(adapter, case, o, final, window_tokens)
 
-    return _guard(adapter, "golden", case.name, body)
+    return guard(adapter, "golden", case.name, body)
 
 
 # --------------------------------------------------------------------------- metamorphic checks

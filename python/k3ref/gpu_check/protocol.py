@@ -161,6 +161,10 @@ class Adapter:
         domain = kernel_domains.domain_of(self.domain, self.name)
         return domain.outside(op, params, shapes, input_dtype) if domain is not None else None
 
+    def suite_ops(self):
+        """The golden operators whose cases this adapter's checks read from the suite."""
+        return tuple(self.golden_ops)
+
     def case_unsupported(self, case):
         """None, or why this golden case is outside the kernel's scope."""
         if case.op not in self.golden_ops:

@@ -456,7 +456,7 @@ def run_case(adapter, case, L=FULL, device="cuda"):
         return CheckResult(adapter.name, "scale", case, "skip", "n/a (outside the kernel's domain: K3's "
                            f"configuration at K = {L.K}, V = {L.V}, HV = {L.HV})")
     t0 = time.time()
-    res = checks._guard(adapter, "scale", case, lambda: CASE_FUNCTIONS[case](adapter, *hv, L, device))
+    res = checks.guard(adapter, "scale", case, lambda: CASE_FUNCTIONS[case](adapter, *hv, L, device))
     res.seconds = time.time() - t0
     _free(device)
     return res

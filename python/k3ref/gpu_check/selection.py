@@ -28,7 +28,7 @@ def csv_list(text):
 
 
 def load_suite(goldens, adapters):
-    ops = sorted({op for a in adapters for op in a.golden_ops})
+    ops = sorted({op for a in adapters for op in a.suite_ops()})
     if not Path(goldens).is_dir():
         raise UsageError(f"--goldens {goldens}: not a directory")
     return collection.load_suite(goldens, ops) if ops else []
