@@ -40,6 +40,7 @@ k3ref.gpu_check.cp_check:cp_adapters` with $K3REF_CP_RANKS, $K3REF_CP_BACKEND, $
 """
 import datetime
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -1064,15 +1065,15 @@ def main(argv=None):
     except ValueError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
-    from . import cli
-
     device = "cuda" if os.environ["K3REF_CP_BACKEND"] == "nccl" else "cpu"
     run = ["run", "--no-builtin", "--adapter", "k3ref.gpu_check.cp_check:cp_adapters", "--no-warmup"]
     if "--device" not in rest:
         run += ["--device", device]
     if "--check-timeout" not in rest:  # the first check of an adapter launches all of its work
         run += ["--check-timeout", str(args.timeout + 60)]
-    return cli.main(run + rest)
+    # The front end in a process of its own (the checks never import a front end), with the
+    # environment above.
+    return subprocess.call([sys.executable, "-m", "k3ref.gpu_check"] + run + rest)
 
 
 if __name__ == "__main__":
