@@ -55,19 +55,14 @@ timeout -k 10 "${LIMIT_LAYERS:-150}" $PY -m k3ref.layer_check --layer "${LAYER:-
 rc=$?; [ $rc = 0 ] || { status=1; echo "layer_check exit $rc$([ $rc = 124 ] && echo ': over its limit')"; }
 fi
 
-if has moe; then
-step "torchtitan's latent MoE layer (k3ref.moe_check --device cuda)"
-timeout -k 10 "${LIMIT_MOE:-60}" $PY -m k3ref.moe_check --torchtitan-path "$TP/torchtitan" --device cuda \
-  --json "$OUT/moe.json" --measurement "$OUT/h200_torchtitan_latent_moe.json" > "$OUT/moe.txt" 2>&1
-rc=$?; [ $rc = 0 ] || { status=1; echo "moe_check exit $rc"; }
-fi
-
-if has moe_cpu; then
-step "torchtitan's latent MoE layer on this machine's CPU (k3ref.moe_check --device cpu)"
-timeout -k 10 "${LIMIT_MOE:-60}" $PY -m k3ref.moe_check --torchtitan-path "$TP/torchtitan" --device cpu \
-  --json "$OUT/moe_cpu.json" --measurement "$OUT/cpu_torchtitan_latent_moe.json" > "$OUT/moe_cpu.txt" 2>&1
-rc=$?; [ $rc = 0 ] || { status=1; echo "moe_check (cpu) exit $rc"; }
-fi
+moe_step() {  # $1 = cuda | cpu, $2 = the name of its files, $3 = its measurement's id
+  step "torchtitan's latent MoE layer (k3ref.moe_check --device $1)"
+  timeout -k 10 "${LIMIT_MOE:-60}" $PY -m k3ref.moe_check --torchtitan-path "$TP/torchtitan" --device "$1" \
+    --json "$OUT/$2.json" --measurement "$OUT/$3.json" > "$OUT/$2.txt" 2>&1
+  local rc=$?; [ $rc = 0 ] || { status=1; echo "moe_check --device $1 exit $rc"; }
+}
+if has moe; then moe_step cuda moe h200_torchtitan_latent_moe; fi
+if has moe_cpu; then moe_step cpu moe_cpu cpu_torchtitan_latent_moe; fi
 
 if has roofline; then
 step "roofline (k3ref.gpu_check.bench --roofline)"

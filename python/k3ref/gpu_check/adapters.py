@@ -86,6 +86,11 @@ class KdaAdapter(Adapter):
     def suite_ops(self):
         return tuple(self.golden_ops) + (("kda.backward",) if "backward" in self.checks else ())
 
+    def backward_unsupported(self, params, shapes):
+        """None, or why a gradient golden is outside the kernel's backward: by default what
+        is outside its forward (`unsupported`)."""
+        return self.unsupported(params, shapes)
+
     def run_backward(self, inputs, params, d_o, d_final_state):
         """{gradient name: tensor} for dq, dk, dv, dg, dbeta, d_initial_state (and dA_log,
         ddt_bias where the inputs have them) of the loss <o, d_o> + <final_state, d_final_state>;
@@ -330,6 +335,12 @@ class FlaAdapter(KdaAdapter):
         if getattr(self, "fn", None) is None:
             return None
         return probe.version_reason(self, params, shapes, self._call)
+
+    def backward_unsupported(self, params, shapes):
+        # K <= 256 and the softplus gate's A_log are its domain's (policy/kernel_domains.json).
+        if params.get("state_layout") == "v_first":
+            return "the golden uses a V-first state (FLA's backward is checked K-first)"
+        return self.unsupported(params, shapes)
 
     def _call(self, inputs, params):
         return self.fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],

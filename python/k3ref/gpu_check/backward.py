@@ -39,16 +39,6 @@ def score(case, grads, policy_name=POLICY):
              "passed": r.passed} for r in v.results]
 
 
-def unsupported(params, s):
-    if params.get("state_layout") == "v_first":
-        return "the golden uses a V-first state (FLA's backward is checked K-first)"
-    if s["K"] > 256:
-        return "FLA KDA supports K <= 256"
-    if params.get("gate") == "softplus" and not params.get("A_log"):
-        return "FLA's softplus gate needs A_log"
-    return None
-
-
 def _leaf(t, device, dtype=None):
     t = t.to(device)
     if dtype is not None:
@@ -106,7 +96,7 @@ def cases(adapter, suite):
             yield case.name, case, "n/a (the context-parallel gradient case: cp_check's cp_backward judges it per rank)"
             continue
         s = {k: case.params[k] for k in ("B", "T", "H", "HV", "K", "V")}
-        why = unsupported(case.params, s) or adapter.unsupported(case.params, s)
+        why = adapter.backward_unsupported(case.params, s)
         yield case.name, case, (f"n/a ({why})" if why else None)
 
 
