@@ -8,6 +8,8 @@
 // (gate, L2 norm, beta), in the accumulation type.
 #include <cmath>
 
+#include <cooperative_groups.h>
+
 #include "common.cuh"
 
 namespace k3gc {
@@ -276,6 +278,305 @@ int launch_f32(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t s) {
   return launch<float, kChunk, 8, 128, MUT>(a, n_seq, s);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The fp64 reference, tuned: bit for bit the plain kernel's launch<double, 8, 16, 32, 0>, which
+// stays the definition (precision 2) and is tested against it (tests/gpu_check/
+// test_fp64_reference.py). Every element gets the same IEEE operations in the same order:
+//
+// - Column j's k.S and q.S are, in the plain kernel, 16 partial sums ("slices" s < 16, slice s
+//   summing rows s + 16r in r order, starting from 0) reduced by x += shfl_xor(x, off) for off
+//   = 8, 4, 2, 1. Addition is commutative, so lanes s and s^off hold the same value after each
+//   step: P physical threads per column (thread p holding the NV = 16/P slices s = p + P*jv,
+//   i.e. every row i = p mod P) do the steps off >= P in registers, own operand first, and
+//   shuffle only the steps off < P. Fewer shuffles and redundant tree adds, NV independent
+//   accumulation chains per thread.
+// - Staging computes the same expression for each element; only who computes it changes. The
+//   column blocks of one (sequence, head) form a thread block cluster (sm_90) and split the
+//   tile's tokens: each block stages its tokens (loads, gate, exp, L2 norm, with its lane-strided
+//   sums and 16..1 tree) once and writes them into every block's shared memory, so the gate's
+//   exps are computed once per head, not once per column block. exp(A_log[hv]) is hoisted (exp
+//   is a function: same argument, same bits).
+// - Shared memory holds a thread's rows contiguously (row i at (i % P) * kStride + i / P, padded
+//   so the P threads of a warp hit distinct banks): 16-byte loads.
+// - Two tile buffers: the tokens of tile n+1 are staged while tile n is computed; one cluster
+//   barrier per tile.
+// - Grid: for the K3 shape 96 heads x 4 column blocks = 384 blocks of 128 threads, 3 resident per
+//   SM (56 KiB of shared memory each), so one wave on 132 SMs.
+// As in the plain kernel every one of the 128 rows is computed (rows >= K with q = k = 0, decay
+// 1), so zeros' signs, infinities and NaNs propagate as there.
+namespace fp64 {
+
+constexpr int kCB = 32;  // columns per block
+constexpr int kTT = 8;   // tokens per tile
+
+template <int P> struct Layout {
+  static constexpr int kNV = 16 / P;                 // slices per thread
+  static constexpr int kRows = kMaxDim / P;          // rows per thread
+  static constexpr int kStride = kRows + 2;          // per-thread row block, padded (16 B banks)
+  static constexpr int kWidth = P * kStride;         // one token's row vector
+  static __device__ __forceinline__ int pos(int i) { return (i % P) * kStride + i / P; }
+};
+
+template <int P> struct alignas(16) Tile64 {
+  double q[kTT][Layout<P>::kWidth], k[kTT][Layout<P>::kWidth], d[kTT][Layout<P>::kWidth];
+  double v[kTT][kCB], b[kTT];
+};
+
+// gate_value with exp(A_log[hv]) (amp) and dt_bias[hv * K + i] (bias) given: the same operations.
+__device__ __forceinline__ double gate_of(const k3gc_kda_args& a, double amp, double bias, double raw) {
+  if (a.gate == K3GC_GATE_LOG_DECAY) return raw;
+  const double x = raw + bias;
+  if (a.gate == K3GC_GATE_SOFTPLUS) return -amp * softplus(x);
+  const double y = a.A_log ? amp * x : x;
+  return double(a.lower_bound) * sigmoid(y);
+}
+
+// One step of the reduction tree in registers: slice jv takes slice jv ^ dj = jv + dj (its own
+// value first, as x += shfl_xor(x, off) adds); only the slices jv < dj feed the next step.
+template <int NV> __device__ __forceinline__ void tree_step(double (&x)[NV], int dj) {
+#pragma unroll
+  for (int jv = 0; jv < NV; ++jv)
+    if (jv < dj) x[jv] = x[jv] + x[jv + dj];
+}
+
+template <int P>
+__global__ void __launch_bounds__(kCB * P, 3) kda_fp64_kernel(k3gc_kda_args a) {
+  using L = Layout<P>;
+  constexpr int NV = L::kNV, R = L::kRows;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Tile64<P>* const buf = reinterpret_cast<Tile64<P>*>(smem_raw);  // [2]
+  const int64_t col_blocks = (a.V + kCB - 1) / kCB;
+  const int64_t cb = blockIdx.x % col_blocks;
+  const int64_t n = blockIdx.x / col_blocks / a.HV, hv = blockIdx.x / col_blocks % a.HV;
+  const int64_t h = hv / (a.HV / a.H);
+  int64_t bos, eos;
+  if (a.cu_seqlens) {
+    bos = a.cu_seqlens[n];
+    eos = a.cu_seqlens[n + 1];
+  } else {
+    bos = n * a.T;
+    eos = bos + a.T;
+  }
+  const int64_t K = a.K, V = a.V;
+  const int tid = threadIdx.x, p = tid % P, jl = tid / P;
+  const int64_t j = cb * kCB + jl;
+  const bool column = j < V;
+  const int warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
+
+  // The blocks this one stages for: its cluster (the column blocks of its (sequence, head)) on
+  // sm_90 when launched as one, else itself.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int CL = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+  Tile64<P>* dst[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) dst[c] = c < CL ? cluster.map_shared_rank(buf, c) : buf;
+  auto barrier = [&] { if (CL > 1) cluster.sync(); else __syncthreads(); };
+  if (CL > 1) cluster.sync();  // every block of the cluster runs before any writes into it
+#else
+  constexpr int CL = 1, rank = 0;
+  Tile64<P>* dst[1] = {buf};
+  auto barrier = [] { __syncthreads(); };
+#endif
+
+  // Staging constants of this lane's rows i = lane + 32c (c < 4).
+  const double amp = (a.gate != K3GC_GATE_LOG_DECAY && a.A_log) ? Math<double>::exp_(double(a.A_log[hv])) : 1.0;
+  double bias[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int64_t i = lane + 32 * c;
+    bias[c] = (a.dt_bias && i < K) ? double(a.dt_bias[hv * K + i]) : 0.0;
+  }
+
+  double S[R];
+  const bool use_init = a.initial_state != nullptr;
+#pragma unroll
+  for (int m = 0; m < R; ++m) {
+    const int64_t i = p + P * m;
+    S[m] = 0.0;
+    if (use_init && column && i < K) {
+      const int64_t idx = ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) *
+                              (a.state_v_first ? K : V) + (a.state_v_first ? i : j);
+      S[m] = load_as_double(a.initial_state, a.state_dtype, idx);
+    }
+  }
+
+  // Stages tile `nt` (tokens t0..t0+count) into buffer nb: this block's share of the q, k, decay
+  // rows into every block of the cluster, its own v columns and the betas.
+  auto stage = [&](int64_t t0, int count, int nb, int64_t nt) {
+    for (int slot = 0; slot * CL + rank < count; ++slot) {
+      if ((slot + nt) % n_warps != warp) continue;  // rotated over the warps from tile to tile
+      const int tt = slot * CL + rank;
+      const int64_t t = t0 + tt;
+      double qv[4], kv[4], dv[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int64_t i = lane + 32 * c;
+        qv[c] = 0;
+        kv[c] = 0;
+        dv[c] = 1;
+        if (i < K) {
+          qv[c] = load_as_double(a.q, a.input_dtype, (t * a.H + h) * K + i);
+          kv[c] = load_as_double(a.k, a.input_dtype, (t * a.H + h) * K + i);
+          const double raw = load_as_double(a.g, a.input_dtype, (t * a.HV + hv) * K + i);
+          dv[c] = Math<double>::exp_(gate_of(a, amp, bias[c], raw));
+        }
+      }
+      if (a.qk_l2norm) {
+        double sq = 0, sk = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if (lane + 32 * c < K) {
+            sq += qv[c] * qv[c];
+            sk += kv[c] * kv[c];
+          }
+        }
+        for (int off = 16; off > 0; off /= 2) {
+          sq += __shfl_xor_sync(0xffffffffu, sq, off);
+          sk += __shfl_xor_sync(0xffffffffu, sk, off);
+        }
+        const double fq = 1.0 / Math<double>::sqrt_(sq + double(1e-6)), fk = 1.0 / Math<double>::sqrt_(sk + double(1e-6));
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if (lane + 32 * c < K) {
+            qv[c] *= fq;
+            kv[c] *= fk;
+          }
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int at = L::pos(lane + 32 * c);
+#pragma unroll
+        for (int r = 0; r < int(sizeof(dst) / sizeof(dst[0])); ++r) {
+          if (r >= CL) break;
+          dst[r][nb].q[tt][at] = qv[c];
+          dst[r][nb].k[tt][at] = kv[c];
+          dst[r][nb].d[tt][at] = dv[c];
+        }
+      }
+    }
+    for (int idx = tid; idx < count * kCB; idx += blockDim.x) {
+      const int tt = idx / kCB, c = idx % kCB;
+      const int64_t col = cb * kCB + c;
+      buf[nb].v[tt][c] = col < V ? load_as_double(a.v, a.input_dtype, ((t0 + tt) * a.HV + hv) * V + col) : 0.0;
+    }
+    if (tid < count) {
+      double bv = load_as_double(a.beta, a.input_dtype, (t0 + tid) * a.HV + hv);
+      if (a.beta_mode == K3GC_BETA_SIGMOID) bv = sigmoid(bv);
+      if (a.beta_mode == K3GC_BETA_TWO_SIGMOID) bv = 2.0 * sigmoid(bv);
+      buf[nb].b[tid] = bv;
+    }
+  };
+
+  const double scale = a.scale;
+  const int64_t n_tiles = (eos - bos + kTT - 1) / kTT;
+  if (n_tiles > 0) stage(bos, static_cast<int>(imin(int64_t(kTT), eos - bos)), 0, 0);
+  barrier();
+  for (int64_t nt = 0; nt < n_tiles; ++nt) {
+    const int nb = static_cast<int>(nt & 1);
+    const int64_t t0 = bos + nt * kTT;
+    // Buffer nb ^ 1 was last read by tile nt - 1, which every block of the cluster has finished.
+    if (nt + 1 < n_tiles) stage(t0 + kTT, static_cast<int>(imin(int64_t(kTT), eos - t0 - kTT)), nb ^ 1, nt + 1);
+    const int count = static_cast<int>(imin(int64_t(kTT), eos - t0));
+    const Tile64<P>& tile = buf[nb];
+    for (int tt = 0; tt < count; ++tt) {
+      const double* dq = tile.d[tt] + p * L::kStride;
+      const double* kq = tile.k[tt] + p * L::kStride;
+      const double* qq = tile.q[tt] + p * L::kStride;
+      double x[NV];
+#pragma unroll
+      for (int jv = 0; jv < NV; ++jv) x[jv] = 0;
+#pragma unroll
+      for (int m = 0; m < R; m += 2) {  // m = jv + NV * r: slice jv's rows in r order
+        // Halfway, a warp barrier: ptxas would otherwise hoist every row's loads (232 registers,
+        // spills at the 168 that 3 blocks per SM leave).
+        if (m % 16 == 0 && m > 0) __syncwarp();
+        const double2 d2 = *reinterpret_cast<const double2*>(dq + m);
+        const double2 k2 = *reinterpret_cast<const double2*>(kq + m);
+        S[m] *= d2.x;
+        S[m + 1] *= d2.y;
+        x[m % NV] += k2.x * S[m];
+        x[(m + 1) % NV] += k2.y * S[m + 1];
+      }
+      // The tree's steps 8 .. P in registers (slice jv with slice jv ^ (off / P), own first),
+      // then the steps below P across the P lanes.
+#pragma unroll
+      for (int off = 8; off >= P; off /= 2) tree_step<NV>(x, off / P);
+      double ks = x[0];
+#pragma unroll
+      for (int off = P / 2; off > 0; off /= 2) ks += __shfl_xor_sync(0xffffffffu, ks, off);
+      const double u = tile.b[tt] * ((column ? tile.v[tt][jl] : 0.0) - ks);
+#pragma unroll
+      for (int jv = 0; jv < NV; ++jv) x[jv] = 0;
+#pragma unroll
+      for (int m = 0; m < R; m += 2) {
+        if (m % 16 == 0 && m > 0) __syncwarp();
+        const double2 q2 = *reinterpret_cast<const double2*>(qq + m);
+        const double2 k2 = *reinterpret_cast<const double2*>(kq + m);
+        S[m] += k2.x * u;
+        S[m + 1] += k2.y * u;
+        x[m % NV] += q2.x * S[m];
+        x[(m + 1) % NV] += q2.y * S[m + 1];
+      }
+#pragma unroll
+      for (int off = 8; off >= P; off /= 2) tree_step<NV>(x, off / P);
+      double qs = x[0];
+#pragma unroll
+      for (int off = P / 2; off > 0; off /= 2) qs += __shfl_xor_sync(0xffffffffu, qs, off);
+      if (p == 0 && column) store_from_double(a.o, a.output_dtype, ((t0 + tt) * a.HV + hv) * V + j, qs * scale);
+    }
+    barrier();
+  }
+
+  if (a.final_state && column) {
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      const int64_t i = p + P * m;
+      if (i < K) {
+        const int64_t idx = ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) *
+                                (a.state_v_first ? K : V) + (a.state_v_first ? i : j);
+        store_from_double(a.final_state, a.state_dtype, idx, S[m]);
+      }
+    }
+  }
+}
+
+template <int P>
+int launch_tuned(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t stream) {
+  const int64_t col_blocks = (a.V + kCB - 1) / kCB;
+  const int64_t cols = a.V < kCB ? a.V : kCB;
+  const unsigned threads = static_cast<unsigned>((cols * P + 31) / 32 * 32);
+  const size_t smem = 2 * sizeof(Tile64<P>);
+  auto kernel = kda_fp64_kernel<P>;
+  if (int rc = check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                          "kda_fp64_kernel shared memory"))
+    return rc;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(n_seq * a.HV * col_blocks));
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  int device = 0, major = 0;
+  cudaLaunchAttribute attr = {};
+  if (col_blocks > 1 && cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(col_blocks);
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, kernel, a) == cudaSuccess) return 0;
+    (void)cudaGetLastError();  // no cluster of this size fits: each block stages for itself
+    cfg.numAttrs = 0;
+  }
+  if (int rc = check_cuda(cudaLaunchKernelEx(&cfg, kernel, a), "kda_fp64_kernel launch")) return rc;
+  return 0;
+}
+
+}  // namespace fp64
+
 }  // namespace
 }  // namespace k3gc
 
@@ -316,11 +617,14 @@ extern "C" int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mu
   const int64_t n_seq = a.cu_seqlens ? a.N : a.B;
   if (n_seq * a.HV == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream_ptr);
-  if (precision == 0) {
+  if (precision == 0 || precision == 2) {
     if (mutation != K3GC_MUT_NONE) return fail("k3gc_kda_forward: the fp64 reference has no mutants");
-    return launch<double, 8, 16, 32, 0>(a, n_seq, s);
+    // 0: the tuned kernel; 2: the plain one, its definition (bit for bit the same results).
+    return precision == 0 ? fp64::launch_tuned<4>(a, n_seq, s) : launch<double, 8, 16, 32, 0>(a, n_seq, s);
   }
-  if (precision != 1) return fail("k3gc_kda_forward: precision must be 0 (fp64) or 1 (fp32)");
+  if (precision != 1)
+    return fail("k3gc_kda_forward: precision must be 0 (fp64), 1 (fp32) or 2 (fp64, plain definition), got " +
+                std::to_string(precision));
   switch (mutation) {
     case 0: return launch_f32<0>(a, n_seq, s);
     case 1: return launch_f32<1>(a, n_seq, s);

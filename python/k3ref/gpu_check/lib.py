@@ -147,7 +147,9 @@ def compare(candidate, reference, fmt, atol=0.0, rtol=0.0, window_shape=None):
 def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.float64, state_dtype=None, out=None):
     """Runs the library's KDA forward. inputs: q, k, v, g, beta (one dtype), optional A_log, dt_bias,
     initial_state, cu_seqlens (CUDA tensors); params: golden params (gate, lower_bound, beta, qk_l2norm,
-    scale, state_layout). precision 0: the fp64 reference; 1: the fp32 kernel (mutation = its mistake).
+    scale, state_layout). precision 0: the fp64 reference (its tuned kernel); 1: the fp32 kernel
+    (mutation = its mistake); 2: the fp64 reference's plain kernel, its definition, bit for bit
+    precision 0's results (k3gc.h). The state defaults to fp64 for 0 and 2, fp32 for 1.
     Returns (o, final_state)."""
     assert available(), _error
     q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
@@ -156,7 +158,7 @@ def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.floa
     cu = inputs.get("cu_seqlens")
     N = cu.numel() - 1 if cu is not None else B
     h0 = inputs.get("initial_state")
-    state_dtype = state_dtype or (h0.dtype if h0 is not None else (torch.float64 if precision == 0 else torch.float32))
+    state_dtype = state_dtype or (h0.dtype if h0 is not None else (torch.float64 if precision in (0, 2) else torch.float32))
     v_first = params.get("state_layout") == "v_first"
     state_shape = (N, HV, V, K) if v_first else (N, HV, K, V)
     if h0 is not None:
