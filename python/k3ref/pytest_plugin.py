@@ -485,14 +485,17 @@ def pytest_runtest_protocol(item, nextitem):
         state = item.config.stash[STATE]
         opts = state["executor"].opts
         speed = state.get("plan_speed") or {}
-        if (speed.get("warmup_pending") or {}).get(item.entry["adapter"]) and speed.get("warmup_status") and \
-                item.entry["adapter"] not in state.setdefault("warmed", set()):
+        from k3ref.gpu_check.warmup import pending_key
+
+        key = pending_key(item.entry["adapter"], item.entry["check"] == "backward")
+        if (speed.get("warmup_pending") or {}).get(key) and speed.get("warmup_status") and \
+                key not in state.setdefault("warmed", set()):
             # Before the time limit starts: its shapes are being compiled by the warm-up.
             from k3ref.gpu_check.plan import wait_for_warmup
 
-            waited, why = wait_for_warmup(speed["warmup_status"], item.entry["adapter"], opts.warmup_timeout)
-            state["warmed"].add(item.entry["adapter"])
-            print(f"k3ref: {item.entry['adapter']}: waited {waited:.1f} s for the warm-up ({why})", file=sys.stderr)
+            waited, why = wait_for_warmup(speed["warmup_status"], key, opts.warmup_timeout)
+            state["warmed"].add(key)
+            print(f"k3ref: {key}: waited {waited:.1f} s for the warm-up ({why})", file=sys.stderr)
         limit = opts.check_timeout + (0.0 if state["executor"].is_loaded(item.entry["adapter"]) else opts.load_timeout)
         if item.entry.get("mutant") is not None:
             limit *= max(1, len(item.entry["mutant"]))

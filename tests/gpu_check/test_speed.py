@@ -110,6 +110,37 @@ class TestPlan:
         assert ([u[2] for u in units if dict(u[1]).get("test")]) == [[{"check": "backward_like", "case_path": None}]]
         assert len(units) == 3 + 1  # 3 golden groups, 1 test
 
+    def test_backward_tests_are_planned_in_groups_of_their_own(self):
+        # Two gradient goldens of one group (T 40 and 100: one integer class each) and one of
+        # another: two backward units, not one unit per test, each apart from the forward's.
+        class Grad(TritonLike):
+            checks = ("golden", "backward")
+
+        a, suite = Grad(), self._suite()
+        back = []
+        for name, T, H in (("b1", 40, 2), ("b2", 100, 2), ("b3", 40, 1)):
+            c = FakeCase(name, 1, T, H, H, 32, 32)
+            c.op = "kda.backward"
+            c.params.update(B=1, T=T, H=H, HV=H, K=32, V=32)
+            back.append(c)
+        tests = collection.collect([a], suite + back, checks=["golden", "backward"])
+        assert sum(t.check == "backward" for t in tests) == 3
+        plan = shapes.build(tests, suite + back)
+        assert plan.untracked == {}
+        backward_groups = {g for (_, g) in plan.groups() if dict(g).get("backward")}
+        assert len(backward_groups) == 2 and len(plan.groups()) == 3 + 2
+        units = [u for u in warmup.units(plan, [a]) if warmup.is_backward(u[1])]
+        assert sorted(len(u[2]) for u in units) == [1, 2]
+        assert all(r == {"golden": c.path, "backward": True} for u in units for r in u[2]
+                   for c in back if r["golden"] == c.path)
+        # a backward test waits for its adapter's backward units only
+        assert warmup.pending_key(a.name, True) != warmup.pending_key(a.name) == a.name
+        a.warmup_share = "fake"
+        fwd = (a, (("H", 2), ("HV", 2), ("K", 32), ("V", 32), ("varlen", False), ("state_layout", "k_first")), [])
+        bwd = (a, fwd[1] + (("backward", True),), [])
+        assert warmup.autotune_dims(fwd) != warmup.autotune_dims(bwd)
+        assert warmup.cost_estimate(bwd) == warmup.BACKWARD_WEIGHT * warmup.cost_estimate(fwd)
+
     def test_ahead_of_time_kernels_compile_no_shapes(self):
         a = adapters.TorchKernelAdapter()
         plan = shapes.build(collection.collect([a], self._suite()), self._suite())
@@ -362,6 +393,11 @@ FAKE = {
                 if inputs["v"].shape[3] == 24:
                     time.sleep(60)
                 return super().run(inputs, params)
+        class NoGraphKernel(WarmKernel):
+            # a version without a backward: its outputs carry no autograd graph
+            def run(self, inputs, params, out=None):
+                o, f = super().run(inputs, params)
+                return o.detach(), (f.detach() if f is not None else None)
         """),
 }
 
@@ -495,6 +531,20 @@ class TestWarmup:
         assert g_follower["started"] >= g_lead["finished"], "ran beside the unit it waits for"
         assert g_follower["waited_for"] == warmup.short_group(lead[1])
         assert g_other["started"] < g_lead["finished"], "a unit of other dims did not run beside"
+
+    def test_a_backward_unit_runs_the_gradient_golden_forward_and_backward(self, speed_kernel):
+        # The PyTorch test kernel's autograd on a real gradient golden, in a worker (its forward
+        # reaches the autotuner stand-in); a kernel whose outputs carry no graph
+        # is noted as not applicable, not as an error.
+        recipe = [{"golden": str(ROOT / "goldens" / "kda_backward_b2_t37.safetensors"), "backward": True}]
+        grad, none = speed_kernel.WarmKernel(), speed_kernel.NoGraphKernel()
+        rec = warmup.run_units([(grad, (("backward", True),), recipe * 2), (none, (("backward", True),), recipe)],
+                               "cpu", jobs=1, timeout=120.0)
+        g_grad, g_none = rec["groups"]
+        assert rec["errors"] == 0, json.dumps(rec["groups"])[:2000]
+        assert g_grad["status"] == "ok" and "not_applicable" not in g_grad
+        assert g_grad["compiles"] == 2  # the forward reached the stand-in autotuner once per run
+        assert g_none["status"] == "ok" and "no autograd graph" in g_none["not_applicable"][0]
 
     @staticmethod
     def warm_up_with(run_selected, pending, tmp_path, monkeypatch):

@@ -102,13 +102,15 @@ def make(opts, conftest_objects=(), progress=print):
                                  warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
         pending = {}
         for unit in selected[0]:
-            pending[unit[0].name] = pending.get(unit[0].name, 0) + 1
+            key = warmup.pending_key(unit[0].name, warmup.is_backward(unit[1]))
+            pending[key] = pending.get(key, 0) + 1
         speed["warmup_pending"] = pending
         warm_up = _warm_up_of(selected, opts, device, speed, progress)
         if not pending:  # nothing to compile: the record of the warm units, at once
             warm_up()
             warm_up = None
-        tests.sort(key=lambda t: t.adapter.name in pending)  # stable: the shape order within each part
+        # stable: the shape order within each part
+        tests.sort(key=lambda t: warmup.pending_key(t.adapter.name, t.check == "backward") in pending)
     groups = {a.name: group_of(a) for a in adapters}
     entries = []
     for t in tests:
@@ -218,10 +220,10 @@ def _warm_up_of(selected, opts, device, speed, progress):
     return warm_up
 
 
-def wait_for_warmup(status, adapter, limit, poll=0.2):
+def wait_for_warmup(status, key, limit, poll=0.2):
     """Returns (seconds waited, why it stopped waiting) once the warm-up (status file of
-    warm_up) has no unit of `adapter` left, has ended, or its process is gone; or after `limit`
-    seconds. Never an error: a check whose shapes are not compiled compiles them itself."""
+    warm_up) has no unit of `key` left (warmup.pending_key: an adapter's forward or backward
+    units), has ended, or its process is gone; or after `limit` seconds. Never an error: a check whose shapes are not compiled compiles them itself."""
     t0 = time.monotonic()
     while True:
         try:
@@ -231,7 +233,7 @@ def wait_for_warmup(status, adapter, limit, poll=0.2):
         if s is not None:
             if s.get("done"):
                 return time.monotonic() - t0, "the warm-up ended"
-            if (s.get("pending") or {}).get(adapter, 0) <= 0:
+            if (s.get("pending") or {}).get(key, 0) <= 0:
                 return time.monotonic() - t0, "its units are compiled"
             try:
                 os.kill(int(s["pid"]), 0)

@@ -305,8 +305,10 @@ class Plan:
 
 
 def _runs_of(test, config, cases):
-    """[(params, shapes, recipe)] of the kernel runs a KDA test makes."""
-    if test.check == "golden":
+    """[(params, shapes, recipe)] of the kernel runs a KDA test makes. A backward test runs its
+    gradient golden forward and backward: its recipe says `backward`, and its group is the
+    forward's with ("backward", True) (the backward kernels autotune on the same keys)."""
+    if test.check in ("golden", "backward"):
         if test.case_path is None:
             return []
         case = cases.get(test.case_path)
@@ -314,6 +316,9 @@ def _runs_of(test, config, cases):
             from .. import goldens
 
             case = cases[test.case_path] = goldens.load_case(test.case_path)
+        if test.check == "backward":
+            shapes = {k: case.params[k] for k in ("B", "T", "H", "HV", "K", "V")}
+            return [(case.params, shapes, {"golden": test.case_path, "backward": True})]
         return [(case.params, case_shapes(case), {"golden": test.case_path})]
     if config is None:
         return []
@@ -360,7 +365,7 @@ def build(tests, suite=()):
             if t.skip or not compiles_at_run_time(a):
                 continue
             modelled = (getattr(a, "family", None) == "kda" and hasattr(a, "unsupported")
-                        and (t.check == "golden" or metamorphic_runs(t.check)))
+                        and (t.check in ("golden", "backward") or metamorphic_runs(t.check)))
             if not modelled:  # a check the plan has no model of: one shape of its own
                 if record is None:
                     target.add((a.name, t.id))
@@ -368,7 +373,8 @@ def build(tests, suite=()):
                     record.untracked.setdefault(a.name, []).append((t.id, t.check, t.case_path))
                 continue
             for params, shapes, recipe in _runs_of(t, configs.get(a.name), cases):
-                key = (a.name, group_of(a, params, shapes), int_classes(params, shapes))
+                group = group_of(a, params, shapes) + ((("backward", True),) if recipe.get("backward") else ())
+                key = (a.name, group, int_classes(params, shapes))
                 if record is None:
                     target.add(key)
                     continue

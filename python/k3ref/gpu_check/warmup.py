@@ -115,7 +115,9 @@ def child(job_path, out_path):
         for recipe in job["recipes"]:
             try:
                 with autotune.recording() as used:
-                    if "check" in recipe:
+                    if recipe.get("backward"):
+                        run_backward(adapter, recipe["golden"], device, rec)
+                    elif "check" in recipe:
                         from ..goldens import load_case
 
                         case = load_case(recipe["case_path"]) if recipe.get("case_path") else None
@@ -141,6 +143,21 @@ def child(job_path, out_path):
     rec["finished"] = time.time()
     Path(out_path).write_text(json.dumps(rec))
     return 0
+
+
+def run_backward(adapter, golden, device, rec):
+    """One gradient golden forward and backward through the adapter (backward.py), so that the
+    backward kernels compile and autotune; a version without a backward is noted, not an error."""
+    from ..goldens import load_case
+    from . import backward
+    from .protocol import NotSupported
+
+    case = load_case(golden)
+    try:
+        adapter.run_backward(backward.gradient_inputs(case, device), case.params, case.tensors["d_o"],
+                             case.tensors["d_final_state"])
+    except NotSupported as e:
+        rec.setdefault("not_applicable", []).append(str(e)[:300])
 
 
 DONE = "k3ref-warmup-done"
@@ -303,12 +320,29 @@ class Worker:
         return rec
 
 
+# A backward shape against a forward one: FLA's chunk_kda backward autotunes eight kernels
+# (chunk_bwd, chunk_intra, wy_fast, chunk_delta_h, gate) where its forward autotunes four, and
+# runs the forward too. An estimate for the order only; the record has the measured times.
+BACKWARD_WEIGHT = 3.0
+
+
+def is_backward(group):
+    return bool(dict(group).get("backward"))
+
+
+def pending_key(adapter_name, backward=False):
+    """What a test waits for in the warm-up: its adapter's forward units, or (a backward test)
+    its adapter's backward units, so that neither waits for the other's autotuning."""
+    return f"{adapter_name}:backward" if backward else adapter_name
+
+
 def cost_estimate(unit):
     """What the scheduler sorts by, largest first (longest processing time first: the units
     that autotune start before the ones that only compile, so none of them is left for the
     end). An adapter may state `warmup_weight` (relative cost of one shape); the default is 1."""
-    adapter, _, recipes = unit
-    return float(getattr(adapter, "warmup_weight", 1) or 1) * max(1, len(recipes))
+    adapter, group, recipes = unit
+    weight = float(getattr(adapter, "warmup_weight", 1) or 1) * (BACKWARD_WEIGHT if is_backward(group) else 1.0)
+    return weight * max(1, len(recipes))
 
 
 def run(plan, adapters, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None):
@@ -384,7 +418,7 @@ def autotune_dims(unit):
     g = dict(group)
     if not share or not all(k in g for k in AUTOTUNE_DIMS):
         return None
-    return (share,) + tuple(g[k] for k in AUTOTUNE_DIMS)
+    return (share, is_backward(group)) + tuple(g[k] for k in AUTOTUNE_DIMS)
 
 
 def schedule(todo):
@@ -413,7 +447,7 @@ def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, 
 
 
 def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env=None, on_unit_done=None):
-    """Runs the units select() kept on `jobs` persistent workers; on_unit_done(adapter name)
+    """Runs the units select() kept on `jobs` persistent workers; on_unit_done(pending_key)
     after each. Returns the warm-up record."""
     jobs = max(1, int(jobs or os.cpu_count() or 1))
     todo, skipped = selected
@@ -458,7 +492,7 @@ def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env
                     rec["waited_for"] = short_group(todo[waits_for[i]][1])
                 done[i] = rec
                 if on_unit_done:
-                    on_unit_done(unit[0].name)
+                    on_unit_done(pending_key(unit[0].name, is_backward(unit[1])))
                 if progress:
                     progress(f"warm-up {rec['adapter']} {short_group(rec['group'])}: {rec.get('status')} "
                              f"{rec.get('wall_s', 0):.1f}s (import {rec.get('import_s', 0) or 0:.1f}s, compile "
