@@ -155,7 +155,42 @@ def test_a_raising_backward_is_an_error_and_notsupported_is_not_applicable():
 
 def test_the_matrix_collects_backward_tests_for_the_fla_kernels():
     suite = collection.load_suite(ROOT / "goldens", ("kda.recurrent", "kda.backward"))
-    tests = collection.collect([adapters.FlaAdapter("chunk_kda"), adapters.FlashKdaAdapter()], suite)
-    backward_tests = [t for t in tests if t.check == "backward"]
-    assert {t.adapter.name for t in backward_tests} == {"fla.chunk_kda"}
-    assert len(backward_tests) == len(CASES)
+    for mode, count in (("default", len(backward.DEFAULT_GOLDENS)), ("all", len(CASES))):
+        tests = collection.collect([adapters.FlaAdapter("chunk_kda"), adapters.FlashKdaAdapter()], suite, backward=mode)
+        backward_tests = [t for t in tests if t.check == "backward"]
+        assert {t.adapter.name for t in backward_tests} == {"fla.chunk_kda"}
+        assert len(backward_tests) == count
+
+
+def test_the_default_tier_runs_the_backward_on_its_four_goldens_and_all_runs_every_one():
+    a = adapters.TorchKernelAdapter()
+    suite = collection.load_suite(ROOT / "goldens", a.suite_ops())
+
+    def backward_cases(mode):
+        return sorted(t.case for t in collection.collect([a], suite, backward=mode) if t.check == "backward")
+
+    assert backward_cases("default") == sorted(backward.DEFAULT_GOLDENS)
+    assert backward_cases("all") == sorted(c.name for c in CASES)
+    # the forward checks are the same in both
+    forward = [(t.check, t.case) for t in collection.collect([a], suite) if t.check != "backward"]
+    assert forward == [(t.check, t.case) for t in collection.collect([a], suite, backward="all") if t.check != "backward"]
+
+
+def test_the_default_gradient_goldens_hold_two_of_the_backward_autotune_keys():
+    """What DEFAULT_GOLDENS was picked for: FLA's backward autotunes once per (H, HV, K, V,
+    varlen), and the four share two such keys while the whole set holds many more."""
+    from k3ref.gpu_check import warmup
+
+    def key(case):
+        p = case.params
+        return tuple(p[k] for k in warmup.AUTOTUNE_DIMS if k not in ("varlen",)) + (p["cu_seqlens"] is not None,)
+
+    chosen = [c for c in CASES if c.name in backward.DEFAULT_GOLDENS]
+    assert len(chosen) == len(backward.DEFAULT_GOLDENS)
+    assert len({key(c) for c in chosen}) == 2
+    assert len({key(c) for c in CASES}) > 8
+    # what they cover: batch 2 with an initial state, varlen with an empty and a one-token sequence, both other gates
+    assert {c.params["gate"] for c in chosen} == {"log_decay", "softplus", "lower_bound"}
+    lengths = [b - a for c in chosen if c.params["cu_seqlens"] for a, b in zip(c.params["cu_seqlens"], c.params["cu_seqlens"][1:])]
+    assert 0 in lengths and 1 in lengths
+    assert any(c.params["B"] == 2 and c.params["initial_state"] for c in chosen)

@@ -123,7 +123,7 @@ class TestPlan:
             c.op = "kda.backward"
             c.params.update(B=1, T=T, H=H, HV=H, K=32, V=32)
             back.append(c)
-        tests = collection.collect([a], suite + back, checks=["golden", "backward"])
+        tests = collection.collect([a], suite + back, checks=["golden", "backward"], backward="all")
         assert sum(t.check == "backward" for t in tests) == 3
         plan = shapes.build(tests, suite + back)
         assert plan.untracked == {}

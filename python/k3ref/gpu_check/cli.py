@@ -65,6 +65,9 @@ def parser():
                         "K3's production shapes and index limits, one pytest test per kernel x scale case (the "
                         "plugin's --k3ref-tier scale; --cases names scale cases; OUT/scale.json); default: the golden "
                         "and metamorphic checks")
+    r.add_argument("--backward", choices=("default", "all"), default="default",
+                   help="the gradient goldens of the backward check: default, four that share two backward autotune "
+                        "keys; all, every gradient golden (the plugin's --k3ref-backward)")
     r.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARG",
                    help="after --: arguments passed to pytest as they are (-k EXPR, -x, -v, ...)")
     p = sub.add_parser("prop", help="property-based testing of one KDA kernel against the reference (Hypothesis)")
@@ -177,6 +180,8 @@ def pytest_args(args):
     a += [flag for dest, flag in flags.items() if getattr(args, dest)]
     if args.tier != "default":
         a += ["--k3ref-tier", args.tier]
+    if getattr(args, "backward", "default") != "default":
+        a += ["--k3ref-backward", args.backward]
     values = {"only": "--k3ref-only", "checks": "--k3ref-checks", "cases": "--k3ref-cases", "goldens": "--k3ref-goldens",
               "device": "--k3ref-device", "known_limitations": "--k3ref-known-limitations", "policy": "--k3ref-policy",
               "check_timeout": "--k3ref-check-timeout", "load_timeout": "--k3ref-load-timeout", "budget": "--k3ref-budget",

@@ -162,11 +162,13 @@ def validate(adapters, suite, only=None, checks=None, cases=None):
             raise SelectorError(f"--cases: no golden case named '{c}' in the golden directory")
 
 
-def collect(adapters, suite, checks=None, cases=None, limitations=()):
+def collect(adapters, suite, checks=None, cases=None, limitations=(), backward="default"):
     """Tests for every adapter x check x case; mutants as one MutantTest each.
 
     checks: check names to run (None: every check of each adapter); cases: golden case names
-    (None: all; checks that build their own inputs are not filtered by it)."""
+    (None: all; checks that build their own inputs are not filtered by it); backward: "default"
+    (the backward check on backward.DEFAULT_GOLDENS) or "all" (on every gradient golden)."""
+    from . import backward as backward_check
     out = []
     for a in adapters:
         tests = []
@@ -177,6 +179,8 @@ def collect(adapters, suite, checks=None, cases=None, limitations=()):
             case_ids = [case_id for case_id, _, _ in check_cases]
             for case_id, case, why in check_cases:
                 if case is not None and cases is not None and case.name not in cases:
+                    continue
+                if check == "backward" and backward == "default" and case_id not in backward_check.DEFAULT_GOLDENS:
                     continue
                 path = str(case.path) if case is not None and getattr(case, "path", None) else None
                 t = Test(a, check, case_id, case_path=path, skip=why)

@@ -37,7 +37,7 @@ def options_of(config):
         isolate=not g("k3ref_no_isolation"), report=g("k3ref_report"), warmup=not g("k3ref_no_warmup"),
         warmup_jobs=g("k3ref_warmup_jobs"), warmup_timeout=float(g("k3ref_warmup_timeout")),
         autotune_configs=g("k3ref_autotune_configs"), cache_dir=g("k3ref_cache_dir"), kernel_paths=paths,
-        tier=g("k3ref_tier"))
+        tier=g("k3ref_tier"), backward=g("k3ref_backward"))
 
 
 def apply_environment(opts):
@@ -85,7 +85,8 @@ def make(opts, conftest_objects=(), progress=print):
     adapters, requested, suite = select_adapters(opts, conftest_objects)
     try:
         limitations = collection.load_limitations(opts.known_limitations)
-        tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, limitations=limitations)
+        tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, limitations=limitations,
+                                   backward=opts.backward)
     except ValueError as e:
         raise selection.UsageError(str(e)) from e
     device = device_of(opts)

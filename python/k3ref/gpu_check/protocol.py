@@ -60,6 +60,7 @@ class RunOptions:
     cache_dir: str = None
     kernel_paths: tuple = ()      # ((environment variable, path), ...)
     tier: str = "default"         # default | scale (the scale tier's cases, scale.py)
+    backward: str = "default"     # default | all: the gradient goldens of the backward check (backward.py)
 
 
 @dataclass
