@@ -96,10 +96,10 @@ typedef struct {
   int output_dtype;
 } k3gc_kda_args;
 
-/* precision 0: the fp64 reference (mutation must be 0), its tuned kernel; 1: fp32 arithmetic;
- * 2: the fp64 reference's plain kernel, its definition (mutation must be 0): bit for bit the
- * results of precision 0, slower (tests/gpu_check/test_fp64_reference.py). Any other value is
- * an error. */
+/* precision 0: the fp64 reference (mutation must be 0), its plain kernel (the definition);
+ * 1: fp32 arithmetic; 2: the fp64 reference's cluster-staged kernel (mutation must be 0): bit
+ * for bit the results of precision 0 and, measured on an H200, slower
+ * (tests/gpu_check/test_fp64_reference.py). Any other value is an error. */
 int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mutation, void* stream);
 
 /* The code of a name: kind "format" (the policy table's fp64, fp32, bf16, fp16: a k3gc_dtype),

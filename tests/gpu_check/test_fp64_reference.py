@@ -1,5 +1,5 @@
-"""libk3gc's fp64 reference: the tuned kernel (precision 0) against the plain kernel, its
-definition (precision 2), bit for bit: o and the final state compared as raw bits (signs of
+"""libk3gc's fp64 reference: the cluster-staged kernel (precision 2) against the plain kernel, its
+definition (precision 0), bit for bit: o and the final state compared as raw bits (signs of
 zeros and NaN payloads included), on
 
 - every KDA golden that libk3gc's reference takes (the cases and the inputs the golden check
@@ -38,10 +38,10 @@ def _bits(t):
 
 
 def both(inputs, params, **kw):
-    """(tuned, plain): each lib.kda_forward's (o, final state), o written over the same
+    """(staged, plain): each lib.kda_forward's (o, final state), o written over the same
     NaN-filled buffer (a position either kernel leaves unwritten then shows too)."""
     runs = []
-    for precision in (0, 2):
+    for precision in (2, 0):
         B, T, _, _ = inputs["q"].shape
         HV, V = inputs["v"].shape[2:]
         out = torch.full((B, T, HV, V), float("nan"), dtype=kw.get("output_dtype", torch.float64), device="cuda")
@@ -50,12 +50,12 @@ def both(inputs, params, **kw):
     return runs
 
 
-def assert_bitwise(tuned, plain, what):
-    for name, a, b in (("o", tuned[0], plain[0]), ("final_state", tuned[1], plain[1])):
+def assert_bitwise(staged, plain, what):
+    for name, a, b in (("o", staged[0], plain[0]), ("final_state", staged[1], plain[1])):
         assert a.dtype == b.dtype and a.shape == b.shape, (what, name)
         diff = (_bits(a) != _bits(b)).flatten().nonzero()
         assert diff.numel() == 0, (f"{what}: {name} differs in {diff.numel()} of {a.numel()} elements, first at flat "
-                                   f"index {int(diff[0])}: tuned {a.flatten()[diff[0]].item()!r}, plain "
+                                   f"index {int(diff[0])}: staged {a.flatten()[diff[0]].item()!r}, plain "
                                    f"{b.flatten()[diff[0]].item()!r}")
 
 
@@ -70,7 +70,7 @@ def test_the_reference_takes_goldens():
 
 
 @pytest.mark.parametrize("case", TAKEN, ids=lambda c: c.name)
-def test_tuned_equals_plain_on_a_golden(case):
+def test_staged_equals_plain_on_a_golden(case):
     # The inputs as checks.golden_check gives them to a reference (its initial state's dtype kept).
     inputs = {k: v.to("cuda") for k, v in case.inputs.items()}
     assert_bitwise(*both(inputs, case.params, output_dtype=REFERENCE.output_dtype, state_dtype=REFERENCE.state_dtype),
@@ -81,7 +81,7 @@ def test_tuned_equals_plain_on_a_golden(case):
 
 @pytest.mark.parametrize("T,H,HV,K,V", [(0, 2, 2, 128, 128), (1, 1, 1, 128, 128), (37, 2, 4, 128, 128),
                                         (300, 2, 2, 128, 128), (17, 1, 3, 100, 97), (9, 2, 2, 33, 65)])
-def test_tuned_equals_plain_on_the_k3_options(T, H, HV, K, V):
+def test_staged_equals_plain_on_the_k3_options(T, H, HV, K, V):
     inputs = bench.k3_inputs(T, HV, K, V, 7)  # q, k of the first H heads: GVA
     inputs["q"], inputs["k"] = inputs["q"][:, :, :H].contiguous(), inputs["k"][:, :, :H].contiguous()
     inputs["A_log"] = torch.rand(HV, device="cuda") - 0.5
@@ -118,7 +118,7 @@ if st is not None:
 
     @settings(max_examples=150, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
     @given(c=drawn())
-    def test_tuned_equals_plain_on_drawn_cases(c):
+    def test_staged_equals_plain_on_drawn_cases(c):
         inputs = drawn_case.make_inputs(c)
         inputs = {n: (t.to(c["input_dtype"]) if n in ("q", "k", "v", "g", "beta") else t).to("cuda")
                   for n, t in inputs.items()}
