@@ -8,9 +8,10 @@
 #
 #   gpu_check/device_engines.sh [OUT_DIR]
 #   env: TP (third-party root, default .thirdparty: vllm/ and sglang/ laid out with COMMITS.txt,
-#        tokenspeed/, fla_pkg/), PYTHON (default python3), ONLY (comma-separated kernel names),
-#        KERNEL_TIMEOUT (seconds for one kernel's checks, default 300), PAR (kernels run at once,
-#        default 4), K3REF_CORE_PATH (a built k3ref._core: the build step is skipped)
+#        vllm/kda/ the KDA ops of one commit, tokenspeed/, fla_pkg/), PYTHON (default python3),
+#        ONLY (comma-separated kernel names), KERNEL_TIMEOUT (seconds for one kernel's checks,
+#        default 300), PAR (kernels run at once, default 4), K3REF_CORE_PATH (a built k3ref._core:
+#        the build step is skipped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)

@@ -286,7 +286,7 @@ TEST(Cli, GoldenListKernelListsTheGoldensInsideItsDomain) {
   const CommandResult unknown = k3ref("golden list --kernel nope");
   EXPECT_EQ(unknown.code, 2);
   EXPECT_NE(unknown.out.find("--kernel must be one of fla.chunk_kda, "), std::string::npos) << unknown.out;
-  EXPECT_NE(unknown.out.find("vllm.gdn_replayssm_decode, not 'nope'"), std::string::npos) << unknown.out;
+  EXPECT_NE(unknown.out.find("vllm.kda_decode, not 'nope'"), std::string::npos) << unknown.out;
 }
 
 // ---- hostile arguments, paths and files (the corpus in tests/hostile/ runs many more)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Host-side tests of the serving engines' adapters (python/k3ref/gpu_check/engine_vllm.py,
-engine_tokenspeed.py). Their kernels are Triton (GPU only), so here each is replaced by a
+engine_sglang.py, engine_tokenspeed.py). Their kernels are Triton (GPU only), so here each is replaced by a
 stand-in module laid out where the engine keeps it, with the engine function's signature and
 k3ref's pure-PyTorch serving kernel (serving_check.TorchServingAdapter) behind it:
 
@@ -39,7 +39,8 @@ SUITE = SC.load_serving_suite(ROOT / "goldens")
 ENGINE_NAMES = {"vllm.fused_recurrent_gdn[continuous_batching]", "vllm.fused_recurrent_gdn[spec_decode]",
                 "vllm.gdn_replayssm_decode", "tokenspeed.kda_recurrent_decode_pool", "tokenspeed.kda_mtp_verify",
                 "tokenspeed.kda_chunk_prefill", "tokenspeed.gdn_decode_step", "sglang.fused_sigmoid_gating[decode]",
-                "sglang.fused_sigmoid_gating[target_verify]", "sglang.fused_sigmoid_gating[gdn_decode]"}
+                "sglang.fused_sigmoid_gating[target_verify]", "sglang.fused_sigmoid_gating[gdn_decode]",
+                "vllm.kda_decode", "vllm.kda_chunk_prefill"}
 
 # ---------------------------------------------------------------------------- stand-ins
 # Each calls k3ref's torch serving kernel (fp64) under the engine's own calling convention.
@@ -100,6 +101,89 @@ def fused_recurrent_gated_delta_rule_replayssm(mixed_qkv, a, b, A_log, dt_bias, 
     out.copy_(TORCH.replay(raw, params, initial_state, d_cache, k_cache, g_cache, ssm_state_indices.long(),
                            write_pos.long()))
     return out, initial_state
+'''
+
+# vLLM's kda.py (its KDA tree, one commit): the recurrent entry point with its null block (an
+# index <= 0 neither read nor written), its o allocated like k, its V-first pool and per-token
+# rows; the gate kernel; the chunk entry points, whose output lands in v's memory.
+VLLM_KDA = COMMON + '''
+import torch.nn.functional as F
+
+from vllm.model_executor.custom_op import CustomOp  # noqa: F401  the shim
+from vllm.utils.math_utils import cdiv  # noqa: F401  laid out beside the ops, vllm/utils/__init__.py not run
+
+
+def fused_kda_gate(g, A, head_k_dim, g_bias=None, beta=1.0, threshold=20.0):
+    H = A.numel()
+    x = g.double() + (g_bias.double() if g_bias is not None else 0.0)
+    y = -torch.exp(A.double().reshape(-1)).repeat_interleave(head_k_dim) * F.softplus(x, beta, threshold)
+    return y.float().view(*g.shape[:-1], H, head_k_dim)
+
+
+def fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, inplace_final_state=True, cu_seqlens=None,
+                            ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False):
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = torch.empty_like(k)
+    out = o.view(B, T, HV, V)  # the kernel's [B, T, HV, V] in k's memory
+    pool = initial_state
+    if STATE_LAYOUT == "k_first":  # the V-first pool's bytes read as [slots, HV, K, V]
+        pool = pool.as_strided((pool.shape[0], HV, K, V), (pool.stride(0), K * V, V, 1), pool.storage_offset())
+    params = dict(gate="log_decay", gate_base="e", beta="as_given", qk_l2norm=use_qk_l2norm_in_kernel, scale=scale,
+                  lower_bound=None)
+    prep, _ = TORCH._prep(dict(q=q, k=k, v=v, g=g, beta=beta), params)
+
+    def read(i):
+        S = pool[i].double()
+        return S if STATE_LAYOUT == "k_first" else S.transpose(-1, -2)
+
+    def store(i, S):
+        pool[i] = (S if STATE_LAYOUT == "k_first" else S.transpose(-1, -2)).to(pool.dtype)
+
+    cu = [int(x) for x in cu_seqlens.tolist()] if cu_seqlens is not None else [0, T]
+    final = None if inplace_final_state else q.new_empty(T, HV, V, K, dtype=initial_state.dtype)
+    flat = ssm_state_indices.reshape(-1) if ssm_state_indices is not None else None
+    stride = ssm_state_indices.stride(0) if ssm_state_indices is not None else 1
+    for n in range(len(cu) - 1):
+        if cu[n + 1] == cu[n]:
+            continue
+        if flat is not None:
+            i_t = int(num_accepted_tokens[n]) - 1 if num_accepted_tokens is not None else 0
+            entering = int(flat[n * stride + i_t])
+            if entering <= 0:  # NULL_BLOCK_ID = 0
+                continue
+            S = read(entering)
+        else:
+            S = read(cu[n])
+        outs, states = TORCH._run(prep, scale, cu[n], cu[n + 1], S)
+        for t, (o_t, S_t) in enumerate(zip(outs, states)):
+            out[0, cu[n] + t] = o_t.to(o.dtype)
+            if inplace_final_state:
+                i = int(flat[n * stride + t])
+                if i > 0:
+                    store(i, S_t)
+            else:
+                final[cu[n] + t] = S_t.transpose(-1, -2).to(final.dtype)
+    return o, (initial_state if inplace_final_state else final)
+
+
+def _chunk(q, k, v, g, beta, params, A_log=None, dt_bias=None, initial_state=None, cu_seqlens=None):
+    inputs = kda_form(q, k, v, g, beta, A_log, dt_bias, cu_seqlens)
+    o, final = TORCH.varlen(dict(inputs, initial_state=initial_state), dict(params, state_layout="v_first"))
+    v.copy_(o.to(v.dtype))  # chunk_gla_fwd_o_gk(o=v)
+    return v, final.float()
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    params = dict(gate="log_decay", beta="as_given", qk_l2norm=use_qk_l2norm_in_kernel, scale=scale)
+    return _chunk(q, k, v, g, beta, params, initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_kda_with_fused_gate(q, k, v, raw_g, beta, A_log, g_bias, scale=None, initial_state=None,
+                              output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    params = dict(gate="softplus", beta="as_given", qk_l2norm=use_qk_l2norm_in_kernel, scale=scale)
+    return _chunk(q, k, v, raw_g, beta, params, A_log, g_bias, initial_state, cu_seqlens)
 '''
 
 TS_KDA = COMMON + '''
@@ -259,6 +343,24 @@ def vllm_tree(tmp_path):
 
 
 @pytest.fixture
+def vllm_kda_tree(tmp_path):
+    """vLLM's KDA tree under DIR/kda/ (beside vllm_tree's GDN files in DIR), named in DIR's COMMITS.txt."""
+    def make(layout="v_first"):
+        root = tmp_path / "kda"
+        ops = root / "vllm" / "model_executor" / "layers" / "fla" / "ops"
+        write(ops / "kda.py", f"STATE_LAYOUT = {layout!r}\n" + VLLM_KDA)
+        for f in EV.KDA_FILES[1:]:  # kda.py's imports (the stand-in imports none of them)
+            write(ops / f"{f}.py", "raise ImportError('a sibling of the stand-in ran')\n")
+        write(root / "vllm" / "utils" / "math_utils.py", "def cdiv(a, b):\n    return -(a // -b)\n")
+        write(root / "vllm" / "utils" / "__init__.py", "raise ImportError('vllm/utils/__init__.py ran')\n")
+        write(root / "vllm" / "__init__.py", "raise ImportError('the stand-in package __init__ ran')\n")
+        with open(tmp_path / "COMMITS.txt", "a") as f:
+            f.write("kda/vllm/model_executor/layers/fla/ops/kda.py f3b2a819f7f4ee05e0ac46ab72ca1e9f41f27bd5\n")
+        return tmp_path
+    return make
+
+
+@pytest.fixture
 def sglang_tree(tmp_path):
     tmp_path = tmp_path / "sglang"
     fla = tmp_path / "python" / "sglang" / "srt" / "layers" / "attention" / "fla"
@@ -350,6 +452,28 @@ class TestLoading:
         with pytest.raises(RuntimeError, match="another vllm is already imported"):
             EV.load_ops("fused_recurrent", str(other))
 
+    def test_vllm_kda_ops_come_from_their_own_tree(self, vllm_kda_tree, fresh_modules):
+        path = vllm_kda_tree()
+        assert EV.kda_root(path) == path / "kda"
+        mod = EV.load_kda_ops(str(path))  # vllm/__init__.py, vllm/utils/__init__.py and the siblings not run
+        assert Path(mod.__file__).is_relative_to(path / "kda")
+        assert "kda.py@f3b2a819f7f4" in SC.engine_version("vllm", mod)
+        assert "vllm.model_executor.custom_op" in sys.modules and "vllm.utils.math_utils" in sys.modules
+
+    def test_vllm_kda_tree_missing_a_module_names_it(self, vllm_kda_tree, fresh_modules):
+        path = vllm_kda_tree()
+        (path / "kda" / EV.OPS / "solve_tril.py").unlink()
+        with pytest.raises(RuntimeError) as e:
+            EV.load_kda_ops(str(path))
+        assert "lack solve_tril.py" in str(e.value) and "\n" not in str(e.value) and "one commit" in str(e.value)
+
+    def test_vllm_gdn_and_kda_trees_are_refused_in_one_process(self, vllm_tree, vllm_kda_tree, fresh_modules):
+        path = vllm_tree()
+        vllm_kda_tree()
+        EV.load_ops("fused_recurrent", str(path))
+        with pytest.raises(RuntimeError, match="run the GDN and the KDA kernels in separate processes"):
+            EV.load_kda_ops(str(path))
+
     def test_a_module_that_fails_to_import_gives_one_line(self, tmp_path, fresh_modules):
         write(tmp_path / "vllm" / "model_executor" / "layers" / "fla" / "ops" / "fused_recurrent.py",
               "from .op import exp\n")
@@ -394,6 +518,49 @@ class TestMapping:
         res = ran(run_checks(loaded(EV.VllmGdnReplayAdapter(), mod)))
         assert set(res) == {("golden", "gdn_replay_decode_engine"), ("slot_isolation", "gdn_replay_decode_engine")}
         assert all(v[0] == "pass" for v in res.values()), res
+
+    def test_vllm_kda_decode_passes_through_the_stand_in(self, vllm_kda_tree, fresh_modules):
+        mod = EV.load_kda_ops(str(vllm_kda_tree()))
+        res = run_checks(loaded(EV.VllmKdaDecodeAdapter(), mod))
+        ok = ran(res)
+        assert {c for c, _ in ok} == {"golden", "slot_isolation", "layout_equivalence", "decode_after_prefill",
+                                      "accepted_zero", "empty_sequences", "determinism"}, ok
+        # the goldens of its domain: H K = HV V, V-first, a padded slot and slot 0 (index 1 behind the null block)
+        assert {case for (c, case) in ok if c == "golden"} == {"gdn_decode_v_first_engine",
+                                                               "serving_verify_per_token_engine"}
+        assert "H K = 24, HV V = 32" in res[("golden", "serving_decode_v_first_padded_gva")][1]
+        # vLLM's verify enters at column num_accepted - 1 with no guard: a count 0 reads the previous
+        # row's last entry (FLA's defect, in vLLM's copy)
+        assert ok.pop(("accepted_zero", "-"))[1].startswith("accepted count 0 read a slot outside its row")
+        bad = {k: v for k, v in ok.items() if v[0] != "pass"}
+        assert not bad, bad
+
+    def test_vllm_kda_decode_needs_the_null_block_and_the_v_first_pool(self, vllm_kda_tree, fresh_modules,
+                                                                       monkeypatch):
+        mod = EV.load_kda_ops(str(vllm_kda_tree()))
+        with monkeypatch.context() as m:  # slot 0 handed to the kernel as index 0: vLLM's null block
+            m.setattr(EV, "null_block_indices", lambda idx: idx.to(torch.int32).contiguous())
+            res = ran(run_checks(loaded(EV.VllmKdaDecodeAdapter(), mod)))
+            assert res[("golden", "gdn_decode_v_first_engine")][0] == "fail"
+            assert res[("layout_equivalence", "-")][0] == "fail"
+        for name in [n for n in sys.modules if n.split(".")[0] == "vllm"]:
+            del sys.modules[name]
+        mod = EV.load_kda_ops(str(vllm_kda_tree("k_first")))  # a kernel reading the pool K-first
+        res = ran(run_checks(loaded(EV.VllmKdaDecodeAdapter(), mod)))
+        assert res[("golden", "gdn_decode_v_first_engine")][0] == "fail"
+        assert res[("layout_equivalence", "-")][0] == "fail"
+
+    def test_vllm_kda_chunk_prefill_passes_the_empty_sequences_both_gates(self, vllm_kda_tree, fresh_modules):
+        mod = EV.load_kda_ops(str(vllm_kda_tree()))
+        adapter = loaded(EV.VllmKdaChunkPrefillAdapter(), mod)
+        for params in (adapter.varlen_params, dict(adapter.varlen_params, gate="log_decay", beta="as_given")):
+            adapter.varlen_params = params  # chunk_kda_with_fused_gate, then chunk_kda
+            res = ran(run_checks(adapter))
+            assert set(res) == {("empty_sequences", "-")} and res[("empty_sequences", "-")][0] == "pass", res
+        inputs, params, states = adapter._problem(3, [2, 3], shape=adapter.varlen_shape, params=adapter.varlen_params)
+        v = inputs["v"].clone()
+        adapter.varlen(dict(inputs, initial_state=states[:2].transpose(-1, -2).contiguous()), params)
+        assert torch.equal(inputs["v"], v)  # the kernel writes o into a copy of v, not the caller's v
 
     def test_tokenspeed_adapters_pass_through_the_stand_ins(self, tokenspeed_tree, fresh_modules):
         path = str(tokenspeed_tree)

@@ -62,7 +62,9 @@ TEST(KernelDomains, BuiltInCopyParsesAndNamesEveryBuiltInKernel) {
                                                  "torch.fp64_bf16",
                                                  "vllm.fused_recurrent_gdn[continuous_batching]",
                                                  "vllm.fused_recurrent_gdn[spec_decode]",
-                                                 "vllm.gdn_replayssm_decode"}));
+                                                 "vllm.gdn_replayssm_decode",
+                                                 "vllm.kda_chunk_prefill",
+                                                 "vllm.kda_decode"}));
   // The compiled copy is the source file's (parsed the same: a stale copy would select old goldens).
   const auto from_file = KernelDomains::parse(read_text(source_root() / "policy" / "kernel_domains.json"), "file");
   EXPECT_EQ(from_file.names(), d.names());
