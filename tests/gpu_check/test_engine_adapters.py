@@ -562,6 +562,58 @@ class TestMapping:
         adapter.varlen(dict(inputs, initial_state=states[:2].transpose(-1, -2).contiguous()), params)
         assert torch.equal(inputs["v"], v)  # the kernel writes o into a copy of v, not the caller's v
 
+    def test_vllm_kda_chunk_prefill_catches_the_chunk_table_of_vllms_index_py(self, vllm_kda_tree, fresh_modules):
+        """findings/vllm-kda-chunk-empty-sequences: a stand-in whose chunks are placed by vLLM's
+        prepare_chunk_indices expression (index.py at f3b2a819: the sequence column
+        indices.eq(0).cumsum(0) - 1 skips empty sequences): the sequences it misplaces keep v as
+        their output and get an uninitialised final state. The empty-sequence check fails on
+        them and only them (the empty sequences' states stay right), and the package's registry
+        makes that row known, a pass of it an unexpected pass."""
+        from k3ref.gpu_check import collection
+
+        def vllm_table(lengths, chunk=64):
+            idx = torch.cat([torch.arange(-(-L // chunk)) for L in lengths])
+            return torch.stack([idx.eq(0).cumsum(0) - 1, idx], 1).tolist()
+
+        def correct_table(lengths, chunk=64):
+            counts = torch.tensor([-(-L // chunk) for L in lengths])
+            seq = torch.repeat_interleave(torch.arange(len(lengths)), counts)
+            return torch.stack([seq, torch.arange(len(seq)) - (torch.cumsum(counts, 0) - counts)[seq]], 1).tolist()
+
+        assert vllm_table([3, 0, 4, 0, 0, 5, 0]) == [[0, 0], [1, 0], [2, 0]]  # the check's batch
+        assert correct_table([3, 0, 4, 0, 0, 5, 0]) == [[0, 0], [2, 0], [5, 0]]
+        assert vllm_table([3, 4, 5]) == correct_table([3, 4, 5])  # no empty sequence: the same table
+
+        def misplaced(entry):
+            def run(q, k, v, *args, cu_seqlens=None, **kw):
+                v0 = v.clone()
+                o, final = entry(q, k, v, *args, cu_seqlens=cu_seqlens, **kw)
+                cu = [int(x) for x in cu_seqlens.tolist()]
+                lengths = [b - a for a, b in zip(cu, cu[1:])]
+                for n in {c[0] for c, w in zip(correct_table(lengths), vllm_table(lengths)) if c != w}:
+                    o[:, cu[n]:cu[n + 1]] = v0[:, cu[n]:cu[n + 1]]  # o is written into v: never written
+                    final[n] = 2.5e34  # built from torch.empty w, u
+                return o, final
+            return run
+
+        mod = EV.load_kda_ops(str(vllm_kda_tree()))
+        adapter = loaded(EV.VllmKdaChunkPrefillAdapter(), mod)
+        right = ran(run_checks(adapter))[("empty_sequences", "-")]
+        mod.chunk_kda_with_fused_gate = misplaced(mod.chunk_kda_with_fused_gate)
+        mod.chunk_kda = misplaced(mod.chunk_kda)
+        for params in (adapter.varlen_params, dict(adapter.varlen_params, gate="log_decay", beta="as_given")):
+            adapter.varlen_params = params
+            status, reason = ran(run_checks(adapter))[("empty_sequences", "-")]
+            assert status == "fail" and "o relative RMS error" in reason, reason
+            assert "final states of the sequences with tokens" in reason and "no tokens" not in reason, reason
+        rows = [_row(adapter.name, "empty_sequences", "-", "fail", reason),
+                _row("vllm.kda_decode", "accepted_zero", "-", "fail", "64 of 64 NaN")]
+        registry_ = collection.load_limitations()
+        assert [r["verdict"] for r in SC.apply_known_limitations(rows, registry_)] == ["known", "known"]
+        assert right[0] == "pass"
+        fixed = SC.apply_known_limitations([_row(adapter.name, "empty_sequences", "-", "pass")], registry_)
+        assert fixed[0]["verdict"] == "xpass"  # the day vLLM fixes the table, the table goes red
+
     def test_tokenspeed_adapters_pass_through_the_stand_ins(self, tokenspeed_tree, fresh_modules):
         path = str(tokenspeed_tree)
         kda = ET.load_module("ops.attention.triton.linear.kda", path)
