@@ -194,3 +194,28 @@ def test_the_default_gradient_goldens_hold_two_of_the_backward_autotune_keys():
     lengths = [b - a for c in chosen if c.params["cu_seqlens"] for a, b in zip(c.params["cu_seqlens"], c.params["cu_seqlens"][1:])]
     assert 0 in lengths and 1 in lengths
     assert any(c.params["B"] == 2 and c.params["initial_state"] for c in chosen)
+
+
+def _dA_log_condition(case):
+    """sum |terms| / |sum| per head of dA_log = sum over tokens and channels of dL/dy * y, y
+    the gate computed from A_log (softplus: y = -exp(A_log) softplus(x), dy/da = y sigmoid(x) /
+    softplus(x); lower bound: y = lb sigmoid(exp(A_log) x), dy/dA_log = dy/da * x), from the
+    golden's own exact dg (the gradient of the raw gate input a, x = a + dt_bias)."""
+    t = {n: case.tensors[n].double() for n in ("g", "dg", "dt_bias", "A_log")}
+    x = t["g"] + t["dt_bias"].reshape(1, 1, *t["dt_bias"].shape)
+    if case.params["gate"] == "softplus":
+        terms = t["dg"] * torch.nn.functional.softplus(x) / torch.sigmoid(x)
+    else:
+        terms = t["dg"] * x
+    assert torch.allclose(terms.sum((0, 1, 3)), case.tensors["dA_log"].double(), rtol=1e-10, atol=0)
+    return (terms.abs().sum((0, 1, 3)) / terms.sum((0, 1, 3)).abs()).tolist()
+
+
+def test_the_softplus_gradient_golden_has_an_ill_conditioned_dA_log():
+    """The known limitation of fla.chunk_kda's backward on kda_backward_gate_softplus rests on
+    these figures: its dA_log cancels 323:1 and 242:1, the lower-bound golden's about 11:1."""
+    by_name = {c.name: c for c in CASES}
+    soft = _dA_log_condition(by_name["kda_backward_gate_softplus"])
+    lower = _dA_log_condition(by_name["kda_backward_gate_lower_bound"])
+    assert [round(c) for c in soft] == [323, 242]
+    assert all(10 < c < 12 for c in lower)

@@ -181,7 +181,7 @@ def test_the_package_known_limitations_file_is_valid_and_names_real_cases():
     from k3ref import goldens
     from k3ref.gpu_check import checks, collection, shapes
 
-    suite = goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent", "attnres.full", "attnres.block",
+    suite = goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent", "kda.backward", "attnres.full", "attnres.block",
                                                       "attnres.phase1"))
     # golden cases, and the metamorphic checks' configurations (built in, and one per KDA golden)
     names = ({c.name for c in suite} | {c["name"] for c in checks.CONFIGS}
