@@ -10,9 +10,15 @@ k3ref's pure-PyTorch serving kernel (serving_check.TorchServingAdapter) behind i
 - argument mapping: every engine adapter passes the serving checks its modes cover on the
   goldens of its domain through its stand-in (an fp64 kernel: far inside every bound), and a
   stand-in that reads the pool V-first while the adapter hands it K-first fails;
+- the chunked prefills: the KDA goldens of their domain pass through a correct stand-in and
+  fail through one that drops the initial state or misplaces chunks after an empty sequence;
+  without their operators' rule in the policy table the golden check errors in one line;
+  decode after prefill pairs each with its engine's decode kernel; a stand-in whose result
+  changes from call to call fails determinism in the replay and the varlen modes;
 - the registry lists every engine adapter with a domain (policy/kernel_domains.json) and a
   policy whose rules give its bounds (policy/policies.json).
 Needs torch and k3ref._core (K3REF_CORE_PATH=BUILD/python)."""
+import json
 import sys
 import textwrap
 import types
@@ -384,6 +390,54 @@ def tokenspeed_tree(tmp_path):
     return tmp_path
 
 
+# The rules the chunked prefills' golden check needs in their policies (vllm-kda-chunk,
+# tokenspeed-kda-chunk) for each KDA golden operator: their serving.checkpoints bound on the
+# outputs (o, final_state); the chunkwise goldens' stage tensors, which the table requires a
+# rule for and the serving check never reads, as the chunk policy has them.
+CHUNK_RULE = {"metric": "floor", "multiple": 4}
+CHUNK_RULES = {"kda.recurrent": {"output": CHUNK_RULE},
+               "kda.chunkwise_fla": {"output": CHUNK_RULE, "stage": CHUNK_RULE},
+               "kda.chunkwise_flashkda": {"output": CHUNK_RULE, "stage": CHUNK_RULE}}
+
+
+@pytest.fixture
+def chunk_policy(tmp_path, monkeypatch):
+    """The shipped policy table with (or without) CHUNK_RULES for the KDA golden operators in
+    the chunked prefills' policies, as the table the checks read."""
+    from k3ref import policy
+
+    def make(with_rule=True):
+        data = json.loads(policy.table_path().read_text())
+        for name in ("vllm-kda-chunk", "tokenspeed-kda-chunk"):
+            rules = data["policies"][name]["rules"]
+            for op in SC.VARLEN_OPS:
+                if with_rule:
+                    rules[op] = CHUNK_RULES[op]
+                else:
+                    rules.pop(op, None)
+        f = tmp_path / f"policies_{with_rule}.json"
+        f.write_text(json.dumps(data))
+        monkeypatch.setattr(policy, "_DEFAULT", policy.PolicyTable.load(f))
+    return make
+
+
+def flaky(entry, output=None):
+    """`entry` whose result (its return value, or the tensor `output(args, kwargs)` names) gains
+    one ulp in its first element on every second call: an accumulation order that changes
+    between launches."""
+    calls = [0]
+
+    def run(*args, **kw):
+        res = entry(*args, **kw)
+        calls[0] += 1
+        x = output(args, kw) if output is not None else (res[0] if isinstance(res, tuple) else res)
+        if calls[0] % 2 == 0:
+            ints = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}[x.dtype]
+            x.view(-1)[:1].view(ints).add_(1)
+        return res
+    return run
+
+
 def run_checks(adapter):
     """{(check, case): (status, reason)} of every check the adapter's modes cover, on the CPU."""
     out = {}
@@ -516,8 +570,22 @@ class TestMapping:
     def test_vllm_replay_passes_the_engine_replay_golden(self, vllm_tree, fresh_modules):
         mod = EV.load_ops("fused_recurrent_replayssm", str(vllm_tree()))
         res = ran(run_checks(loaded(EV.VllmGdnReplayAdapter(), mod)))
-        assert set(res) == {("golden", "gdn_replay_decode_engine"), ("slot_isolation", "gdn_replay_decode_engine")}
+        assert set(res) == {(c, "gdn_replay_decode_engine") for c in ("golden", "slot_isolation", "determinism")}
         assert all(v[0] == "pass" for v in res.values()), res
+        assert "o, pool, d_cache, k_cache, g_cache bitwise equal" in res[("determinism", "gdn_replay_decode_engine")][1]
+
+    def test_a_flaky_replay_fails_determinism_on_o_and_on_an_appended_cache(self, vllm_tree, fresh_modules):
+        mod = EV.load_ops("fused_recurrent_replayssm", str(vllm_tree()))
+        entry = mod.fused_recurrent_gated_delta_rule_replayssm
+        adapter = loaded(EV.VllmGdnReplayAdapter(), mod)
+        case = "gdn_replay_decode_engine"
+        for what, output in (("o", lambda a, kw: a[10]), ("d_cache", lambda a, kw: a[7][3, 0, 0])):
+            # o (the out argument), or the d entry row 0 appends (slot 3, head 0, write position 0)
+            mod.fused_recurrent_gated_delta_rule_replayssm = flaky(entry, output)
+            res = ran(run_checks(adapter))
+            status, reason = res[("determinism", case)]
+            assert status == "fail" and reason.endswith(f"differ: {what}"), reason
+            assert res[("golden", case)][0] == "pass"  # one ulp: inside every bound
 
     def test_vllm_kda_decode_passes_through_the_stand_in(self, vllm_kda_tree, fresh_modules):
         mod = EV.load_kda_ops(str(vllm_kda_tree()))
@@ -556,20 +624,25 @@ class TestMapping:
         for params in (adapter.varlen_params, dict(adapter.varlen_params, gate="log_decay", beta="as_given")):
             adapter.varlen_params = params  # chunk_kda_with_fused_gate, then chunk_kda
             res = ran(run_checks(adapter))
-            assert set(res) == {("empty_sequences", "-")} and res[("empty_sequences", "-")][0] == "pass", res
+            for check in ("empty_sequences", "determinism", "decode_after_prefill"):
+                assert res[(check, "-")][0] == "pass", (check, res[(check, "-")])
         inputs, params, states = adapter._problem(3, [2, 3], shape=adapter.varlen_shape, params=adapter.varlen_params)
         v = inputs["v"].clone()
         adapter.varlen(dict(inputs, initial_state=states[:2].transpose(-1, -2).contiguous()), params)
         assert torch.equal(inputs["v"], v)  # the kernel writes o into a copy of v, not the caller's v
 
-    def test_vllm_kda_chunk_prefill_catches_the_chunk_table_of_vllms_index_py(self, vllm_kda_tree, fresh_modules):
+    def test_vllm_kda_chunk_prefill_catches_the_chunk_table_of_vllms_index_py(self, vllm_kda_tree, fresh_modules,
+                                                                              chunk_policy):
         """findings/vllm-kda-chunk-empty-sequences: a stand-in whose chunks are placed by vLLM's
         prepare_chunk_indices expression (index.py at f3b2a819: the sequence column
         indices.eq(0).cumsum(0) - 1 skips empty sequences): the sequences it misplaces keep v as
         their output and get an uninitialised final state. The empty-sequence check fails on
         them and only them (the empty sequences' states stay right), and the package's registry
-        makes that row known, a pass of it an unexpected pass."""
+        makes that row known, a pass of it an unexpected pass. The golden check fails on the
+        varlen goldens with an empty sequence before others, and only on them."""
         from k3ref.gpu_check import collection
+
+        chunk_policy()
 
         def vllm_table(lengths, chunk=64):
             idx = torch.cat([torch.arange(-(-L // chunk)) for L in lengths])
@@ -606,6 +679,8 @@ class TestMapping:
             status, reason = ran(run_checks(adapter))[("empty_sequences", "-")]
             assert status == "fail" and "o relative RMS error" in reason, reason
             assert "final states of the sequences with tokens" in reason and "no tokens" not in reason, reason
+        golden = {case: v[0] for (c, case), v in ran(run_checks(adapter)).items() if c == "golden"}
+        assert {case for case, v in golden.items() if v != "pass"} == {"kda_varlen", "kda_varlen_no_initial_state"}
         rows = [_row(adapter.name, "empty_sequences", "-", "fail", reason),
                 _row("vllm.kda_decode", "accepted_zero", "-", "fail", "64 of 64 NaN")]
         registry_ = collection.load_limitations()
@@ -614,20 +689,107 @@ class TestMapping:
         fixed = SC.apply_known_limitations([_row(adapter.name, "empty_sequences", "-", "pass")], registry_)
         assert fixed[0]["verdict"] == "xpass"  # the day vLLM fixes the table, the table goes red
 
-    def test_tokenspeed_adapters_pass_through_the_stand_ins(self, tokenspeed_tree, fresh_modules):
+    def test_vllm_kda_chunk_prefill_runs_the_kda_goldens_of_its_domain(self, vllm_kda_tree, fresh_modules,
+                                                                       chunk_policy):
+        chunk_policy()
+        mod = EV.load_kda_ops(str(vllm_kda_tree()))
+        adapter = loaded(EV.VllmKdaChunkPrefillAdapter(), mod)
+        res = run_checks(adapter)
+        golden = {case: v for (c, case), v in res.items() if c == "golden"}
+        ok = {case for case, v in golden.items() if v[0] == "pass"}
+        assert not {case: v for case, v in golden.items() if v[0] not in ("pass", "skip")}
+        # varlen with empty sequences, no initial state, both gates, a V-first golden (its states
+        # transposed into the kernel's V-first call: a K-first golden too), the chunkwise goldens
+        assert {"kda_varlen", "kda_varlen_no_initial_state", "kda_t1", "kda_k100_v72", "kda_gate_softplus",
+                "kda_state_v_first", "kda_t100", "kda_chunkwise_fla_c64_t100",
+                "kda_chunkwise_flashkda_c16_decay_at_minus5"} <= ok, sorted(ok)
+        assert "dense batch of B = 2" in golden["kda_b2_t37"][1]
+        assert "HV/H = 3" in golden["kda_gva_h2_hv6"][1]  # one head per value head
+        assert "gate lower_bound" in golden["kda_gate_lower_bound"][1]
+        all_states = next(c for c in SUITE if c.name == "kda_all_states")  # HV/H = 2 for this kernel first
+        assert "all_states" in SC.ServingAdapter._varlen_case_unsupported(all_states)
+        assert "beta two_sigmoid" in golden["kda_beta_two_sigmoid"][1]
+        assert "golden" in adapter.checks and {c for c, _ in ran(res)} == {"golden", "decode_after_prefill",
+                                                                          "empty_sequences", "determinism"}
+        assert all(v[0] == "pass" for v in ran(res).values()), {k: v for k, v in ran(res).items() if v[0] != "pass"}
+
+    def test_a_wrong_chunk_prefill_fails_the_kda_goldens(self, vllm_kda_tree, fresh_modules, chunk_policy):
+        chunk_policy()
+        mod = EV.load_kda_ops(str(vllm_kda_tree()))
+        adapter = loaded(EV.VllmKdaChunkPrefillAdapter(), mod)
+        fused, plain = mod.chunk_kda_with_fused_gate, mod.chunk_kda
+
+        def no_initial_state(entry):  # initial_state dropped: a zero state
+            return lambda *a, initial_state=None, **kw: entry(*a, initial_state=torch.zeros_like(initial_state), **kw)
+
+        mod.chunk_kda_with_fused_gate, mod.chunk_kda = no_initial_state(fused), no_initial_state(plain)
+        golden = {case: v for (c, case), v in ran(run_checks(adapter)).items() if c == "golden"}
+        assert golden["kda_gate_softplus"][0] == "fail" and golden["kda_t100"][0] == "fail"
+        assert "o: relative RMS error" in golden["kda_t100"][1]  # its final state has forgotten the initial one
+        assert golden["kda_t64_no_initial_state"][0] == "pass"  # a zero initial state: nothing to drop
+
+        def swapped_final(entry):  # the final state returned K-first from a V-first call
+            def run(*a, **kw):
+                o, final = entry(*a, **kw)
+                return o, final.transpose(-1, -2).contiguous()
+            return run
+
+        mod.chunk_kda_with_fused_gate, mod.chunk_kda = swapped_final(fused), swapped_final(plain)
+        res = ran(run_checks(adapter))
+        assert res[("golden", "kda_state_v_first")][0] == "fail"  # K = 32, V = 16: the shape differs
+        assert res[("decode_after_prefill", "-")][0] == "fail"  # the decode continues a transposed state
+
+    def test_the_kda_goldens_without_the_policy_rule_error_in_one_line(self, vllm_kda_tree, tokenspeed_tree,
+                                                                       fresh_modules, chunk_policy):
+        chunk_policy(with_rule=False)
+        for adapter, mod in ((EV.VllmKdaChunkPrefillAdapter(), EV.load_kda_ops(str(vllm_kda_tree()))),
+                             (ET.TokenSpeedKdaChunkPrefillAdapter(),
+                              ET.load_module("ops.attention.triton.linear.kda", str(tokenspeed_tree)))):
+            res = ran(run_checks(loaded(adapter, mod)))
+            golden = {case: v for (c, case), v in res.items() if c == "golden"}
+            assert golden and all(v[0] == "error" for v in golden.values()), golden
+            reason = next(iter(golden.values()))[1]
+            assert "\n" not in reason and f"policy '{adapter.policy}' has no rules for operator 'kda." in reason
+            assert "policy/policies.json" in reason
+            assert all(v[0] == "pass" for (c, _), v in res.items() if c != "golden")
+
+    def test_a_flaky_chunk_prefill_fails_determinism(self, vllm_kda_tree, tokenspeed_tree, fresh_modules):
+        mod = EV.load_kda_ops(str(vllm_kda_tree()))
+        adapter = loaded(EV.VllmKdaChunkPrefillAdapter(), mod)
+        assert ran(run_checks(adapter))[("determinism", "-")][0] == "pass"
+        mod.chunk_kda_with_fused_gate = flaky(mod.chunk_kda_with_fused_gate)
+        status, reason = ran(run_checks(adapter))[("determinism", "-")]
+        assert status == "fail" and reason == "two varlen calls on the same batch (70, 3, 130 tokens) differ: o", reason
+        ts = ET.load_module("ops.attention.triton.linear.kda", str(tokenspeed_tree))
+        entry = ts.kda_chunk_prefill
+        ts.kda_chunk_prefill = flaky(entry, lambda a, kw: a[0])  # q, the caller's input: not an output
+        assert ran(run_checks(loaded(ET.TokenSpeedKdaChunkPrefillAdapter(), ts)))[("determinism", "-")][0] == "pass"
+        ts.kda_chunk_prefill = flaky(entry)
+        status, reason = ran(run_checks(loaded(ET.TokenSpeedKdaChunkPrefillAdapter(), ts)))[("determinism", "-")]
+        assert status == "fail" and reason.endswith("differ: o"), reason
+
+    def test_tokenspeed_adapters_pass_through_the_stand_ins(self, tokenspeed_tree, fresh_modules, chunk_policy):
+        chunk_policy()
         path = str(tokenspeed_tree)
         kda = ET.load_module("ops.attention.triton.linear.kda", path)
         mtp = ET.load_module("thirdparty.triton.fla_kda_recurrent", path)
         gdn = ET.load_module("ops.attention.triton.gated_delta_rule", path)
-        cases = {}
+        cases, checks = {}, {}
         for adapter, mod in ((ET.TokenSpeedKdaPoolDecodeAdapter(), kda), (ET.TokenSpeedKdaMtpVerifyAdapter(), mtp),
                              (ET.TokenSpeedKdaChunkPrefillAdapter(), kda), (ET.TokenSpeedGdnDecodeAdapter(), gdn)):
             res = ran(run_checks(loaded(adapter, mod)))
             bad = {k: v for k, v in res.items() if v[0] != "pass"}
             assert res and not bad, (adapter.name, bad)
             cases[adapter.name] = {case for _, case in res}
-        # each ran a golden of its domain (K3's safe gate; GDN's gating; the padded entries)
+            checks[adapter.name] = {c for c, _ in res}
+        # each ran a golden of its domain (K3's safe gate; GDN's gating; the padded entries; the
+        # chunked prefill on the K3-gated KDA goldens, a V-first one transposed into its K-first call)
         assert "serving_decode_safe_gate_engine" in cases["tokenspeed.kda_recurrent_decode_pool"]
+        assert {"kda_flashkda_varlen_t130", "kda_flashkda_like", "kda_fla_chunk_like",
+                "kda_flashkda_one_token"} <= cases["tokenspeed.kda_chunk_prefill"]
+        assert "kda_flashkda_scale_half" not in cases["tokenspeed.kda_chunk_prefill"]  # it takes no scale
+        assert checks["tokenspeed.kda_chunk_prefill"] == {"golden", "decode_after_prefill", "empty_sequences",
+                                                          "determinism"}
         assert {"gdn_verify_accepted_1_2_L", "gdn_verify_k_first_engine"} <= cases["tokenspeed.kda_mtp_verify"]
         assert "gdn_decode_v_first_engine" in cases["tokenspeed.gdn_decode_step"]
 

@@ -18,7 +18,9 @@ The kernels (their Kimi K3 options: q/k L2-normalised, gate and beta sigmoid in 
       target verify (a dense [B, T] window, read_indices [B] the entering page the caller
       resolved from its accepted count, write_indices [B, T]; K-major or V-major pool)
   tokenspeed.kda_chunk_prefill  kda.py: FLA's chunk_kda with TokenSpeed's options (the beta
-      sigmoid applied before the call, in fp32); needs FLA (--fla-path)
+      sigmoid applied before the call, in fp32), K-first states; the KDA goldens of one packed
+      or single sequence, and decode after prefill with the same kda.py's
+      kda_recurrent_decode_pool decoding the prefilled page; needs FLA (--fla-path)
   tokenspeed.gdn_decode_step  ops/attention/triton/gated_delta_rule.py triton_gdn_decode_step:
       GDN's decode (softplus gating and beta's sigmoid in kernel, V-first [pool, HV, V, K]
       pool addressed at index * HV V K); its module imports TokenSpeed's linear/ helpers,
@@ -34,8 +36,8 @@ from pathlib import Path
 import torch
 
 from .adapters import _env_path, _need_cuda, load_fla
-from .serving_check import (GDN_POOL_OPS, POOL_OPS, BuiltinDomain, PolicyBound, ServingAdapter, engine_version,
-                            import_engine_module, scalar_gate)
+from .serving_check import (GDN_POOL_OPS, POOL_OPS, VARLEN_OPS, BuiltinDomain, ChunkPrefill, PolicyBound,
+                            ServingAdapter, engine_version, import_engine_module, scalar_gate)
 
 PKG = "tokenspeed_kernel"
 NEEDS = ("a directory holding the tokenspeed_kernel package (DIR/tokenspeed_kernel or "
@@ -192,17 +194,23 @@ class TokenSpeedKdaMtpVerifyAdapter(TokenSpeedAdapter):
         return o.reshape((1, N * L) + tuple(o.shape[2:])), None
 
 
-class TokenSpeedKdaChunkPrefillAdapter(TokenSpeedAdapter):
+class TokenSpeedKdaChunkPrefillAdapter(ChunkPrefill, TokenSpeedAdapter):
     """kda_chunk_prefill: FLA's chunk_kda (chunks of 64, bf16 tensor-core products) with
-    TokenSpeed's options; the empty-sequence check (varlen) on it."""
+    TokenSpeed's options, K-first states; the KDA goldens, the empty-sequence check,
+    determinism, and decode after prefill with kda_recurrent_decode_pool (the same kda.py: the
+    pool decode TokenSpeed runs on the page its prefill wrote) continuing the prefilled state."""
 
     name = "tokenspeed.kda_chunk_prefill"
     module = "ops.attention.triton.linear.kda"
-    golden_ops = ()
-    modes = ("varlen",)
+    golden_ops = VARLEN_OPS
+    modes = ("varlen", "prefill")
+    decode_partner = TokenSpeedKdaPoolDecodeAdapter
+    layouts = ("k_first",)
+    layout_reason = "kda_chunk_prefill takes and returns [N, HV, K, V] states, the pool decode's page layout"
     fla_path = None
     warmup_weight = 100  # chunk_kda autotunes (warmup.cost_estimate)
     varlen_shape = dict(H=1, HV=2, K=16, V=32)
+    problem_shape = varlen_shape  # decode_after_prefill
     policy = "tokenspeed-kda-chunk"
     o_bound = PolicyBound("serving.checkpoints", "o")
     state_bound = PolicyBound("serving.checkpoints", "final_state")
@@ -215,7 +223,17 @@ class TokenSpeedKdaChunkPrefillAdapter(TokenSpeedAdapter):
         super().load()
         load_fla(_env_path("K3REF_FLA_PATH", FlaAdapter.fla_path))
 
+    scale_reason = "kda_chunk_prefill takes no scale: FLA's chunk_kda applies K^-1/2"
+
+    def case_unsupported(self, case):
+        why = super().case_unsupported(case)
+        if why is None and case.params.get("scale") is not None:
+            return f"n/a (outside the kernel's domain: scale = {float(case.params['scale']):g}; {self.scale_reason})"
+        return why
+
     def varlen(self, inputs, params):
+        if params.get("scale") is not None:
+            raise ValueError(self.scale_reason)
         A_log, bias, lb = self._gate(inputs, params)
         o, final = self.mod.kda_chunk_prefill(
             inputs["q"], inputs["k"], inputs["v"], inputs["g"].contiguous(), inputs["beta"], A_log,

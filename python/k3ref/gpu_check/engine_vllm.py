@@ -43,7 +43,10 @@ The kernels (docs/verify-your-kernel.md, "Serving engines"):
       the unwritten outputs of a padded sequence (vLLM discards them) are returned as zeros
   vllm.kda_chunk_prefill  kda.py chunk_kda_with_fused_gate (the softplus gate with A_log and
       dt_bias in the chunk-local cumsum; chunk_kda for log decays): chunks of 64, one head per
-      value head, V-first final states; the empty-sequence check (varlen) on it
+      value head, V-first final states; the KDA goldens of one packed or single sequence
+      (golden), the empty-sequence check and determinism (varlen), and decode after prefill
+      with the same kda.py's fused_recurrent_kda_fwd decoding the prefilled state (vLLM's
+      Kimi layer: chunked prefill, then the recurrent decode on the same V-first state cache)
 The gating of the GDN recurrent kernel (vLLM's fused_gdn_gating, not laid out here) is computed
 by the adapter in fp32: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
 """
@@ -56,8 +59,8 @@ from pathlib import Path
 import torch
 
 from .adapters import _env_path, _need_cuda
-from .serving_check import (GDN_POOL_OPS, POOL_OPS, REPLAY_OPS, BuiltinDomain, PolicyBound, ServingAdapter,
-                            ServingModes, engine_version, import_engine_module, scalar_gate)
+from .serving_check import (GDN_POOL_OPS, POOL_OPS, REPLAY_OPS, VARLEN_OPS, BuiltinDomain, ChunkPrefill, PolicyBound,
+                            ServingAdapter, ServingModes, engine_version, import_engine_module, scalar_gate)
 
 OPS = "vllm/model_executor/layers/fla/ops"
 NEEDS = (f"a directory holding {OPS}/ (fused_recurrent.py, op.py; fused_recurrent_replayssm.py and "
@@ -445,18 +448,24 @@ class VllmKdaDecodeAdapter(VllmKdaAdapter):
         return o, pool[last]
 
 
-class VllmKdaChunkPrefillAdapter(VllmKdaAdapter):
+class VllmKdaChunkPrefillAdapter(ChunkPrefill, VllmKdaAdapter):
     """chunk_kda_with_fused_gate (kda.py; chunk_kda for log decays): chunks of 64 in UT form,
-    bf16 tensor-core products, exp2 decays, V-first fp32 final states; the empty-sequence check.
-    The output is written into v's memory (chunk_gla_fwd_o_gk(o=v)): the adapter hands it a copy."""
+    bf16 tensor-core products, exp2 decays, V-first fp32 final states; the KDA goldens, the
+    empty-sequence check, determinism, and decode after prefill with vllm.kda_decode's
+    fused_recurrent_kda_fwd (the same kda.py) continuing the prefilled state. The output is
+    written into v's memory (chunk_gla_fwd_o_gk(o=v)): the adapter hands it a copy."""
 
     name = "vllm.kda_chunk_prefill"
-    golden_ops = ()
-    modes = ("varlen",)
+    golden_ops = VARLEN_OPS
+    modes = ("varlen", "prefill")
+    decode_partner = VllmKdaDecodeAdapter
     warmup_weight = 100  # its kernels autotune (warmup.cost_estimate)
     varlen_shape = dict(H=2, HV=2, K=16, V=32)  # one head per value head
     varlen_params = dict(gate="softplus", gate_base="e", beta="sigmoid", qk_l2norm=True, scale=None,
                          lower_bound=None, state_layout="v_first")
+    # decode_after_prefill: one head per value head (the chunk) and H K = HV V (the decode's o)
+    problem_shape = dict(H=2, HV=2, K=16, V=16)
+    problem_params = varlen_params
     policy = "vllm-kda-chunk"
     o_bound = PolicyBound("serving.checkpoints", "o")
     state_bound = PolicyBound("serving.checkpoints", "final_state")

@@ -31,7 +31,11 @@ Checks (each returns checks.CheckResult):
                        named slots (or token_states) within the kernel's bound; every other pool
                        element (other slots, padding between and before slots) bitwise
                        unchanged; gdn.replay_decode goldens: o, the served checkpoints and cache
-                       entries up to the write positions, every other element unchanged
+                       entries up to the write positions, every other element unchanged; for a
+                       varlen kernel that declares them (a chunked prefill), the kda.recurrent /
+                       kda.chunkwise_* goldens of one packed or single sequence: o and the final
+                       states within the bounds its policy gives the golden's operator, the
+                       states handed over in the layout of its varlen call (varlen_params)
   slot_isolation       the same goldens with NaN in every slot the call does not read and in the
                        padding: no NaN reaches an output or a written slot, the NaNs keep their bits
   layout_equivalence   the same states in a K-first and a V-first pool (K != V): both agree with
@@ -39,7 +43,8 @@ Checks (each returns checks.CheckResult):
   decode_after_prefill one sequence prefilled up to a split, then decoded token by token
                        through the pool, equals the fp64 single shot within the bound and, for
                        a kernel that carries its state in its own precision (split_bitwise),
-                       its own single shot bit for bit
+                       its own single shot bit for bit; a chunked prefill (ChunkPrefill) is
+                       continued by its engine's decode kernel (decode_partner)
   intermediate_states  serving.checkpoints goldens: h[c] equals the checkpoint at c * chunk and
                        is farther from the checkpoints one token early and late than the bound
   accepted_zero        verify with an accepted count 0 (which names no entering state): the
@@ -48,7 +53,10 @@ Checks (each returns checks.CheckResult):
   empty_sequences      a varlen batch with empty sequences (in the middle, two in a row, last):
                        an empty sequence's final state is its initial state, bit for bit; the
                        others within the bound of the fp64 reference
-  determinism          a pool golden twice on fresh pools: o and the pool bit for bit the same
+  determinism          every mode's call twice on the same inputs: a pool golden on fresh pools
+                       (o and the pool), a replay golden on fresh pools and caches (o, the pool,
+                       the d, k, g caches), the varlen call on a varlen batch of 70, 3 and 130
+                       tokens (o and the final states), each bit for bit the same
 """
 import math
 import sys
@@ -69,6 +77,10 @@ POOL_OPS = ("serving.decode", "serving.verify")
 GDN_POOL_OPS = ("gdn.decode", "gdn.verify")
 REPLAY_OPS = ("gdn.replay_decode",)
 CHECKPOINT_OPS = ("serving.checkpoints",)
+# The KDA goldens of the golden suite a varlen kernel (a chunked prefill) runs: o and final_state.
+VARLEN_OPS = ("kda.recurrent", "kda.chunkwise_fla", "kda.chunkwise_flashkda")
+# The determinism check's varlen batch: chunks of 64 filled, partial, and one short sequence.
+DETERMINISM_LENGTHS = (70, 3, 130)
 DECODE_OPS = ("serving.decode", "gdn.decode")
 SERVING_CHECKS = ("golden", "slot_isolation", "layout_equivalence", "decode_after_prefill", "intermediate_states",
                   "accepted_zero", "empty_sequences", "determinism")
@@ -293,15 +305,16 @@ def _judge_tensors(pairs, check, problems, metrics):
 
 def _bits(x):
     x = x.contiguous()
-    return x.view({torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}[x.dtype])
+    return x.view({torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+                   torch.float16: torch.int16}[x.dtype])
 
 
 # --------------------------------------------------------------------------- the adapters
 
 class ServingAdapter(Adapter):
     """A serving kernel (see the module's docstring). Subclasses set `modes` (a subset of
-    'decode', 'verify', 'per_token', 'pad', 'multi_token_decode', 'prefill', 'intermediate') and
-    the bounds of o and of states."""
+    'decode', 'verify', 'per_token', 'pad', 'multi_token_decode', 'prefill', 'intermediate',
+    'varlen', 'replay') and the bounds of o and of states."""
 
     family = "serving"
     golden_ops = POOL_OPS
@@ -342,10 +355,12 @@ class ServingAdapter(Adapter):
     def checks_supported(self):
         m = set(self.modes)
         pools = bool(m & {"decode", "verify", "replay"})
-        runs = {"golden": pools, "slot_isolation": pools,
-                "layout_equivalence": "decode" in m, "decode_after_prefill": {"decode", "prefill"} <= m,
+        varlen_goldens = "varlen" in m and any(op in self.golden_ops for op in VARLEN_OPS)
+        runs = {"golden": pools or varlen_goldens, "slot_isolation": pools,
+                "layout_equivalence": "decode" in m,
+                "decode_after_prefill": "prefill" in m and ("decode" in m or self.decode_partner is not None),
                 "intermediate_states": "intermediate" in m, "accepted_zero": "verify" in m and self.accepted_reason == "",
-                "empty_sequences": "varlen" in m, "determinism": bool(m & {"decode", "verify"})}
+                "empty_sequences": "varlen" in m, "determinism": bool(m & {"decode", "verify", "replay", "varlen"})}
         return tuple(c for c in SERVING_CHECKS if runs[c])
 
     def case_unsupported(self, case):
@@ -357,11 +372,15 @@ class ServingAdapter(Adapter):
             return "the kernel has no cached-replay decode"
         if case.op == "serving.checkpoints" and "intermediate" not in self.modes:
             return "the kernel returns no intermediate states"
+        if case.op in VARLEN_OPS and "varlen" not in self.modes:
+            return "the kernel has no varlen call"
         if case.op not in self.golden_ops:
             return f"takes {', '.join(self.golden_ops)}"
         why = outside_domain(self.domain_reason(case.op, case.params))
         if why:
             return why
+        if case.op in VARLEN_OPS:
+            return self._varlen_case_unsupported(case)
         layout = case.params.get("state_layout") or "k_first"
         if layout not in self.layouts:
             return f"n/a (outside the kernel's domain: its pool is {' or '.join(self.layouts)}; {self.layout_reason})"
@@ -394,6 +413,20 @@ class ServingAdapter(Adapter):
 
     pad_reason = per_token_reason = multi_token_reason = empty_reason = ragged_reason = accepted_reason = ""
     dense_pool_reason = ""  # set: the kernel addresses slot s at s * HV K V (goldens with a padded stride are outside)
+    # A prefill kernel without a decode of its own: the class of the same engine's decode
+    # adapter that continues its state (ChunkPrefill), for decode_after_prefill.
+    decode_partner = None
+
+    @staticmethod
+    def _varlen_case_unsupported(case):
+        """Why a KDA golden is not one packed or single sequence with final states only."""
+        p, t = case.params, case.tensors
+        if "cu_seqlens" not in t and int(t["q"].shape[0]) != 1:
+            return (f"a dense batch of B = {int(t['q'].shape[0])} sequences: the varlen call is judged on one packed "
+                    "batch (cu_seqlens) or a single sequence")
+        if p.get("all_states"):
+            return "the golden asks every token's state (all_states); the varlen call returns the final states"
+        return None
 
     def cases(self, check, suite):
         supported = self.checks_supported()
@@ -402,8 +435,9 @@ class ServingAdapter(Adapter):
                               f"the kernel's modes ({', '.join(self.modes)}) do not cover '{check}'")
             return
         pools = tuple(op for op in POOL_OPS + GDN_POOL_OPS + REPLAY_OPS if op in self.golden_ops)
-        ops = {"golden": pools, "slot_isolation": pools, "intermediate_states": CHECKPOINT_OPS,
-               "determinism": tuple(op for op in pools if op not in REPLAY_OPS)}.get(check)
+        varlen = tuple(op for op in VARLEN_OPS if op in self.golden_ops) if "varlen" in self.modes else ()
+        ops = {"golden": pools + varlen, "slot_isolation": pools, "intermediate_states": CHECKPOINT_OPS,
+               "determinism": pools}.get(check)
         if ops is None:
             yield "-", None, None
             return
@@ -412,13 +446,16 @@ class ServingAdapter(Adapter):
             if case.op in ops:
                 found = True
                 yield case.name, case, self.case_unsupported(case)
-        if not found:  # fail closed: a check with nothing to run on is not a pass
+        if check == "determinism" and "varlen" in self.modes:  # the varlen call on its batch ('-')
+            yield "-", None, None
+        elif not found:  # fail closed: a check with nothing to run on is not a pass
             yield "-", None, None
 
     def run_check(self, check, case, device):
         start = time.perf_counter()
         try:
-            if check in ("golden", "slot_isolation", "intermediate_states", "determinism") and case is None:
+            if check in ("golden", "slot_isolation", "intermediate_states", "determinism") and case is None and \
+                    not (check == "determinism" and "varlen" in self.modes):
                 res = CheckResult(self.name, check, "-", "fail", "no serving golden of the operators this check needs "
                                   "in the suite (generate them with `k3ref golden generate`)")
             else:
@@ -509,7 +546,48 @@ class ServingAdapter(Adapter):
             return CheckResult(self.name, "golden", case.name, "skip", why)
         if case.op in REPLAY_OPS:
             return self._judge_replay_case(case, self._run_replay_case(case, device), "golden")
+        if case.op in VARLEN_OPS:  # the bounds first: a policy without them fails before the kernel runs
+            bounds = {n: self._golden_bound(case.op, n) for n in ("o", "final_state")}
+            return self._judge_varlen_case(case, self._run_varlen_case(case, device), bounds)
         return self._judge_pool_case(case, self._run_pool_case(case, device), "golden")
+
+    # -- a varlen kernel on the KDA goldens (kda.recurrent, kda.chunkwise_*)
+    def _run_varlen_case(self, case, device):
+        """(o, final states in the golden's layout) of the varlen call on a golden of one packed
+        or single sequence, its states handed over in the layout of the kernel's varlen call."""
+        t, p = case.tensors, case.params
+        inputs = kda_inputs(t, device)
+        T = int(t["q"].shape[1])
+        if "cu_seqlens" not in inputs:
+            inputs["cu_seqlens"] = torch.tensor([0, T], device=device)
+        N, HV, K, V = len(inputs["cu_seqlens"]) - 1, int(p["HV"]), int(p["K"]), int(p["V"])
+        golden_layout = p.get("state_layout") or "k_first"
+        layout = self.varlen_params.get("state_layout") or "k_first"
+        h0 = t["initial_state"].float() if "initial_state" in t else torch.zeros(
+            (N, HV) + ((V, K) if golden_layout == "v_first" else (K, V)))
+        if layout != golden_layout:
+            h0 = h0.transpose(-1, -2)
+        o, final = self.varlen(dict(inputs, initial_state=h0.contiguous().to(device)), dict(p, state_layout=layout))
+        final = final.cpu()
+        return o.cpu(), (final.transpose(-1, -2) if layout != golden_layout else final)
+
+    def _golden_bound(self, op, tensor):
+        """The bound of `tensor` of a golden of `op` under the kernel's policy; a policy without
+        rules for the operator fails the check closed, in one line naming it."""
+        try:
+            return Bound.from_policy(self.policy, op, tensor)
+        except KeyError as e:
+            raise RuntimeError(f"{e.args[0]}: judging the kernel's varlen call on {op} goldens needs that operator's "
+                               "rule in policy/policies.json") from None
+
+    def _judge_varlen_case(self, case, run, bounds):
+        o, final = run
+        problems, metrics = [], {}
+        worst = _judge_tensors([(n, x, case.tensors[n], bounds[n]) for n, x in (("o", o), ("final_state", final))],
+                               "golden", problems, metrics)
+        reason = "; ".join(problems) or f"o and the final states within bound (worst {worst:.2f} of it)"
+        return CheckResult(self.name, "golden", case.name, "fail" if problems else "pass", reason[:600], ratio=worst,
+                           metrics=metrics)
 
     def _check_slot_isolation(self, case, device):
         why = self.case_unsupported(case)
@@ -583,17 +661,27 @@ class ServingAdapter(Adapter):
                            metrics=metrics)
 
     def _check_determinism(self, case, device):
-        why = self.case_unsupported(case)
-        if why:
-            return CheckResult(self.name, "determinism", case.name, "skip", why)
-        runs = [self._run_pool_case(case, device) for _ in range(2)]
-        same_o = torch.equal(_bits(runs[0]["o"].cpu()), _bits(runs[1]["o"].cpu()))
-        same_pool = torch.equal(_bits(runs[0]["flat"].cpu()), _bits(runs[1]["flat"].cpu()))
-        if same_o and same_pool:
-            return CheckResult(self.name, "determinism", case.name, "pass", "two runs on fresh pools: o and the pool "
-                               "bitwise equal")
-        return CheckResult(self.name, "determinism", case.name, "fail", "two runs on fresh pools differ: "
-                           + ", ".join(n for n, same in (("o", same_o), ("pool", same_pool)) if not same))
+        if case is None:  # the varlen call on DETERMINISM_LENGTHS
+            inputs, params, h0 = self._varlen_problem(41, list(DETERMINISM_LENGTHS), device)
+            runs = [dict(zip(("o", "final states"), self.varlen(dict(inputs, initial_state=h0.clone()), params)))
+                    for _ in range(2)]
+            what = f"two varlen calls on the same batch ({', '.join(map(str, DETERMINISM_LENGTHS))} tokens)"
+            case_id = "-"
+        else:
+            why = self.case_unsupported(case)
+            if why:
+                return CheckResult(self.name, "determinism", case.name, "skip", why)
+            if case.op in REPLAY_OPS:
+                runs = [dict(o=r["o"], **r["after"]) for r in (self._run_replay_case(case, device) for _ in range(2))]
+                what = "two runs on fresh pools and caches"
+            else:
+                runs = [dict(o=r["o"], pool=r["flat"]) for r in (self._run_pool_case(case, device) for _ in range(2))]
+                what = "two runs on fresh pools"
+            case_id = case.name
+        differ = [n for n in runs[0] if not torch.equal(_bits(runs[0][n].cpu()), _bits(runs[1][n].cpu()))]
+        if differ:
+            return CheckResult(self.name, "determinism", case_id, "fail", f"{what} differ: {', '.join(differ)}")
+        return CheckResult(self.name, "determinism", case_id, "pass", f"{what}: {', '.join(runs[0])} bitwise equal")
 
     # -- self-made problems (seeded; judged against references.kda, or the pure-PyTorch kernel)
     def _problem(self, seed, lengths, device="cpu", shape=None, params=None):
@@ -767,13 +855,19 @@ class ServingAdapter(Adapter):
     varlen_params = dict(gate="log_decay", gate_base="e", beta="as_given", qk_l2norm=False, scale=None,
                          lower_bound=None, state_layout="k_first")
 
-    def _check_empty_sequences(self, case, device):
+    def _varlen_problem(self, seed, lengths, device):
+        """(inputs, params, initial states [N, ...] in the varlen call's layout) of a varlen batch
+        of the kernel's varlen_shape and varlen_params."""
         params = dict(self.varlen_params)
-        lengths = [3, 0, 4, 0, 0, 5, 0]
-        inputs, _, states = self._problem(31, lengths, device=device, shape=self.varlen_shape, params=params)
+        inputs, _, states = self._problem(seed, lengths, device=device, shape=self.varlen_shape, params=params)
         h0 = states[: len(lengths)].clone()
         if params["state_layout"] == "v_first":
             h0 = h0.transpose(-1, -2).contiguous()
+        return inputs, params, h0
+
+    def _check_empty_sequences(self, case, device):
+        lengths = [3, 0, 4, 0, 0, 5, 0]
+        inputs, params, h0 = self._varlen_problem(31, lengths, device)
         ref_o, ref_final = references.kda(dict(inputs, initial_state=h0), params)
         o, final = self.varlen(dict(inputs, initial_state=h0.clone()), params)
         o, final = o.cpu(), final.cpu()
@@ -1012,6 +1106,22 @@ class TorchServingAdapter(ServingAdapter):
         return h.transpose(-1, -2) if v_first else h
 
 
+class ChunkPrefill:
+    """A chunked-prefill kernel (modes varlen and prefill) that an engine pairs with its own
+    decode kernel: prefill is the varlen call on one sequence, and decode (decode_after_prefill
+    only) is `decode_partner`'s, on the same engine module (`mod`), so the prefilled state is
+    continued token by token as the engine serves it."""
+
+    def prefill(self, inputs, params, initial_state):
+        cu = torch.tensor([0, inputs["q"].shape[1]], device=inputs["q"].device)
+        return self.varlen(dict(inputs, initial_state=initial_state, cu_seqlens=cu), params)
+
+    def decode(self, inputs, params, pool, slot_of_sequence):
+        partner = self.decode_partner()
+        partner.mod = self.mod
+        return partner.decode(inputs, params, pool, slot_of_sequence)
+
+
 class ServingModes:
     """A recurrent kernel adapted in its two serving modes, one adapter each (`kernel_name[mode]`).
     Each check runs once over the two: decode, the split and the layouts with continuous
@@ -1189,7 +1299,7 @@ def torch_serving_kernels():
 
 
 def load_serving_suite(directory):
-    return golden_io.load_suite(directory, ops=POOL_OPS + GDN_POOL_OPS + REPLAY_OPS + CHECKPOINT_OPS)
+    return golden_io.load_suite(directory, ops=POOL_OPS + GDN_POOL_OPS + REPLAY_OPS + CHECKPOINT_OPS + VARLEN_OPS)
 
 
 # --------------------------------------------------------------------------- the engines' table
