@@ -239,24 +239,10 @@ class VllmGdnRecurrentAdapter(ServingModes, VllmAdapter):
         return o, None
 
     def prefill(self, inputs, params, initial_state):
-        T = inputs["q"].shape[1]
-        o, states = self._call(inputs, params, initial_state.float().contiguous(), inplace_final_state=False)
-        return o, states[T - 1 : T]  # one state row per token: the last is the final state
+        return prefill_through(self._call, inputs, params, initial_state)
 
     def varlen(self, inputs, params):
-        cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
-        N, T = len(cu) - 1, cu[-1]
-        h0 = inputs["initial_state"].float()
-        pool = torch.cat([h0, h0.new_zeros((T,) + tuple(h0.shape[1:]))])
-        width = max(1, max(cu[n + 1] - cu[n] for n in range(N)))
-        # Column 0 is the sequence's own slot (read, then the state after its first token);
-        # column t > 0 a scratch slot per token.
-        idx = torch.tensor([[n] + [N + cu[n] + t for t in range(1, width)] for n in range(N)], dtype=torch.int32,
-                           device=h0.device)
-        o, _ = self._call(inputs, params, pool, inplace_final_state=True, cu_seqlens=inputs["cu_seqlens"],
-                          ssm_state_indices=idx)
-        last = [int(idx[n, max(cu[n + 1] - cu[n] - 1, 0)]) for n in range(N)]
-        return o, pool[last]
+        return varlen_through_pool(self._call, inputs, params, null_block=False)
 
 
 class VllmGdnReplayAdapter(VllmAdapter):
@@ -428,24 +414,10 @@ class VllmKdaDecodeAdapter(VllmKdaAdapter):
         return self._zero_padded(o, inputs["cu_seqlens"], entering), (None if in_place else states)
 
     def prefill(self, inputs, params, initial_state):
-        T = inputs["q"].shape[1]
-        o, states = self._fwd(inputs, params, initial_state.float().contiguous(), inplace_final_state=False)
-        return o, states[T - 1 : T]  # one state row per token: the last is the final state
+        return prefill_through(self._fwd, inputs, params, initial_state)
 
     def varlen(self, inputs, params):
-        cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
-        N, T = len(cu) - 1, cu[-1]
-        h0 = inputs["initial_state"].float()
-        # Index 0 the null block, 1 + n the sequence's own slot (read, then the state after its
-        # first token), 1 + N + cu[n] + t a scratch slot for token t > 0.
-        pool = torch.cat([torch.full_like(h0[:1], float("nan")), h0, h0.new_zeros((T,) + tuple(h0.shape[1:]))])
-        width = max(1, max(cu[n + 1] - cu[n] for n in range(N)))
-        idx = torch.tensor([[1 + n] + [1 + N + cu[n] + t for t in range(1, width)] for n in range(N)],
-                           dtype=torch.int32, device=h0.device)
-        o, _ = self._fwd(inputs, params, pool, inplace_final_state=True, cu_seqlens=inputs["cu_seqlens"],
-                         ssm_state_indices=idx)
-        last = [int(idx[n, max(cu[n + 1] - cu[n] - 1, 0)]) for n in range(N)]
-        return o, pool[last]
+        return varlen_through_pool(self._fwd, inputs, params, null_block=True)
 
 
 class VllmKdaChunkPrefillAdapter(ChunkPrefill, VllmKdaAdapter):
@@ -496,3 +468,31 @@ def adapters():
     """vLLM's serving kernels (the `k3ref.adapters` built-ins; see registry.builtin_adapters)."""
     return [VllmGdnRecurrentAdapter("continuous_batching"), VllmGdnRecurrentAdapter("spec_decode"),
             VllmGdnReplayAdapter(), VllmKdaDecodeAdapter(), VllmKdaChunkPrefillAdapter()]
+
+
+def prefill_through(call, inputs, params, initial_state):
+    """(o, final state) of a dense prefill through vLLM's fused recurrent `call`, which stores
+    one state row per token when not in place: the last row is the final state."""
+    T = inputs["q"].shape[1]
+    o, states = call(inputs, params, initial_state.float().contiguous(), inplace_final_state=False)
+    return o, states[T - 1 : T]
+
+
+def varlen_through_pool(call, inputs, params, null_block):
+    """(o, final states) of a varlen batch through vLLM's fused recurrent `call` and its state
+    pool: each sequence's own slot (read, then the state after its first token) in index column
+    0, a scratch slot per later token in column t; with `null_block` (the KDA kernels) index 0
+    is vLLM's null block, NaN here, so that nothing may read it."""
+    cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
+    N, T = len(cu) - 1, cu[-1]
+    h0 = inputs["initial_state"].float()
+    base = 1 if null_block else 0
+    null = [torch.full_like(h0[:1], float("nan"))] if null_block else []
+    pool = torch.cat(null + [h0, h0.new_zeros((T,) + tuple(h0.shape[1:]))])
+    width = max(1, max(cu[n + 1] - cu[n] for n in range(N)))
+    idx = torch.tensor([[base + n] + [base + N + cu[n] + t for t in range(1, width)] for n in range(N)],
+                       dtype=torch.int32, device=h0.device)
+    o, _ = call(inputs, params, pool, inplace_final_state=True, cu_seqlens=inputs["cu_seqlens"],
+                ssm_state_indices=idx)
+    last = [int(idx[n, max(cu[n + 1] - cu[n] - 1, 0)]) for n in range(N)]
+    return o, pool[last]
