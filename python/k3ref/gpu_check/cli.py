@@ -107,6 +107,8 @@ def warmup_parser(sub, kernel_options):
     w.add_argument("--no-mutants", action="store_true")
     w.add_argument("--checks", help="comma-separated check names")
     w.add_argument("--cases", help="comma-separated golden case names")
+    w.add_argument("--backward", choices=("default", "all"), default="default",
+                   help="the backward check's gradient goldens, as run --backward")
     w.add_argument("--jobs", type=int, default=None, help="worker processes at a time (default: the CPU count)")
     w.add_argument("--warmup-timeout", type=float, default=1800.0)
     w.add_argument("--plan", action="store_true", help="print the shape plan and exit without compiling")
@@ -125,7 +127,7 @@ def warmup_command(args):
                       no_mutants=args.no_mutants, checks=csv(args.checks), cases=csv(args.cases), goldens=args.goldens,
                       device=args.device)
     adapters, _, suite = selection.select_adapters(opts, goldens_option="--goldens")  # as the run selects them
-    tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases)
+    tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, backward=args.backward)
     plan = shapes.build(tests, suite)
     s = plan.summary()
     print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
