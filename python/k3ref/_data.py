@@ -1,6 +1,8 @@
 """What k3ref ships beside its Python modules: the data files (policy/*.json), next to the
 package's modules in an installed package, else in the checkout's policy/ folder
 (python/k3ref/ -> policy/); and the compiled half, k3ref._core."""
+from __future__ import annotations
+
 import importlib
 import os
 import sys
@@ -8,6 +10,20 @@ from pathlib import Path
 from typing import Any
 
 _core_module: Any = None
+
+# The floating formats by the name of their torch dtype (torch.bfloat16 -> "bf16"): the one
+# table, here without torch so that the torch-free modules (kernel_domains) read it too.
+FORMAT_NAMES = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# A torch dtype's safetensors name, by the dtype's name (torch.bfloat16 -> "BF16"): the names
+# the judge reports, and, where the safetensors reader's DTYPES has them too, what k3ref.save
+# writes.
+TORCH_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def torch_code(dtype: Any) -> str | None:
+    """The safetensors name of a torch dtype, None for one without."""
+    return TORCH_CODES.get(str(dtype).removeprefix("torch."))
 
 
 def shipped_file(name: str, what: str) -> Path:

@@ -224,14 +224,14 @@ def _as_stored(name, t):
     if type(t).__module__.startswith("torch"):
         import torch
 
+        from ._data import torch_code  # here: the NumPy oracle loads this file by path, to read
+
         t = t.detach().cpu().contiguous()
-        codes = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                 torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
-        if t.dtype not in codes:
+        code = torch_code(t.dtype)
+        if code not in DTYPES:
             raise TypeError(f"k3ref.save: tensor {name!r}: dtype {t.dtype} has no safetensors name here")
         raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
-        return codes[t.dtype], tuple(t.shape), np.ascontiguousarray(raw.numpy()).astype(
-            DTYPES[codes[t.dtype]][0], copy=False).tobytes()
+        return code, tuple(t.shape), np.ascontiguousarray(raw.numpy()).astype(DTYPES[code][0], copy=False).tobytes()
     a = np.asarray(t)
     if a.dtype not in _NUMPY_CODES:
         raise TypeError(f"k3ref.save: tensor {name!r}: NumPy dtype {a.dtype} has no safetensors name here")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._data import shipped_file
+from ._data import FORMAT_NAMES, shipped_file
 
 FORMAT = "k3ref-kernel-domains"
 VERSION = 1
@@ -287,10 +287,10 @@ def domain_of(declared: Any, name: str = "") -> KernelDomain | None:
     return KernelDomain.from_json(declared, name)
 
 
-INPUT_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.float64": "fp64"}
-
-
 def input_dtype_of(inputs: dict) -> str | None:
     """The format name ("bf16") of a case's q, for the input_dtypes key; None without q."""
     q = inputs.get("q") if inputs else None
-    return INPUT_DTYPE_NAMES.get(str(q.dtype), str(q.dtype)) if q is not None else None
+    if q is None:
+        return None
+    name = str(q.dtype)
+    return FORMAT_NAMES.get(name.removeprefix("torch."), name)

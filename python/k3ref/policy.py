@@ -54,13 +54,13 @@ import numpy as np
 import torch
 
 from ._data import compiled as _core
-from ._data import shipped_file
+from ._data import FORMAT_NAMES, shipped_file, torch_code
 
 TABLE_VERSION = 1
 EXIT_PASS, EXIT_FAIL, EXIT_UNUSABLE = 0, 1, 2
 
 # The table's format names of torch's floating dtypes.
-FORMAT_OF = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+FORMAT_OF = {getattr(torch, name): fmt for name, fmt in FORMAT_NAMES.items()}
 
 
 class PolicyTableError(ValueError):
@@ -223,18 +223,13 @@ class Verdict:
                 "tensors": [r.to_dict() for r in self.results]}
 
 
-_TORCH_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                torch.bool: "BOOL"}
-
-
 def _values(t: Any) -> tuple[np.ndarray, str, bool]:
     """(float64 values, dtype name, numeric) of a tensor, as check::NamedValues holds them."""
     if not isinstance(t, torch.Tensor):  # NumPy arrays, lists: taken as they are
         t = torch.as_tensor(t)
     numeric = not (t.dtype == torch.bool or t.is_complex())
     values = t.detach().to("cpu", torch.float64) if numeric else torch.zeros(t.shape, dtype=torch.float64)
-    return values.contiguous().numpy(), _TORCH_NAMES.get(t.dtype, str(t.dtype)), numeric
+    return values.contiguous().numpy(), (torch_code(t.dtype) or str(t.dtype)), numeric
 
 
 def measure(candidate: Any, reference: Any, dtype: str | torch.dtype) -> dict[str, Any]:
