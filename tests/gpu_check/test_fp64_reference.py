@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 
 from k3ref import goldens  # noqa: E402
 from k3ref.gpu_check import adapters, bench, drawn_case, lib, prop  # noqa: E402
+from k3ref.gpu_check.protocol import bits  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -30,11 +31,6 @@ if not lib.available():
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = adapters.LibReferenceAdapter()
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _bits(t):
-    return t.contiguous().view(_BITS[t.dtype])
 
 
 def both(inputs, params, **kw):
@@ -53,7 +49,7 @@ def both(inputs, params, **kw):
 def assert_bitwise(staged, plain, what):
     for name, a, b in (("o", staged[0], plain[0]), ("final_state", staged[1], plain[1])):
         assert a.dtype == b.dtype and a.shape == b.shape, (what, name)
-        diff = (_bits(a) != _bits(b)).flatten().nonzero()
+        diff = (bits(a) != bits(b)).flatten().nonzero()
         assert diff.numel() == 0, (f"{what}: {name} differs in {diff.numel()} of {a.numel()} elements, first at flat "
                                    f"index {int(diff[0])}: staged {a.flatten()[diff[0]].item()!r}, plain "
                                    f"{b.flatten()[diff[0]].item()!r}")

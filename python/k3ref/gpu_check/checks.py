@@ -13,7 +13,7 @@ from .. import policy
 from . import metrics as M
 from .autotune import NOT_APPLICABLE, describe, kernel_name, pinned, recording
 from .protocol import CheckResult  # noqa: F401 (checks.CheckResult, as before)
-from .protocol import NotSupported
+from .protocol import NotSupported, bits
 from .protocol import shapes_of as _shapes
 
 
@@ -78,23 +78,14 @@ def pick_config(adapter):
 # --------------------------------------------------------------------------- helpers
 
 def _bitwise_equal(a, b):
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype in (torch.bfloat16, torch.float16):
-        return torch.equal(a.view(torch.int16), b.view(torch.int16))
-    if a.dtype == torch.float32:
-        return torch.equal(a.view(torch.int32), b.view(torch.int32))
-    if a.dtype == torch.float64:
-        return torch.equal(a.view(torch.int64), b.view(torch.int64))
-    return torch.equal(a, b)
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def _first_diff_token(a, b):
     """First token index (axis 1 of [B,T,...]) where a and b differ bitwise, or -1."""
-    x = a.reshape(a.shape[0], a.shape[1], -1)
-    y = b.reshape(b.shape[0], b.shape[1], -1)
-    bits = torch.int16 if x.dtype in (torch.bfloat16, torch.float16) else {torch.float32: torch.int32, torch.float64: torch.int64}[x.dtype]
-    diff = (x.contiguous().view(bits) != y.contiguous().view(bits)).any(dim=2).any(dim=0)
+    x = bits(a).reshape(a.shape[0], a.shape[1], -1)
+    y = bits(b).reshape(b.shape[0], b.shape[1], -1)
+    diff = (x != y).any(dim=2).any(dim=0)
     idx = diff.nonzero()
     return int(idx[0, 0]) if idx.numel() else -1
 

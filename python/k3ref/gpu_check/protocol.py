@@ -30,6 +30,18 @@ KERNEL_PATHS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla packag
                 ("lib", "K3GC_LIB", "path of libk3gc.so (default: build*/gpu_check/)"))
 
 
+# A float format's bits as the integers of its width: bitwise comparison, where -0.0 differs
+# from 0.0 and a NaN's payload counts.
+BITS_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+           torch.float16: torch.int16}
+
+
+def bits(t):
+    """t's elements as the integers of their bits (the float formats; other dtypes as they are)."""
+    t = t.contiguous()
+    return t.view(BITS_OF[t.dtype]) if t.dtype in BITS_OF else t
+
+
 class NotSupported(Exception):
     """A case needs what this version of the kernel does not accept (reported not applicable)."""
 

@@ -69,7 +69,7 @@ from .. import goldens as golden_io, policy
 from . import references, torch_model
 from .adapters import (Adapter, _env_path, _module_version, _need_cuda, fla_option_kwargs, fla_version,
                        load_fla)
-from .protocol import CheckResult, outside_domain
+from .protocol import CheckResult, bits, outside_domain
 
 PAD = -1
 POOL_OPS = ("serving.decode", "serving.verify")
@@ -303,12 +303,6 @@ def _judge_tensors(pairs, check, problems, metrics):
     return worst
 
 
-def _bits(x):
-    x = x.contiguous()
-    return x.view({torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
-                   torch.float16: torch.int16}[x.dtype])
-
-
 # --------------------------------------------------------------------------- the adapters
 
 class ServingAdapter(Adapter):
@@ -513,7 +507,7 @@ class ServingAdapter(Adapter):
         for s in named:
             a, b = spans[s]
             outside[a:b] = False
-        changed = (_bits(flat) != _bits(before)) & outside
+        changed = (bits(flat) != bits(before)) & outside
         if bool(changed.any()):
             first = int(changed.nonzero()[0])
             slot = next((s for s, (a, b) in enumerate(spans) if a <= first < b), None)
@@ -647,7 +641,7 @@ class ServingAdapter(Adapter):
         pairs = [("o", o.reshape(t["o"].shape) if o.numel() == t["o"].numel() else o, t["o"], self.o_bound)]
         for n, mask in run["masks"].items():
             after, before = run["after"][n].cpu(), run["before"][n].cpu()
-            changed = (_bits(after) != _bits(before)) & ~mask
+            changed = (bits(after) != bits(before)) & ~mask
             if bool(changed.any()):
                 problems.append(f"{n}: {int(changed.sum())} elements outside the served rows' slots and write positions "
                                 "changed")
@@ -678,7 +672,7 @@ class ServingAdapter(Adapter):
                 runs = [dict(o=r["o"], pool=r["flat"]) for r in (self._run_pool_case(case, device) for _ in range(2))]
                 what = "two runs on fresh pools"
             case_id = case.name
-        differ = [n for n in runs[0] if not torch.equal(_bits(runs[0][n].cpu()), _bits(runs[1][n].cpu()))]
+        differ = [n for n in runs[0] if not torch.equal(bits(runs[0][n].cpu()), bits(runs[1][n].cpu()))]
         if differ:
             return CheckResult(self.name, "determinism", case_id, "fail", f"{what} differ: {', '.join(differ)}")
         return CheckResult(self.name, "determinism", case_id, "pass", f"{what}: {', '.join(runs[0])} bitwise equal")
