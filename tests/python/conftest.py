@@ -2,7 +2,13 @@
 /usr/bin/python3 -m pytest tests/python. They import the package from the source tree and
 its compiled half from the build directory (K3REF_CORE_PATH, set by tests/meson.build);
 K3REF_EXE is the `k3ref` command of the same build. Tests that need the compiled half skip,
-saying so, in a build without it (the sanitizer build)."""
+saying so, in a build without it (the sanitizer build).
+
+The import paths of these tests are set here, the one place: the package from the source tree
+(python/, first; not with K3REF_TEST_INSTALLED=1, which tests an installed k3ref), and tests/
+(last), so that the NumPy oracle imports as `oracle` and the hostile corpus as `hostile.corpus`;
+the test modules edit no sys.path."""
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -12,6 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 if os.environ.get("K3REF_TEST_INSTALLED") != "1":
     sys.path.insert(0, str(ROOT / "python"))
+sys.path.append(str(ROOT / "tests"))
+# einops for FLA's layer code (test_layer_check_fla_code.py), from the checkout's pydeps where
+# the interpreter has none.
+if importlib.util.find_spec("einops") is None and (ROOT / ".thirdparty" / "pydeps" / "einops").exists():
+    sys.path.append(str(ROOT / ".thirdparty" / "pydeps"))
 GOLDENS = ROOT / "goldens"
 os.environ.setdefault("K3REF_GOLDENS", str(GOLDENS))
 

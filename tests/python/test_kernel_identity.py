@@ -1,7 +1,7 @@
 """Reports name a kernel's source, not only its package version: the commit of the git
 checkout it lies in, else a hash of its package's files; FLA's dispatch variables are pinned
 before it is imported and recorded (k3ref.gpu_check.protocol; the pinning: k3ref.gpu_check.adapters)."""
-import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -20,12 +20,16 @@ def make_package(root, name, body="x = 1\n"):
 
 
 def imported(root, name):
-    sys.path.insert(0, str(root))
+    """The package `name` of directory `root`, imported from its files (sys.path unchanged) and
+    not left in sys.modules."""
+    init = root / name / "__init__.py"
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     try:
-        sys.modules.pop(name, None)
-        return importlib.import_module(name)
+        spec.loader.exec_module(module)
+        return module
     finally:
-        sys.path.remove(str(root))
         sys.modules.pop(name, None)
 
 

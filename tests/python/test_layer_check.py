@@ -5,7 +5,6 @@ float64). FLA's own layer needs Triton (GPU only; docs/kda-layer.md), so this te
 adapter (weights loaded from the goldens, the K-first / V-first and conv-window mappings, the
 pools gathered into cache rows) and the checks; the oracle's four layer mutants, put in the
 stand-in, are each caught by a check."""
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,7 @@ from conftest import GOLDENS, ROOT, needs_core
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
-sys.path.append(str(ROOT / "tests"))  # the NumPy oracle (tests/oracle)
-from oracle.layer import Layer  # noqa: E402  (the one NumPy layer)
+from oracle.layer import Layer  # noqa: E402  (the one NumPy layer, tests/oracle; tests/ is on the path: conftest.py)
 
 from k3ref import layer_check  # noqa: E402
 

@@ -23,11 +23,7 @@ torch = pytest.importorskip("torch")
 FLA = Path(os.environ.get("K3REF_FLA_PATH", ROOT / ".thirdparty" / "fla_pkg")) / "fla"
 if not (FLA / "layers" / "kda.py").exists():
     pytest.skip(f"no FLA checkout at {FLA.parent}", allow_module_level=True)
-if importlib.util.find_spec("einops") is None:
-    pydeps = ROOT / ".thirdparty" / "pydeps"
-    if (pydeps / "einops").exists():
-        sys.path.append(str(pydeps))
-    pytest.importorskip("einops")
+pytest.importorskip("einops")  # or the checkout's .thirdparty/pydeps (conftest.py)
 
 import torch.nn.functional as F  # noqa: E402
 from fla_standins import FusedRMSNormGated, ShortConvolution, kda  # noqa: E402

@@ -30,7 +30,6 @@ import signal
 import stat
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -38,9 +37,8 @@ import pytest
 
 from conftest import GOLDENS, ROOT, needs_core
 
-sys.path.insert(0, str(ROOT / "tests" / "hostile"))
-import corpus  # noqa: E402
-from corpus import dumps, entry, kda_inputs, nested, safetensors_bytes  # noqa: E402
+from hostile import corpus  # tests/hostile/corpus.py (tests/ is on the path: conftest.py)
+from hostile.corpus import dumps, entry, kda_inputs, nested, safetensors_bytes
 
 # Imported once here, so that each forked reader (in_child) does not import them again.
 import k3ref  # noqa: E402
