@@ -72,8 +72,8 @@ def pytest_addoption(parser):
              "--k3ref-report DIR writes DIR/scale.json); default: the golden and metamorphic checks")
     add("--k3ref-backward", choices=("default", "all"), default="default",
         help="the gradient goldens of the backward check: default, the four whose shapes share two of FLA's "
-             "backward autotune keys (k3ref.gpu_check.backward.DEFAULT_GOLDENS); all, every gradient golden "
-             "(each further shape costs its backward autotuning, minutes on a cold cache)")
+             "backward autotune keys (k3ref.gpu_check.backward.DEFAULT_GOLDENS), or those --k3ref-cases names; "
+             "all, every gradient golden (each further shape costs its backward autotuning, minutes on a cold cache)")
     add("--k3ref-goldens", metavar="DIR", help="golden directory (default: $K3REF_GOLDENS, else the checkout's "
                                                "goldens/, else the suite installed with the package)")
     add("--k3ref-device", metavar="DEVICE", help="torch device (default: cuda when available, else cpu)")

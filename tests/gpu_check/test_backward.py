@@ -170,6 +170,9 @@ def test_the_default_tier_runs_the_backward_on_its_four_goldens_and_all_runs_eve
         return sorted(t.case for t in collection.collect([a], suite, backward=mode) if t.check == "backward")
 
     assert backward_cases("default") == sorted(backward.DEFAULT_GOLDENS)
+    # a gradient golden --cases names runs under the default too
+    named = [t.case for t in collection.collect([a], suite, cases=["kda_backward_t100"]) if t.check == "backward"]
+    assert named == ["kda_backward_t100"]
     assert backward_cases("all") == sorted(c.name for c in CASES)
     # the forward checks are the same in both
     forward = [(t.check, t.case) for t in collection.collect([a], suite) if t.check != "backward"]

@@ -182,7 +182,7 @@ def pytest_args(args):
     a += [flag for dest, flag in flags.items() if getattr(args, dest)]
     if args.tier != "default":
         a += ["--k3ref-tier", args.tier]
-    if getattr(args, "backward", "default") != "default":
+    if args.backward != "default":
         a += ["--k3ref-backward", args.backward]
     values = {"only": "--k3ref-only", "checks": "--k3ref-checks", "cases": "--k3ref-cases", "goldens": "--k3ref-goldens",
               "device": "--k3ref-device", "known_limitations": "--k3ref-known-limitations", "policy": "--k3ref-policy",

@@ -167,7 +167,8 @@ def collect(adapters, suite, checks=None, cases=None, limitations=(), backward="
 
     checks: check names to run (None: every check of each adapter); cases: golden case names
     (None: all; checks that build their own inputs are not filtered by it); backward: "default"
-    (the backward check on backward.DEFAULT_GOLDENS) or "all" (on every gradient golden)."""
+    (the backward check on backward.DEFAULT_GOLDENS, or on the gradient goldens `cases` names)
+    or "all" (on every gradient golden)."""
     from . import backward as backward_check
     out = []
     for a in adapters:
@@ -180,7 +181,8 @@ def collect(adapters, suite, checks=None, cases=None, limitations=(), backward="
             for case_id, case, why in check_cases:
                 if case is not None and cases is not None and case.name not in cases:
                     continue
-                if check == "backward" and backward == "default" and case_id not in backward_check.DEFAULT_GOLDENS:
+                if (check == "backward" and backward == "default" and cases is None
+                        and case_id not in backward_check.DEFAULT_GOLDENS):
                     continue
                 path = str(case.path) if case is not None and getattr(case, "path", None) else None
                 t = Test(a, check, case_id, case_path=path, skip=why)

@@ -310,20 +310,25 @@ class VllmKdaAdapter(VllmAdapter):
         _need_cuda()
         self.mod = load_kda_ops(_env_path("K3REF_VLLM_PATH", VllmAdapter.vllm_path))
 
+    @staticmethod
+    def gate_of(params):
+        """The gate form of `params`, one vLLM's KDA ops take (log decays or the softplus gate)."""
+        gate = params.get("gate", "log_decay")
+        if gate not in ("log_decay", "softplus"):
+            raise ValueError(f"gate {gate}: vLLM's KDA takes log decays or the softplus gate")
+        return gate
+
     def gating(self, inputs, params):
         """(g [1, T, HV, K] fp32 log decays, beta [1, T, HV] fp32) as vLLM's Kimi layer feeds the
         recurrent kernel: fused_kda_gate for the softplus gate (-exp(A_log) softplus(g + dt_bias),
         in kda.py), beta's sigmoid in fp32."""
         g = inputs["g"]
-        gate = params.get("gate", "log_decay")
-        if gate == "softplus":
+        if self.gate_of(params) == "softplus":
             T, HV, K = g.shape[1], g.shape[2], g.shape[3]
             bias = inputs.get("dt_bias")
             g = self.mod.fused_kda_gate(g.reshape(T, HV * K).contiguous(), inputs["A_log"].float().contiguous(), K,
                                         g_bias=bias.float().reshape(-1).contiguous() if bias is not None else None)
             g = g.reshape(1, T, HV, K)
-        elif gate != "log_decay":
-            raise ValueError(f"gate {gate}: vLLM's KDA takes log decays or the softplus gate")
         return g.float().contiguous(), self.beta(inputs, params)
 
     @staticmethod
@@ -451,16 +456,13 @@ class VllmKdaChunkPrefillAdapter(ChunkPrefill, VllmKdaAdapter):
                   use_qk_l2norm_in_kernel=bool(params.get("qk_l2norm")), cu_seqlens=inputs["cu_seqlens"],
                   scale=None if scale is None else float(scale))
         q, k, v = inputs["q"].contiguous(), inputs["k"].contiguous(), inputs["v"].clone()
-        gate = params.get("gate", "log_decay")
-        if gate == "softplus":
+        if self.gate_of(params) == "softplus":
             bias = inputs.get("dt_bias")
             o, final = self.mod.chunk_kda_with_fused_gate(
                 q, k, v, inputs["g"].contiguous(), beta, inputs["A_log"].float().reshape(-1),
                 bias.float().reshape(-1).contiguous() if bias is not None else None, **kw)
-        elif gate == "log_decay":
-            o, final = self.mod.chunk_kda(q, k, v, inputs["g"].float().contiguous(), beta, **kw)
         else:
-            raise ValueError(f"gate {gate}: vLLM's KDA takes log decays or the softplus gate")
+            o, final = self.mod.chunk_kda(q, k, v, inputs["g"].float().contiguous(), beta, **kw)
         return o, final
 
 
