@@ -51,6 +51,7 @@ CUDA_WORDS = ("CUDA", "cuda", "illegal memory access", "device-side assert", "cu
 
 def pytest_addoption(parser):
     from k3ref.gpu_check.protocol import KERNEL_PATHS
+    from k3ref.gpu_check.warmup import SHARDS_HELP
 
     g = parser.getgroup("k3ref", "kernels against the k3ref goldens")
     add = g.addoption
@@ -94,6 +95,7 @@ def pytest_addoption(parser):
     add("--k3ref-warmup-jobs", type=int, default=None, metavar="N",
         help="warm-up worker processes at a time (default: the CPU count)")
     add("--k3ref-warmup-timeout", type=float, default=1800.0, metavar="S", help="seconds one warm-up worker may take")
+    add("--k3ref-warmup-shards", type=int, default=None, metavar="N", help=SHARDS_HELP)
     add("--k3ref-autotune-configs", choices=("winner", "all"), default="winner",
         help="all: every golden check once per autotune configuration of each autotuned kernel (deep mode); "
              "winner: the configuration the autotuner picks (default)")

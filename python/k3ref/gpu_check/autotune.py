@@ -150,3 +150,124 @@ def run_drawn(run_case, adapter, case, device):
         print(f"prop example {len(DRAWN['times'])} {'outside' if outside else 'inside'} at {DRAWN['times'][-1]:.3f}: "
               f"{'pass' if ok else 'fail'}", flush=True)
     return ok, reason, src
+
+
+# --------------------------------------------------------------------------- the warm-up's shards
+
+def _table_id(autotuner):
+    """Names one autotuner across processes: its kernel's module and name, and a digest of its
+    configurations (two autotuners over one kernel with other configurations are told apart)."""
+    import hashlib
+
+    base = getattr(autotuner, "base_fn", None) or autotuner
+    configs = "|".join(str(c) for c in getattr(autotuner, "configs", ()))
+    digest = hashlib.sha256(configs.encode()).hexdigest()[:12]
+    return f"{getattr(base, '__module__', '?')}.{getattr(base, '__qualname__', kernel_name(autotuner))}:{digest}"
+
+
+def _position(autotuner, config):
+    for i, c in enumerate(getattr(autotuner, "configs", ())):
+        if c is config:
+            return i
+    import hashlib  # a configuration a pruning hook made anew: its text decides, in every process alike
+
+    return int(hashlib.sha256(str(config).encode()).hexdigest(), 16)
+
+
+class _NotCached(Exception):
+    pass
+
+
+def _shardable(cls):
+    """Whether `cls` has the two methods the shards hook (Triton 3.x: _bench(*args, config,
+    **meta) and check_disk_cache(tuning_key, configs, bench_fn)); without them a shard runs its
+    unit whole (duplicated work, nothing wrong)."""
+    return cls is not None and callable(getattr(cls, "_bench", None)) and callable(getattr(cls, "check_disk_cache", None))
+
+
+@contextlib.contextmanager
+def sharded(index, count, cls=None):
+    """Shard `index` of `count` of a warm-up unit. Inside the block every autotuner benchmarks
+    (and so compiles) only the configurations at positions p with p mod count == index; the
+    others read as infinitely slow without running. Nothing is written to Triton's autotune
+    cache (a winner out of a fraction of the configurations is not the kernel's winner). Yields
+    {autotuner id: {str(tuning key): {str(config): timings}}}: the timings this shard measured,
+    for `replayed` in the unit that merges the shards."""
+    cls = cls or _autotuner_class()
+    measured = {}
+    if not _shardable(cls):
+        yield measured
+        return
+    bench, check = cls._bench, cls.check_disk_cache
+    inf = float("inf")
+
+    def _bench(self, *args, config, **meta):
+        if _position(self, config) % count != index:
+            return [inf, inf, inf]
+        return bench(self, *args, config=config, **meta)
+
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        def missing():
+            raise _NotCached
+
+        try:  # Triton's own look-up (its cache key): an entry an earlier unit wrote is used as is
+            return check(self, tuning_key, configs, missing)
+        except _NotCached:
+            pass
+        bench_fn()  # sets self.configs_timings
+        mine = {str(c): t for c, t in self.configs_timings.items() if _position(self, c) % count == index}
+        measured.setdefault(_table_id(self), {})[str(tuning_key)] = mine
+        return False
+
+    cls._bench, cls.check_disk_cache = _bench, check_disk_cache
+    try:
+        yield measured
+    finally:
+        cls._bench, cls.check_disk_cache = bench, check
+
+
+def merge_timings(tables):
+    """One table out of the shards' `sharded` tables."""
+    out = {}
+    for table in tables:
+        for kernel, keys in (table or {}).items():
+            for key, timings in keys.items():
+                out.setdefault(kernel, {}).setdefault(key, {}).update(timings)
+    return out
+
+
+@contextlib.contextmanager
+def replayed(table, cls=None):
+    """Inside the block an autotuner's benchmark of a configuration the shards timed returns
+    their timing instead of running it; Triton's autotuner then picks the fastest and writes its
+    cache entry (the whole configuration list, as an unsharded run would) from these timings.
+    The tuning key is the one Triton's check_disk_cache receives, so an autotuner that does not
+    cache its results (and a configuration no shard timed: its shard failed) is benchmarked
+    here. Yields the counts of timings replayed and benchmarked."""
+    cls = cls or _autotuner_class()
+    counts = {"replayed": 0, "benchmarked": 0}
+    if not _shardable(cls):
+        yield counts
+        return
+    bench, check = cls._bench, cls.check_disk_cache
+
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        self._k3ref_timings = table.get(_table_id(self), {}).get(str(tuning_key), {})
+        try:
+            return check(self, tuning_key, configs, bench_fn)
+        finally:
+            self._k3ref_timings = None
+
+    def _bench(self, *args, config, **meta):
+        timings = getattr(self, "_k3ref_timings", None) or {}
+        if str(config) in timings:
+            counts["replayed"] += 1
+            return timings[str(config)]
+        counts["benchmarked"] += 1
+        return bench(self, *args, config=config, **meta)
+
+    cls._bench, cls.check_disk_cache = _bench, check_disk_cache
+    try:
+        yield counts
+    finally:
+        cls._bench, cls.check_disk_cache = bench, check

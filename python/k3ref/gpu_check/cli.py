@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from . import warmup
 from .protocol import KERNEL_PATHS
 from .registry import AdapterSpecError
 from .selection import UsageError
@@ -89,6 +90,7 @@ def run_options(p):
     p.add_argument("--jobs", type=int, default=None,
                    help="warm-up worker processes at a time (default: the CPU count)")
     p.add_argument("--warmup-timeout", type=float, default=1800.0, help="seconds one warm-up worker may take")
+    p.add_argument("--warmup-shards", type=int, default=None, help=warmup.SHARDS_HELP)
     p.add_argument("--check-jobs", type=int, default=1,
                    help="isolation groups (adapters) whose checks run at the same time, each in its own child "
                         "(default 1: one after the other)")
@@ -111,6 +113,7 @@ def warmup_parser(sub, kernel_options):
                    help="the backward check's gradient goldens, as run --backward")
     w.add_argument("--jobs", type=int, default=None, help="worker processes at a time (default: the CPU count)")
     w.add_argument("--warmup-timeout", type=float, default=1800.0)
+    w.add_argument("--warmup-shards", type=int, default=None, help=warmup.SHARDS_HELP)
     w.add_argument("--plan", action="store_true", help="print the shape plan and exit without compiling")
     return w
 
@@ -139,6 +142,7 @@ def warmup_command(args):
         print(json.dumps(s["shapes"]))
         return 0
     record = warmup.run(plan, adapters, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
+                        shards=args.warmup_shards,
                         progress=lambda line: print(line, flush=True),
                         warm=warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
     record["shape_plan"] = s
@@ -188,6 +192,7 @@ def pytest_args(args):
               "device": "--k3ref-device", "known_limitations": "--k3ref-known-limitations", "policy": "--k3ref-policy",
               "check_timeout": "--k3ref-check-timeout", "load_timeout": "--k3ref-load-timeout", "budget": "--k3ref-budget",
               "jobs": "--k3ref-warmup-jobs", "warmup_timeout": "--k3ref-warmup-timeout",
+              "warmup_shards": "--k3ref-warmup-shards",
               "autotune_configs": "--k3ref-autotune-configs", "cache_dir": "--k3ref-cache-dir",
               **{dest: "--k3ref-" + dest.replace("_", "-") for dest, _, _ in KERNEL_PATHS}}
     for dest, flag in values.items():

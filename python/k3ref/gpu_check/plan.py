@@ -36,6 +36,7 @@ def options_of(config):
         load_timeout=float(g("k3ref_load_timeout")), budget=float(g("k3ref_budget")),
         isolate=not g("k3ref_no_isolation"), report=g("k3ref_report"), warmup=not g("k3ref_no_warmup"),
         warmup_jobs=g("k3ref_warmup_jobs"), warmup_timeout=float(g("k3ref_warmup_timeout")),
+        warmup_shards=g("k3ref_warmup_shards"),
         autotune_configs=g("k3ref_autotune_configs"), cache_dir=g("k3ref_cache_dir"), kernel_paths=paths,
         tier=g("k3ref_tier"), backward=g("k3ref_backward"))
 
@@ -204,7 +205,7 @@ def _warm_up_of(selected, opts, device, speed, progress):
         write_status()
         try:
             record = warmup.run_selected(selected, device, jobs=opts.warmup_jobs, timeout=opts.warmup_timeout,
-                                         progress=progress, on_unit_done=on_unit_done)
+                                         progress=progress, on_unit_done=on_unit_done, shards=opts.warmup_shards)
         except Exception as e:  # the scheduler itself broke: the checks compile what they need
             reason = f"the warm-up stopped: {type(e).__name__}: {e}"[:300]
             record = {"jobs": 0, "wall_s": 0.0, "errors": 1, "error": reason,

@@ -68,6 +68,7 @@ class RunOptions:
     warmup: bool = True
     warmup_jobs: int = None
     warmup_timeout: float = 1800.0
+    warmup_shards: int = None     # None: warmup.BACKWARD_SHARDS
     autotune_configs: str = "winner"
     cache_dir: str = None
     kernel_paths: tuple = ()      # ((environment variable, path), ...)

@@ -23,6 +23,7 @@ compilations and configurations benchmarked, the autotuned kernels the calls rea
 their autotune keys and configuration counts (read from the decorators), and any error (the
 check that later runs the shape reports its own). A warm-up never changes a verdict.
 """
+import contextlib
 import json
 import os
 import pickle
@@ -112,27 +113,15 @@ def child(job_path, out_path):
         rec["import_s"] = time.perf_counter() - t0
         adapter.device_sync = str(device).startswith("cuda")
         seen = {}
-        for recipe in job["recipes"]:
-            try:
-                with autotune.recording() as used:
-                    if recipe.get("backward"):
-                        run_backward(adapter, recipe["golden"], device, rec)
-                    elif "check" in recipe:
-                        from ..goldens import load_case
-
-                        case = load_case(recipe["case_path"]) if recipe.get("case_path") else None
-                        adapter.run_check(recipe["check"], case, device)
-                    else:
-                        inputs, params = inputs_of(adapter, recipe, device)
-                        adapter.run(inputs, params)
-                    if adapter.device_sync:
-                        import torch
-
-                        torch.cuda.synchronize()
-                for u in used:
-                    seen.setdefault(id(u), u)
-            except Exception as e:  # the check of this shape will report it; the warm-up goes on
-                rec["errors"].append(f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        shard, replay = job.get("shard"), job.get("replay")
+        role = (autotune.sharded(*shard) if shard else autotune.replayed(replay) if replay is not None
+                else contextlib.nullcontext(None))
+        with role as shard_record:
+            run_recipes(job, adapter, device, rec, seen)
+        if shard:
+            rec["timings"] = shard_record
+        elif replay is not None:
+            rec["replay"] = shard_record
         from .shapes import autotuner_info, uncovered_keys
 
         rec["kernels"] = [autotuner_info(u) for u in seen.values()]
@@ -143,6 +132,33 @@ def child(job_path, out_path):
     rec["finished"] = time.time()
     Path(out_path).write_text(json.dumps(rec))
     return 0
+
+
+def run_recipes(job, adapter, device, rec, seen):
+    """The kernel calls of one unit: each recipe's shape; the autotuners reached go into `seen`."""
+    from . import autotune
+
+    for recipe in job["recipes"]:
+        try:
+            with autotune.recording() as used:
+                if recipe.get("backward"):
+                    run_backward(adapter, recipe["golden"], device, rec)
+                elif "check" in recipe:
+                    from ..goldens import load_case
+
+                    case = load_case(recipe["case_path"]) if recipe.get("case_path") else None
+                    adapter.run_check(recipe["check"], case, device)
+                else:
+                    inputs, params = inputs_of(adapter, recipe, device)
+                    adapter.run(inputs, params)
+                if adapter.device_sync:
+                    import torch
+
+                    torch.cuda.synchronize()
+            for u in used:
+                seen.setdefault(id(u), u)
+        except Exception as e:  # the check of this shape will report it; the warm-up goes on
+            rec["errors"].append(f"{type(e).__name__}: {e}".splitlines()[0][:300])
 
 
 def run_backward(adapter, golden, device, rec):
@@ -273,7 +289,9 @@ class Worker:
             return
         self._release()
 
-    def run(self, unit, device, timeout, env, index):
+    def run(self, unit, device, timeout, env, index, role=None):
+        """`role`: what the job adds for a shard ({"shard": [index, count]}) or for the unit
+        that merges its shards ({"replay": their timings})."""
         import queue
 
         adapter, group, recipes = unit
@@ -283,7 +301,7 @@ class Worker:
         try:
             payload = pickle.dumps({"sys_path": list(sys.path), "env": dict(env), "device": str(device),
                                     "modules": [spec] if spec else [], "adapter": pickle.dumps(adapter),
-                                    "recipes": recipes})
+                                    "recipes": recipes, **(role or {})})
         except Exception as e:
             return dict(base, status="error", reason=f"the adapter cannot be pickled: {type(e).__name__}: {e}"[:300])
         job.write_bytes(payload)
@@ -345,11 +363,11 @@ def cost_estimate(unit):
     return weight * max(1, len(recipes))
 
 
-def run(plan, adapters, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None):
+def run(plan, adapters, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None, shards=None):
     """Warms up every group of the plan, `jobs` worker processes at a time. Returns the
     record: {jobs, wall_s, groups: [per group], totals}. `warm`: keys (unit_key) of units an
     earlier warm-up finished into the same cache directory; they are not run again."""
-    return run_units(units(plan, adapters), device, jobs, timeout, progress, env, warm)
+    return run_units(units(plan, adapters), device, jobs, timeout, progress, env, warm, shards)
 
 
 def versions():
@@ -421,41 +439,89 @@ def autotune_dims(unit):
     return (share, is_backward(group)) + tuple(g[k] for k in AUTOTUNE_DIMS)
 
 
-def schedule(todo):
-    """(order, first): the units by cost, largest first, and per unit the index of the unit it
-    waits for. The first unit of each autotune_dims benchmarks the shared kernels' configurations
-    into the cache; a later unit of the same dims started beside it would benchmark them again
-    (measured on an H200: three such units at 85 configurations each, side by side), so it waits
-    for the first and then benchmarks only its own kernels (6-31 configurations measured): its
-    cost is counted as a fifth."""
+# A backward unit is the default tier's longest: FLA's chunk_kda backward, measured on an H200,
+# spent 214 s compiling and 175 s benchmarking its autotuned kernels' configurations in one
+# process while the forward's units had ended. Its shards split the configurations of every
+# autotuner it reaches (autotune.sharded) over `count` processes, each compiling and timing
+# its share; the unit itself then runs once more, replaying their timings (autotune.replayed),
+# so that Triton writes the same cache entry an unsharded run writes: the checks find every
+# kernel compiled and every winner chosen.
+BACKWARD_SHARDS = 4
+SHARDS_HELP = (f"processes each backward unit of the warm-up is split over, each compiling and timing its share of "
+               f"every autotuner's configurations (default {BACKWARD_SHARDS}; 1: not split)")
+
+
+def shard_units(todo, shards=BACKWARD_SHARDS):
+    """(units, roles): the backward units of `todo` each preceded by `shards` copies of it run
+    as shards; roles[i] is None, ("shard", index, count, i of the merge) or ("merge", [i of
+    its shards]). shards <= 1: nothing is split."""
+    units, roles = [], []
+    for unit in todo:
+        if shards > 1 and is_backward(unit[1]):
+            merge = len(units) + shards
+            for k in range(shards):
+                units.append(unit)
+                roles.append(("shard", k, shards, merge))
+            roles.append(("merge", list(range(merge - shards, merge))))
+        else:
+            roles.append(None)
+        units.append(unit)
+    return units, roles
+
+
+def schedule(todo, roles=None):
+    """(order, waits_for): the units by cost, largest first, and per unit the indices of the
+    units it waits for. The first unit of each autotune_dims benchmarks the shared kernels'
+    configurations into the cache; a later unit of the same dims started beside it would
+    benchmark them again (measured on an H200: three such units at 85 configurations each, side
+    by side), so it waits for the first and then benchmarks only its own kernels (6-31
+    configurations measured): its cost is counted as a fifth. A merge waits for its shards (and
+    they for the first of its dims); a shard costs what its unit costs, so that shards start
+    first, and a merge too, so that it starts as soon as its shards end."""
+    roles = roles or [None] * len(todo)
     first, waits_for = {}, {}
     for i, unit in enumerate(todo):
+        if roles[i] and roles[i][0] == "shard":
+            continue
         d = autotune_dims(unit)
         if d is None:
             continue
         if d in first:
-            waits_for[i] = first[d]
+            waits_for[i] = [first[d]]
         else:
             first[d] = i
-    cost = {i: cost_estimate(u) / (5.0 if i in waits_for else 1.0) for i, u in enumerate(todo)}
+    for i, role in enumerate(roles):
+        if role and role[0] == "shard":
+            waits_for[i] = list(waits_for.get(role[3], ()))
+    for i, role in enumerate(roles):
+        if role and role[0] == "merge":
+            waits_for[i] = waits_for.get(i, []) + role[1]
+    waits_for = {i: w for i, w in waits_for.items() if w}
+    cost = {i: cost_estimate(u) / (5.0 if i in waits_for and not roles[i] else 1.0) for i, u in enumerate(todo)}
     return sorted(range(len(todo)), key=lambda i: -cost[i]), waits_for
 
 
-def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None):
+def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None, shards=None):
     """select, then run_selected: the warm-up record of the units `work`."""
-    return run_selected(select(work, device, warm), device, jobs, timeout, progress, env)
+    return run_selected(select(work, device, warm), device, jobs, timeout, progress, env, shards=shards)
 
 
-def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env=None, on_unit_done=None):
-    """Runs the units select() kept on `jobs` persistent workers; on_unit_done(pending_key)
-    after each. Returns the warm-up record."""
+def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env=None, on_unit_done=None,
+                 shards=None):
+    """Runs the units select() kept on `jobs` persistent workers, each backward unit as
+    `shards` shards and their merge (shard_units); on_unit_done(pending_key) after each unit (a
+    shard is not one). Returns the warm-up record."""
     jobs = max(1, int(jobs or os.cpu_count() or 1))
     todo, skipped = selected
     t0 = time.perf_counter()
-    order, waits_for = schedule(todo)
+    todo, roles = shard_units(todo, BACKWARD_SHARDS if shards is None else int(shards))
+    order, waits_for = schedule(todo, roles)
+    timings = {}  # i of a merge -> the timings of its shards so far
     done = [None] * len(todo)
     import itertools
     import threading
+
+    from . import autotune
 
     cond, counter = threading.Condition(), itertools.count()
     remaining = list(order)
@@ -466,7 +532,7 @@ def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env
         with cond:
             while remaining:
                 for i in remaining:
-                    if waits_for.get(i) is None or waits_for[i] in finished:
+                    if all(j in finished for j in waits_for.get(i, ())):
                         remaining.remove(i)
                         return i
                 cond.wait()
@@ -479,22 +545,35 @@ def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env
                 i = take()
                 if i is None:
                     return
-                unit = todo[i]
+                unit, role = todo[i], roles[i]
+                extra = ({"shard": list(role[1:3])} if role and role[0] == "shard"
+                         else {"replay": timings.get(i, {})} if role else None)
+                rec = None
                 try:
-                    rec = w.run(unit, device, timeout, env or {}, next(counter))
+                    rec = w.run(unit, device, timeout, env or {}, next(counter), extra)
                 finally:
                     with cond:
+                        if rec is not None and role and role[0] == "shard":
+                            timings[role[3]] = autotune.merge_timings([timings.get(role[3]), rec.pop("timings", None)])
                         finished.add(i)
                         cond.notify_all()
-                rec["key"] = unit_key(unit[0].name, unit[1], unit[2])
                 rec["slot"] = Path(workdir).name
-                if i in waits_for:
-                    rec["waited_for"] = short_group(todo[waits_for[i]][1])
+                waited = [j for j in waits_for.get(i, ()) if not (roles[j] and roles[j][0] == "shard")]
+                if waited:
+                    rec["waited_for"] = short_group(todo[waited[0]][1])
                 done[i] = rec
-                if on_unit_done:
-                    on_unit_done(pending_key(unit[0].name, is_backward(unit[1])))
+                if role and role[0] == "shard":
+                    rec["key"] = None  # warm only once its merge is: the merge's record carries the key
+                    rec["shard"] = f"{role[1] + 1}/{role[2]}"
+                else:
+                    rec["key"] = unit_key(unit[0].name, unit[1], unit[2])
+                    if role:
+                        rec["shards"] = role[1] and len(role[1])
+                    if on_unit_done:
+                        on_unit_done(pending_key(unit[0].name, is_backward(unit[1])))
                 if progress:
-                    progress(f"warm-up {rec['adapter']} {short_group(rec['group'])}: {rec.get('status')} "
+                    shard = f" shard {rec['shard']}" if rec.get("shard") else ""
+                    progress(f"warm-up {rec['adapter']} {short_group(rec['group'])}{shard}: {rec.get('status')} "
                              f"{rec.get('wall_s', 0):.1f}s (import {rec.get('import_s', 0) or 0:.1f}s, compile "
                              f"{rec.get('compile_s', 0):.1f}s, autotune {rec.get('autotune_s', 0):.1f}s)")
         finally:
@@ -536,7 +615,8 @@ def table(record):
              f"compile {record['totals']['compile_s']:.1f} s, autotune {record['totals']['autotune_s']:.1f} s "
              f"(summed over workers), {record['errors']} errors"]
     for g in record["groups"]:
-        lines.append(f"  {g['adapter']:28s} {short_group(g['group']):60s} {g.get('shapes', 0):3d} shapes "
+        label = short_group(g['group']) + (f" shard {g['shard']}" if g.get("shard") else "")
+        lines.append(f"  {g['adapter']:28s} {label:60s} {g.get('shapes', 0):3d} shapes "
                      f"{g.get('status', '?'):11s} wall {g.get('wall_s', 0):7.1f} compile {g.get('compile_s', 0):7.1f} "
                      f"autotune {g.get('autotune_s', 0):7.1f}" + (f"  {g['reason']}" if g.get("reason") else ""))
     return "\n".join(lines)
