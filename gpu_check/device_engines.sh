@@ -10,8 +10,10 @@
 #   env: TP (third-party root, default .thirdparty: vllm/ and sglang/ laid out with COMMITS.txt,
 #        vllm/kda/ the KDA ops of one commit, tokenspeed/, fla_pkg/), PYTHON (default python3),
 #        ONLY (comma-separated kernel names), KERNEL_TIMEOUT (seconds for one kernel's checks,
-#        default 300), PAR (kernels run at once, default 4), K3REF_CORE_PATH (a built k3ref._core:
-#        the build step is skipped)
+#        default 300), PAR (kernels run at once, default 4), SPLIT (comma-separated kernels whose
+#        golden check runs in a process of its own beside their other checks: a kernel whose
+#        goldens autotune many shapes), K3REF_CORE_PATH (a built k3ref._core: the build step is
+#        skipped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -42,17 +44,31 @@ mkdir -p "$OUT/rows"
 kernels=$($SC ${ONLY:+--only "$ONLY"} --list)
 set -f  # kernel names hold brackets: no globbing
 stem() { printf '%s' "$1" | tr '[]' '__'; }  # plain file names
-run_one() {
-  local k=$1 f s0
-  f="$OUT/rows/$(stem "$k").json"; rm -f "$f"; s0=$(date +%s)
-  timeout "${KERNEL_TIMEOUT:-300}" $SC --only "$k" --out "$f" > "$OUT/rows/$(stem "$k").log" 2>&1
-  echo "$k: rc $?, $(( $(date +%s) - s0 )) s"
+part() {  # the row file of a job: kernel, kernel|golden or kernel|-golden
+  local k=${1%%|*} c=""
+  [ "$k" != "$1" ] && c=${1#*|}
+  printf '%s' "$OUT/rows/$(stem "$k")${c:+.${c/-/not_}}.json"
 }
-export -f stem run_one; export SC OUT KERNEL_TIMEOUT
-# PAR kernels at once (default 4): they share the GPU; Triton's compiles run side by side
-printf '%s\n' $kernels | xargs -P "${PAR:-4}" -I{} bash -c 'run_one "$1"' _ {}
+run_one() {  # $1 = kernel, kernel|golden (its golden check alone) or kernel|-golden (the others)
+  local k=${1%%|*} c="" f s0 sel=()
+  [ "$k" != "$1" ] && c=${1#*|}
+  case "$c" in -*) sel=(--skip-checks "${c#-}");; ?*) sel=(--checks "$c");; esac
+  f=$(part "$1"); rm -f "$f"; s0=$(date +%s)
+  timeout "${KERNEL_TIMEOUT:-300}" $SC --only "$k" "${sel[@]}" --out "$f" > "${f%.json}.log" 2>&1
+  echo "$1: rc $?, $(( $(date +%s) - s0 )) s"
+}
+export -f stem part run_one; export SC OUT KERNEL_TIMEOUT
+jobs=()
+for k in $kernels; do
+  case ",${SPLIT:-}," in
+    *",$k,"*) jobs+=("$k|golden" "$k|-golden");;
+    *) jobs+=("$k");;
+  esac
+done
+# PAR processes at once (default 4): they share the GPU; Triton's compiles run side by side
+printf '%s\n' "${jobs[@]}" | xargs -P "${PAR:-4}" -I{} bash -c 'run_one "$1"' _ {}
 files=()
-for k in $kernels; do files+=("$OUT/rows/$(stem "$k").json"); done
+for j in "${jobs[@]}"; do files+=("$(part "$j")"); done
 echo "== findings/vllm-gdn-spec-verify-edges/repro.py (predicted from the source; exit 1: reproduced)"
 timeout 120 $PY findings/vllm-gdn-spec-verify-edges/repro.py "$TP/vllm" > "$OUT/vllm_repro.txt" 2>&1
 echo "rc $?" >> "$OUT/vllm_repro.txt"; tail -4 "$OUT/vllm_repro.txt"

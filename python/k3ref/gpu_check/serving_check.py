@@ -1298,10 +1298,11 @@ def load_serving_suite(directory):
 
 # --------------------------------------------------------------------------- the engines' table
 
-def engine_table(adapters, suite, device):
-    """Every serving check of every adapter: one row per (kernel, check, case) with the verdict,
-    the figure (worst error / bound), the bound's multiple and floor dtype, the reason and the
-    engine source (version()). A kernel that does not load gives one row with its reason."""
+def engine_table(adapters, suite, device, checks=None):
+    """Every serving check (or those of `checks`) of every adapter: one row per (kernel, check,
+    case) with the verdict, the figure (worst error / bound), the bound's multiple and floor
+    dtype, the reason and the engine source (version()). A kernel that does not load gives one
+    row with its reason."""
     rows = []
     for a in adapters:
         start = time.perf_counter()
@@ -1312,7 +1313,7 @@ def engine_table(adapters, suite, device):
             rows.append(dict(kernel=a.name, check="load", case="-", verdict="unavailable", figure=None, bound=None,
                              reason=f"{type(e).__name__}: {e}".splitlines()[0][:400], source=""))
             continue
-        for check in SERVING_CHECKS:
+        for check in (c for c in SERVING_CHECKS if checks is None or c in checks):
             for case_id, case, why in a.cases(check, suite):
                 if why:
                     rows.append(dict(kernel=a.name, check=check, case=case_id, verdict="n/a", figure=None, bound=None,
@@ -1387,7 +1388,7 @@ def measurement_of(rows, measured_on=None, commands=(), recorded=None):
                     figure=r.get("figure"), reason=r["reason"][:400])
                for r in rows if r["verdict"] not in ("pass", "n/a", "time")]
     sources = [dict(kernel=k, source=next((r["source"] for r in rows if r["kernel"] == k and r.get("source")), None),
-                    seconds=next((r["reason"] for r in rows if r["kernel"] == k and r["verdict"] == "time"), None))
+                    seconds=" + ".join(r["reason"] for r in rows if r["kernel"] == k and r["verdict"] == "time") or None)
                for k in cells]
     m = measurement.record(
         "h200_engine_serving", "The serving engines' own kernels under every serving check",
@@ -1434,6 +1435,9 @@ def main(argv=None):
     ap.add_argument("--engines", action="store_true", help="the serving engines' kernels (engine_vllm, engine_sglang, engine_tokenspeed)")
     ap.add_argument("--only", help="comma-separated kernel names")
     ap.add_argument("--list", action="store_true", help="print the kernels' names and exit")
+    ap.add_argument("--checks", help="comma-separated serving checks (default: all of them), so that one kernel's "
+                    "checks can run in several processes side by side")
+    ap.add_argument("--skip-checks", help="comma-separated serving checks not to run")
     ap.add_argument("--merge", nargs="+", metavar="FILE", help="merge the rows of these files (a missing one: the "
                     "kernel named by its stem died; its .log's last line is the reason)")
     ap.add_argument("--vllm-path"), ap.add_argument("--sglang-path"), ap.add_argument("--tokenspeed-path")
@@ -1479,7 +1483,14 @@ def main(argv=None):
                 rows.append(dict(kernel=f.stem, check="load", case="-", verdict="unavailable", figure=None, bound=None,
                                  reason=f"its process died or ran out of time: {last[:300]}", source=""))
     else:
-        rows = engine_table(adapters, load_serving_suite(args.goldens), args.device)
+        checks = set(args.checks.split(",")) if args.checks else set(SERVING_CHECKS)
+        skipped = set(args.skip_checks.split(",")) if args.skip_checks else set()
+        unknown = sorted((checks | skipped) - set(SERVING_CHECKS))
+        if unknown:
+            print(f"serving_check: unknown check {', '.join(unknown)} (the checks: {', '.join(SERVING_CHECKS)})",
+                  file=sys.stderr)
+            return 2
+        rows = engine_table(adapters, load_serving_suite(args.goldens), args.device, checks - skipped)
     from .collection import load_limitations
 
     try:
