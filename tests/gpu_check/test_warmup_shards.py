@@ -4,6 +4,7 @@ every autotuner exactly once, and its merge leaves Triton's autotune cache as an
 leaves it. A stand-in of Triton's Autotuner keeps the three methods the shards hook with
 Triton 3.x's contract (run -> check_disk_cache(tuning_key, configs, bench_fn) -> _bench(*args,
 config, **meta)); no GPU, no Triton, no torch needed."""
+import functools
 import threading
 import time
 
@@ -102,6 +103,60 @@ def test_shards_time_each_configuration_once_and_the_merge_writes_the_unsharded_
     # The checks afterwards: a fresh process finds the entry and benchmarks nothing.
     check = fresh(configs, speed)
     assert check.run(64) == plain and check.ran == []
+
+
+def test_a_merge_in_the_process_of_one_of_its_shards_still_replays_and_writes():
+    # A warm-up worker keeps its imports, and so its autotuners, from one unit to the next.
+    configs = [Config(BK=b) for b in (16, 32, 64, 128)]
+    speed = {str(c): t for c, t in zip(configs, (4.0, 3.0, 1.0, 2.0))}
+    DISK.clear()
+    worker = fresh(configs, speed)
+    tables = []
+    for index in range(2):
+        with autotune.sharded(index, 2, cls=Tuner) as measured:
+            worker.run(64)
+        tables.append(measured)
+    assert worker.cache == {}, "a shard's winner stayed in the autotuner's memory"
+    with autotune.replayed(autotune.merge_timings(tables), cls=Tuner) as counts:
+        assert worker.run(64) == "BK: 64"
+    assert counts["replayed"] == 4 and len(DISK) == 1
+
+
+def test_the_warm_up_benchmarks_a_configuration_for_the_shorter_length(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    def benchmarker(fn, warmup=25, rep=100, quantiles=None):
+        calls.append((warmup, rep))
+        return [1.0]
+
+    driver = types.SimpleNamespace(active=types.SimpleNamespace(get_benchmarker=lambda: benchmarker))
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    monkeypatch.setitem(sys.modules, "triton.runtime", types.ModuleType("triton.runtime"))
+    monkeypatch.setitem(sys.modules, "triton.runtime.driver", types.SimpleNamespace(driver=driver))
+
+    class Timed(Tuner):
+        _do_bench = None
+
+        @functools.cached_property  # as Triton 3.x declares it
+        def do_bench(self):
+            return driver.active.get_benchmarker()
+
+        def _bench(self, *args, config, **meta):
+            return self.do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8))
+
+    class Own(Timed):
+        _do_bench = object()  # built with a benchmarker of its own
+
+    configs = [Config(BK=16), Config(BK=32)]
+    inside = Timed(configs, {})
+    with autotune.benchmark_length(5, 20, cls=Timed):
+        inside.run(8)
+        Own(configs, {}).run(9)
+    assert "do_bench" not in inside.__dict__, "the shorter benchmarker outlived the block"
+    inside.run(10)
+    assert calls == [(5, 20), (5, 20), (25, 100), (25, 100), (25, 100), (25, 100)]
 
 
 def test_a_shard_uses_an_entry_an_earlier_unit_wrote():

@@ -200,6 +200,7 @@ def sharded(index, count, cls=None):
         return
     bench, check = cls._bench, cls.check_disk_cache
     inf = float("inf")
+    chosen = []
 
     def _bench(self, *args, config, **meta):
         if _position(self, config) % count != index:
@@ -214,7 +215,8 @@ def sharded(index, count, cls=None):
             return check(self, tuning_key, configs, missing)
         except _NotCached:
             pass
-        bench_fn()  # sets self.configs_timings
+        bench_fn()  # sets self.configs_timings and self.cache[tuning_key]
+        chosen.append((self, tuning_key))
         mine = {str(c): t for c, t in self.configs_timings.items() if _position(self, c) % count == index}
         measured.setdefault(_table_id(self), {})[str(tuning_key)] = mine
         return False
@@ -224,6 +226,10 @@ def sharded(index, count, cls=None):
         yield measured
     finally:
         cls._bench, cls.check_disk_cache = bench, check
+        # A shard's winners are not the kernel's: the worker's next unit (its merge, say) must
+        # not find them in the autotuners' memory (Triton then skips its disk cache).
+        for tuner, key in chosen:
+            tuner.cache.pop(key, None)
 
 
 def merge_timings(tables):
@@ -271,3 +277,46 @@ def replayed(table, cls=None):
         yield counts
     finally:
         cls._bench, cls.check_disk_cache = bench, check
+
+
+@contextlib.contextmanager
+def benchmark_length(warmup_ms, rep_ms, cls=None):
+    """Inside the block an autotuner's benchmark of one configuration runs Triton's benchmarker
+    for `warmup_ms` + `rep_ms` of kernel time instead of its default 25 + 100 ms (an autotuner
+    built with a benchmarker of its own keeps it). Each configuration still runs hundreds of
+    times at these kernels' microseconds; the warm-up's processes share one GPU, whose time the
+    benchmarks of a cold run wait on."""
+    cls = cls or _autotuner_class()
+    if not _shardable(cls):
+        yield
+        return
+    bench = cls._bench
+    short = []
+
+    def shortened():
+        if not short:
+            from triton.runtime.driver import driver
+
+            default = driver.active.get_benchmarker()
+            short.append(lambda fn, quantiles=None: default(fn, warmup=warmup_ms, rep=rep_ms, quantiles=quantiles))
+        return short[0]
+
+    def _bench(self, *args, config, **meta):
+        if getattr(self, "_do_bench", None) is not None:
+            return bench(self, *args, config=config, **meta)
+        missing = object()
+        saved = self.__dict__.get("do_bench", missing)
+        self.__dict__["do_bench"] = shortened()  # Triton reads self.do_bench (a cached property)
+        try:
+            return bench(self, *args, config=config, **meta)
+        finally:
+            if saved is missing:
+                self.__dict__.pop("do_bench", None)
+            else:
+                self.__dict__["do_bench"] = saved
+
+    cls._bench = _bench
+    try:
+        yield
+    finally:
+        cls._bench = bench

@@ -22,6 +22,12 @@ per group wall, compile and autotune seconds (timing.py's hooks), the number of
 compilations and configurations benchmarked, the autotuned kernels the calls reached with
 their autotune keys and configuration counts (read from the decorators), and any error (the
 check that later runs the shape reports its own). A warm-up never changes a verdict.
+
+A backward unit (the longest: FLA's chunk_kda backward autotunes about eight kernels) runs as
+`--k3ref-warmup-shards` processes, each compiling and timing its share of every autotuner's
+configurations, then once more as their merge, which replays their timings so that Triton
+writes the cache entry an unsharded run writes (shard_units). Every unit benchmarks a
+configuration for BENCHMARK_MS of kernel time, not Triton's longer default.
 """
 import contextlib
 import json
@@ -35,6 +41,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 CACHE_VARIABLE = "K3REF_CACHE_DIR"
+# How long the warm-up benchmarks one configuration (Triton's warm-up and repetition, ms of
+# kernel time; Triton's default is 25 + 100). A cold default tier on an H200 benchmarked 2,665
+# configurations in 2,725 s summed over 16 processes sharing the GPU, about 1 s each for 125 ms
+# of kernel time: the benchmarks queue on the one GPU. At 5 + 20 ms each configuration still
+# runs hundreds of times (these kernels take microseconds); the winner is the fastest within
+# the noise that sharing the GPU brings to either length.
+BENCHMARK_MS = (5, 20)
 
 
 def cache_dir(path=None):
@@ -116,7 +129,7 @@ def child(job_path, out_path):
         shard, replay = job.get("shard"), job.get("replay")
         role = (autotune.sharded(*shard) if shard else autotune.replayed(replay) if replay is not None
                 else contextlib.nullcontext(None))
-        with role as shard_record:
+        with autotune.benchmark_length(*BENCHMARK_MS), role as shard_record:
             run_recipes(job, adapter, device, rec, seen)
         if shard:
             rec["timings"] = shard_record
