@@ -127,3 +127,22 @@ def test_the_fla_adapter_on_the_emulation_gives_the_predicted_verdicts(which, su
             failures.append(f"{a.name} {check}[{case}] on the emulation: {status}, expected {predicted}: {reason}")
     assert judged, f"{a.name}: no check judged on the emulation"
     assert not failures, "\n".join(failures)
+
+
+def test_the_checks_split_over_processes_give_the_whole_table(suite):
+    # serving_check --checks / --skip-checks: what device_engines.sh's SPLIT runs side by side,
+    # merged, is the one table of a single process (verdicts per kernel, check and case).
+    a = sc.torch_serving_kernels()[0]
+    whole = sc.engine_table([a], suite, "cpu")
+    golden = sc.engine_table([a], suite, "cpu", {"golden"})
+    others = sc.engine_table([a], suite, "cpu", set(sc.SERVING_CHECKS) - {"golden"})
+
+    def verdicts(rows):
+        return sorted((r["kernel"], r["check"], r["case"], r["verdict"]) for r in rows if r["check"] != "(all)")
+
+    assert {r["check"] for r in golden} == {"golden", "(all)"}
+    assert "golden" not in {r["check"] for r in others}
+    assert verdicts(golden + others) == verdicts(whole)
+    assert sc.table_cells(golden + others) == sc.table_cells(whole)
+    times = sc.measurement_of(golden + others, "cpu", ["test"], None)["tables"]["sources"]["rows"][0]["seconds"]
+    assert times.count(" s") == 2 and " + " in times, times
