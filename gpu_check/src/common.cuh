@@ -9,6 +9,7 @@
 #include <string>
 
 #include "k3gc.h"
+#include "k3gc_names.h"
 
 namespace k3gc {
 

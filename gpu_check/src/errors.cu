@@ -24,19 +24,4 @@ extern "C" const char* k3gc_last_error(void) {
   return copy.c_str();
 }
 
-extern "C" int k3gc_code(const char* kind, const char* name) {
-  struct Named {
-    const char *kind, *name;
-    int code;
-  };
-  static const Named names[] = {
-      {"format", "fp64", K3GC_F64}, {"format", "fp32", K3GC_F32}, {"format", "bf16", K3GC_BF16},
-      {"format", "fp16", K3GC_F16}, {"gate", "log_decay", K3GC_GATE_LOG_DECAY},
-      {"gate", "softplus", K3GC_GATE_SOFTPLUS}, {"gate", "lower_bound", K3GC_GATE_LOWER_BOUND},
-      {"beta", "as_given", K3GC_BETA_AS_GIVEN}, {"beta", "sigmoid", K3GC_BETA_SIGMOID},
-      {"beta", "two_sigmoid", K3GC_BETA_TWO_SIGMOID}};
-  if (kind == nullptr || name == nullptr) return -1;
-  for (const Named& n : names)
-    if (std::strcmp(n.kind, kind) == 0 && std::strcmp(n.name, name) == 0) return n.code;
-  return -1;
-}
+extern "C" int k3gc_code(const char* kind, const char* name) { return k3gc_code_of(kind, name); }

@@ -585,25 +585,7 @@ int launch_tuned(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t stream) {
 }  // namespace
 }  // namespace k3gc
 
-extern "C" const char* k3gc_mutation_name(int mutation) {
-  switch (mutation) {
-    case K3GC_MUT_NONE: return "none";
-    case K3GC_MUT_READ_AHEAD: return "read_ahead";
-    case K3GC_MUT_DROP_LAST_CHUNK_DECAY: return "drop_last_chunk_decay";
-    case K3GC_MUT_SKIP_PARTIAL_CHUNK: return "skip_partial_chunk";
-    case K3GC_MUT_IGNORE_INITIAL_STATE: return "ignore_initial_state";
-    case K3GC_MUT_VARLEN_OFF_BY_ONE: return "varlen_off_by_one";
-    case K3GC_MUT_OOB_HEAD_READ: return "oob_head_read";
-    case K3GC_MUT_NAN_RARE_BRANCH: return "nan_rare_branch";
-    case K3GC_MUT_FUTURE_ANCHOR: return "future_anchor";
-    case K3GC_MUT_OVERWRITE_INPUT: return "overwrite_input";
-    case K3GC_MUT_INT32_OFFSET_WRAP: return "int32_offset_wrap";
-    case K3GC_MUT_GRID_DROPS_SEQUENCES: return "grid_drops_sequences";
-    case K3GC_MUT_LAST_CHUNK_READ_PAST_END: return "last_chunk_read_past_end";
-    case K3GC_MUT_BF16_STATE_LONG_T: return "bf16_state_long_t";
-    default: return nullptr;
-  }
-}
+extern "C" const char* k3gc_mutation_name(int mutation) { return k3gc_mutation_name_of(mutation); }
 
 extern "C" int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mutation, void* stream_ptr) {
   using namespace k3gc;

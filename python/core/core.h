@@ -194,5 +194,6 @@ void register_attnres_qb(py::module_& m);
 void register_readers(py::module_& m);
 void register_cost(py::module_& m);
 void register_check(py::module_& m);
+void register_k3gc(py::module_& m);
 
 }  // namespace k3ref::python

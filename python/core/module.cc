@@ -136,4 +136,5 @@ PYBIND11_MODULE(_core, m) {
   kp::register_readers(m);
   kp::register_cost(m);
   kp::register_check(m);
+  kp::register_k3gc(m);
 }

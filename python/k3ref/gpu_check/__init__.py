@@ -11,7 +11,7 @@ lists; the built-ins by spec), `selection` (the adapters and goldens a run selec
 run's adapters, tests and warm-up, decided once), `execute` (one test in the worker that holds its kernel),
 `checks` (golden and metamorphic KDA checks), `attnres_check`, `qb_check`, `serving_check`
 (the other families), `metrics` (error metrics, on the GPU through libk3gc when available),
-`lib` (ctypes binding of libk3gc.so), `references` (the one reference path: k3ref._core, libk3gc fp64 for long cases), `torch_model` (the KDA recurrence in PyTorch fp64: a kernel under test), `timing`
+`lib` (libk3gc.so through k3ref._core's binding K3gc), `references` (the one reference path: k3ref._core, libk3gc fp64 for long cases), `torch_model` (the KDA recurrence in PyTorch fp64: a kernel under test), `timing`
 (import, Triton compile, autotune and check time), `report` (HTML and JSON from pytest's results), `prop`
 (property tests), `backward` (gradients), `cp_check` (context parallelism over P ranks), `bench`
 (comparator and reference speed), `warmup` (the cache directory and the warm-up's workers),

@@ -1,6 +1,7 @@
-"""ctypes binding of libk3gc.so (gpu_check/include/k3gc.h). Found through $K3GC_LIB, an
-explicit load(path), or the build directories of the source tree (build*/gpu_check/)."""
-import ctypes
+"""libk3gc.so (gpu_check/include/k3gc.h) through k3ref._core's binding (K3gc), which opens the
+library at run time and types its calls by the header: this module holds no copy of its
+structs or codes. Found through $K3GC_LIB, an explicit load(path), or the build directories
+of the source tree (build*/gpu_check/)."""
 import glob
 import os
 from pathlib import Path
@@ -8,38 +9,19 @@ from pathlib import Path
 import torch
 
 from .. import policy
+from .._data import compiled as _core
 
-MUTATIONS = [
-    "none", "read_ahead", "drop_last_chunk_decay", "skip_partial_chunk", "ignore_initial_state",
-    "varlen_off_by_one", "oob_head_read", "nan_rare_branch", "future_anchor", "overwrite_input",
-    "int32_offset_wrap", "grid_drops_sequences", "last_chunk_read_past_end", "bf16_state_long_t",
-]
 # The mutants equal to the fp32 kernel below the sizes where they break (k3gc.h): the scale
 # tier's (scale.py), left out of the default matrix, which cannot reach those sizes.
 SCALE_MUTANTS = ("int32_offset_wrap", "grid_drops_sequences", "last_chunk_read_past_end", "bf16_state_long_t")
 
 
-class Stats(ctypes.Structure):
-    _fields_ = [
-        ("count", ctypes.c_int64), ("err_sq", ctypes.c_double), ("ref_sq", ctypes.c_double),
-        ("floor_sq", ctypes.c_double), ("max_abs", ctypes.c_double), ("max_abs_index", ctypes.c_int64), ("max_ulp", ctypes.c_double),
-        ("max_ulp_index", ctypes.c_int64), ("candidate_nan", ctypes.c_int64), ("candidate_inf", ctypes.c_int64),
-        ("reference_nan", ctypes.c_int64), ("reference_inf", ctypes.c_int64),
-        ("first_nonfinite_mismatch", ctypes.c_int64), ("first_offending", ctypes.c_int64),
-    ]
-
-
-class KdaArgs(ctypes.Structure):
-    _fields_ = [
-        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("g", ctypes.c_void_p),
-        ("beta", ctypes.c_void_p), ("input_dtype", ctypes.c_int), ("A_log", ctypes.c_void_p),
-        ("dt_bias", ctypes.c_void_p), ("gate", ctypes.c_int), ("lower_bound", ctypes.c_double),
-        ("beta_mode", ctypes.c_int), ("qk_l2norm", ctypes.c_int), ("scale", ctypes.c_double),
-        ("B", ctypes.c_int64), ("T", ctypes.c_int64), ("H", ctypes.c_int64), ("HV", ctypes.c_int64),
-        ("K", ctypes.c_int64), ("V", ctypes.c_int64), ("cu_seqlens", ctypes.c_void_p), ("N", ctypes.c_int64),
-        ("initial_state", ctypes.c_void_p), ("final_state", ctypes.c_void_p), ("state_dtype", ctypes.c_int),
-        ("state_v_first", ctypes.c_int), ("o", ctypes.c_void_p), ("output_dtype", ctypes.c_int),
-    ]
+def __getattr__(name):
+    # MUTATIONS: the mutants' names by code, from the header k3ref._core was built with (read
+    # on use, so that importing this module needs no compiled half).
+    if name == "MUTATIONS":
+        return list(_core().k3gc_mutation_names())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _lib = None
@@ -67,24 +49,11 @@ def load(path=None):
             tried.append(f"{p}: missing")
             continue
         try:
-            lib = ctypes.CDLL(p)
-        except OSError as e:
+            lib = _core().K3gc(str(p))
+        except (ImportError, RuntimeError) as e:
             tried.append(f"{p}: {e}")
             continue
-        lib.k3gc_compare.restype = ctypes.c_int
-        lib.k3gc_compare.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-            ctypes.c_double, ctypes.c_double, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(Stats), ctypes.c_void_p]
-        lib.k3gc_kda_forward.restype = ctypes.c_int
-        lib.k3gc_kda_forward.argtypes = [ctypes.POINTER(KdaArgs), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-        lib.k3gc_last_error.restype = ctypes.c_char_p
-        lib.k3gc_code.restype = ctypes.c_int
-        lib.k3gc_code.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-        lib.k3gc_mutation_name.restype = ctypes.c_char_p
-        lib.k3gc_mutation_name.argtypes = [ctypes.c_int]
         _lib, _error = lib, ""
-        _lib.path = p
         return True
     _error = "libk3gc.so not found or not loadable (" + "; ".join(tried) + "); set K3GC_LIB"
     return False
@@ -98,34 +67,28 @@ def load_error():
     return _error
 
 
-def _check(rc, what):
-    if rc != 0:
-        raise RuntimeError(f"{what}: {_lib.k3gc_last_error().decode()}")
-
-
 def _ptr(t):
-    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+    return t.data_ptr() if t is not None else None
 
 
 def _code(kind, name):
     """The library's code of a name (its enums): a format of the policy table (a torch dtype,
     named by k3ref.policy.FORMAT_OF), a gate or a beta mode."""
     text = policy.FORMAT_OF.get(name) if kind == "format" else name
-    code = _lib.k3gc_code(kind.encode(), str(text).encode())
+    code = _core().k3gc_code(kind, str(text))
     if code < 0:
         raise ValueError(f"libk3gc: no {kind} named {name}")
     return code
 
 
 def _stream():
-    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    return torch.cuda.current_stream().cuda_stream
 
 
 def compare(candidate, reference, fmt, atol=0.0, rtol=0.0, window_shape=None):
     assert available(), _error
     cand = candidate.contiguous()
     ref = reference.contiguous()
-    stats = Stats()
     inner = extent = window = 0
     we = wr = None
     if window_shape is not None:
@@ -133,12 +96,11 @@ def compare(candidate, reference, fmt, atol=0.0, rtol=0.0, window_shape=None):
         nw = (extent + window - 1) // window
         we = torch.empty(nw, dtype=torch.float64, device=cand.device)
         wr = torch.empty(nw, dtype=torch.float64, device=cand.device)
-    _check(_lib.k3gc_compare(_ptr(cand), _code("format", cand.dtype), _ptr(ref), _code("format", ref.dtype),
-                             cand.numel(), _code("format", fmt), atol, rtol, inner, extent, window, _ptr(we), _ptr(wr),
-                             ctypes.byref(stats), _stream()), "k3gc_compare")
     # The comparator's sums as a plain dict: metrics.compare makes them figures in the one
     # judge (k3ref._core); this module binds the library and knows nothing of the harness.
-    out = {name: getattr(stats, name) for name, _ in Stats._fields_}
+    out = _lib.compare(_ptr(cand) or 0, _code("format", cand.dtype), _ptr(ref) or 0, _code("format", ref.dtype),
+                       cand.numel(), _code("format", fmt), atol, rtol, inner, extent, window, _ptr(we) or 0,
+                       _ptr(wr) or 0, _stream())
     if we is not None:
         out["window_err_sq"], out["window_ref_sq"] = we.tolist(), wr.tolist()
     return out
@@ -174,15 +136,14 @@ def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.floa
     A_log = A_log.float().contiguous() if A_log is not None else None
     dt_bias = dt_bias.float().contiguous() if dt_bias is not None else None
     scale = params.get("scale")
-    args = KdaArgs(
+    for t in (q, k, v, g, beta):
+        assert t.is_contiguous() and t.is_cuda
+    _lib.kda_forward(dict(
         q=_ptr(q), k=_ptr(k), v=_ptr(v), g=_ptr(g), beta=_ptr(beta), input_dtype=_code("format", dt),
         A_log=_ptr(A_log), dt_bias=_ptr(dt_bias), gate=_code("gate", params.get("gate", "log_decay")),
         lower_bound=float(params.get("lower_bound") or 0.0), beta_mode=_code("beta", params.get("beta", "as_given")),
         qk_l2norm=int(bool(params.get("qk_l2norm"))), scale=float(scale if scale is not None else K ** -0.5),
         B=B, T=T, H=H, HV=HV, K=K, V=V, cu_seqlens=_ptr(cu), N=N, initial_state=_ptr(h0), final_state=_ptr(final),
         state_dtype=_code("format", state_dtype), state_v_first=int(v_first), o=_ptr(o),
-        output_dtype=_code("format", o.dtype))
-    for t in (q, k, v, g, beta):
-        assert t.is_contiguous() and t.is_cuda
-    _check(_lib.k3gc_kda_forward(ctypes.byref(args), precision, mutation, _stream()), "k3gc_kda_forward")
+        output_dtype=_code("format", o.dtype)), precision, mutation, _stream())
     return o, final
