@@ -266,6 +266,9 @@ def pytest_cmdline_main(config):
         opts = run_plan.options_of(config)
         if opts.report and Path(opts.report).exists() and not Path(opts.report).is_dir():
             raise UsageError(f"k3ref: --k3ref-report {opts.report}: exists and is not a directory")
+        for flag, value in (("--k3ref-warmup-shards", opts.warmup_shards), ("--k3ref-warmup-jobs", opts.warmup_jobs)):
+            if value is not None and value < 1:
+                raise UsageError(f"k3ref: {flag} {value}: must be at least 1")
         run_plan.apply_environment(opts)
         config.stash[STATE] = {"opts": opts, "reports": {}, "collected": None, "t0": time.time()}
         if role == "planner":  # the child plans; the reports are the session's

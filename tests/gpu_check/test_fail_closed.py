@@ -55,7 +55,9 @@ SELECTOR_ERRORS = [
     (["--cases", "kda_t1,no_such_case"], "--cases: no golden case named 'no_such_case'"),
     (["--adapter", "no_such_module:Kernel"], "cannot import no_such_module"),
     (["--adapter", "test_adapters:NoSuchClass"], "has no attribute 'NoSuchClass'"),
-    (["--adapter", "test_adapters:UnknownPolicy"], "unknown tolerance policy 'no-such-policy'")]
+    (["--adapter", "test_adapters:UnknownPolicy"], "unknown tolerance policy 'no-such-policy'"),
+    (["--warmup-shards", "0"], "--k3ref-warmup-shards 0: must be at least 1"),
+    (["--jobs", "-1"], "--k3ref-warmup-jobs -1: must be at least 1")]
 
 
 @pytest.mark.parametrize("args,message", SELECTOR_ERRORS, ids=[a[1] for a, _ in SELECTOR_ERRORS])

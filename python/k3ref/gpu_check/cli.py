@@ -125,6 +125,9 @@ def warmup_command(args):
     from .protocol import RunOptions
 
     csv = selection.csv_list
+    for flag, value in (("--warmup-shards", args.warmup_shards), ("--jobs", args.jobs)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value}: must be at least 1")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     opts = RunOptions(adapters=tuple(args.adapter), builtin=not args.no_builtin, only=csv(args.only),
                       no_mutants=args.no_mutants, checks=csv(args.checks), cases=csv(args.cases), goldens=args.goldens,
