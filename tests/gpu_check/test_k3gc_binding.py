@@ -57,13 +57,15 @@ ARGS = dict(q=1001, k=1002, v=1003, g=1004, beta=1005, input_dtype=2, A_log=None
 
 
 def build(tmp_path, name, source, shift=0):
-    cc = shutil.which("cc") or shutil.which("gcc")
+    # any of the build's compilers: a C++ driver compiles C with -x c (CI installs only g++)
+    cc = next((c for c in ("cc", "gcc", "c++", "g++") if shutil.which(c)), None)
     if cc is None:
         pytest.skip("no C compiler for the stand-in library")
     src = tmp_path / f"{name}.c"
     src.write_text(source)
     out = tmp_path / f"lib{name}.so"
-    subprocess.run([cc, "-std=c99", "-shared", "-fPIC", f"-DSHIFT={shift}", f"-I{INCLUDE}", "-o", str(out), str(src)],
+    subprocess.run([cc, "-x", "c", "-std=c99", "-shared", "-fPIC", f"-DSHIFT={shift}", f"-I{INCLUDE}", "-o", str(out),
+                    str(src)],
                    check=True, capture_output=True, text=True)
     return str(out)
 
