@@ -44,20 +44,21 @@ mkdir -p "$OUT/rows"
 kernels=$($SC ${ONLY:+--only "$ONLY"} --list)
 set -f  # kernel names hold brackets: no globbing
 stem() { printf '%s' "$1" | tr '[]' '__'; }  # plain file names
+checks_of() { [ "${1%%|*}" != "$1" ] && printf '%s' "${1#*|}"; return 0; }  # a job's checks part
 part() {  # the row file of a job: kernel, kernel|golden or kernel|-golden
-  local k=${1%%|*} c=""
-  [ "$k" != "$1" ] && c=${1#*|}
+  local k=${1%%|*} c
+  c=$(checks_of "$1")
   printf '%s' "$OUT/rows/$(stem "$k")${c:+.${c/-/not_}}.json"
 }
 run_one() {  # $1 = kernel, kernel|golden (its golden check alone) or kernel|-golden (the others)
-  local k=${1%%|*} c="" f s0 sel=()
-  [ "$k" != "$1" ] && c=${1#*|}
+  local k=${1%%|*} c f s0 sel=()
+  c=$(checks_of "$1")
   case "$c" in -*) sel=(--skip-checks "${c#-}");; ?*) sel=(--checks "$c");; esac
   f=$(part "$1"); rm -f "$f"; s0=$(date +%s)
   timeout "${KERNEL_TIMEOUT:-300}" $SC --only "$k" "${sel[@]}" --out "$f" > "${f%.json}.log" 2>&1
   echo "$1: rc $?, $(( $(date +%s) - s0 )) s"
 }
-export -f stem part run_one; export SC OUT KERNEL_TIMEOUT
+export -f stem checks_of part run_one; export SC OUT KERNEL_TIMEOUT
 jobs=()
 for k in $kernels; do
   case ",${SPLIT:-}," in

@@ -18,15 +18,12 @@
 namespace k3ref::python {
 namespace {
 
-// The fields of k3gc_kda_args, each with how a Python value becomes it: a device pointer
-// (an int, or None for NULL), an integer code or size, or a double.
-#define K3GC_KDA_FIELDS(X)                                                                     \
-  X(q, pointer) X(k, pointer) X(v, pointer) X(g, pointer) X(beta, pointer) X(input_dtype, integer) \
-  X(A_log, pointer) X(dt_bias, pointer) X(gate, integer) X(lower_bound, real) X(beta_mode, integer) \
-  X(qk_l2norm, integer) X(scale, real) X(B, integer) X(T, integer) X(H, integer) X(HV, integer)    \
-  X(K, integer) X(V, integer) X(cu_seqlens, pointer) X(N, integer) X(initial_state, pointer)       \
-  X(final_state, pointer) X(state_dtype, integer) X(state_v_first, integer) X(o, pointer)          \
-  X(output_dtype, integer)
+// The fields of k3gc_kda_args. A value becomes its field by the field's type (assign): a
+// device pointer from an int (0 or None: NULL), an integer code or size, or a double.
+#define K3GC_KDA_FIELDS(X)                                                                            \
+  X(q) X(k) X(v) X(g) X(beta) X(input_dtype) X(A_log) X(dt_bias) X(gate) X(lower_bound) X(beta_mode) \
+  X(qk_l2norm) X(scale) X(B) X(T) X(H) X(HV) X(K) X(V) X(cu_seqlens) X(N) X(initial_state)            \
+  X(final_state) X(state_dtype) X(state_v_first) X(o) X(output_dtype)
 
 #define K3GC_STATS_FIELDS(X)                                                                       \
   X(count) X(err_sq) X(ref_sq) X(floor_sq) X(max_abs) X(max_abs_index) X(max_ulp) X(max_ulp_index) \
@@ -93,7 +90,7 @@ struct K3gc {
   void kda_forward(const py::dict& values, int precision, int mutation, std::uintptr_t stream) const {
     k3gc_kda_args a{};
     std::size_t used = 0;
-#define K3GC_ASSIGN(field, kind)                                                           \
+#define K3GC_ASSIGN(field)                                                           \
   if (!values.contains(#field)) throw py::value_error("k3gc kda_forward: no argument " #field); \
   assign(a.field, values[#field], #field);                                                 \
   ++used;
@@ -103,7 +100,7 @@ struct K3gc {
       for (const auto& item : values) {
         const std::string key = py::str(item.first);
         bool known = false;
-#define K3GC_KNOWN(field, kind) known = known || key == #field;
+#define K3GC_KNOWN(field) known = known || key == #field;
         K3GC_KDA_FIELDS(K3GC_KNOWN)
 #undef K3GC_KNOWN
         if (!known) throw py::value_error("k3gc kda_forward: unknown argument " + key);

@@ -34,6 +34,20 @@ def _autotuner_class():
 
 
 @contextlib.contextmanager
+def _replaced(cls, **methods):
+    """Inside the block `cls`'s named attributes are the given functions; the originals are
+    back after it, whatever happens inside (every hook of this module is installed so)."""
+    saved = {name: getattr(cls, name) for name in methods}
+    for name, f in methods.items():
+        setattr(cls, name, f)
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(cls, name, f)
+
+
+@contextlib.contextmanager
 def recording():
     """Yields the list of Autotuner objects whose run() is called inside the block (in the
     order of their first call)."""
@@ -49,11 +63,8 @@ def recording():
             used.append(self)
         return original(self, *args, **kwargs)
 
-    cls.run = run
-    try:
+    with _replaced(cls, run=run):
         yield used
-    finally:
-        cls.run = original
 
 
 @contextlib.contextmanager
@@ -118,11 +129,8 @@ def first_config_only():
         finally:
             self.configs = saved
 
-    cls.run = run
-    try:
+    with _replaced(cls, run=run):
         yield
-    finally:
-        cls.run = original
 
 
 # Counts of prop's draws (run_drawn): inside a bucket, outside, and the times of each example.
@@ -178,10 +186,10 @@ class _NotCached(Exception):
     pass
 
 
-def _shardable(cls):
-    """Whether `cls` has the two methods the shards hook (Triton 3.x: _bench(*args, config,
-    **meta) and check_disk_cache(tuning_key, configs, bench_fn)); without them a shard runs its
-    unit whole (duplicated work, nothing wrong)."""
+def _hookable(cls):
+    """Whether `cls` has the two methods the warm-up's hooks replace (Triton 3.x: _bench(*args,
+    config, **meta) and check_disk_cache(tuning_key, configs, bench_fn)); without them a shard
+    runs its unit whole and benchmarks keep Triton's length (more work, nothing wrong)."""
     return cls is not None and callable(getattr(cls, "_bench", None)) and callable(getattr(cls, "check_disk_cache", None))
 
 
@@ -195,7 +203,7 @@ def sharded(index, count, cls=None):
     for `replayed` in the unit that merges the shards."""
     cls = cls or _autotuner_class()
     measured = {}
-    if not _shardable(cls):
+    if not _hookable(cls):
         yield measured
         return
     bench, check = cls._bench, cls.check_disk_cache
@@ -221,11 +229,10 @@ def sharded(index, count, cls=None):
         measured.setdefault(_table_id(self), {})[str(tuning_key)] = mine
         return False
 
-    cls._bench, cls.check_disk_cache = _bench, check_disk_cache
     try:
-        yield measured
+        with _replaced(cls, _bench=_bench, check_disk_cache=check_disk_cache):
+            yield measured
     finally:
-        cls._bench, cls.check_disk_cache = bench, check
         # A shard's winners are not the kernel's: the worker's next unit (its merge, say) must
         # not find them in the autotuners' memory (Triton then skips its disk cache).
         for tuner, key in chosen:
@@ -252,7 +259,7 @@ def replayed(table, cls=None):
     here. Yields the counts of timings replayed and benchmarked."""
     cls = cls or _autotuner_class()
     counts = {"replayed": 0, "benchmarked": 0}
-    if not _shardable(cls):
+    if not _hookable(cls):
         yield counts
         return
     bench, check = cls._bench, cls.check_disk_cache
@@ -272,11 +279,8 @@ def replayed(table, cls=None):
         counts["benchmarked"] += 1
         return bench(self, *args, config=config, **meta)
 
-    cls._bench, cls.check_disk_cache = _bench, check_disk_cache
-    try:
+    with _replaced(cls, _bench=_bench, check_disk_cache=check_disk_cache):
         yield counts
-    finally:
-        cls._bench, cls.check_disk_cache = bench, check
 
 
 @contextlib.contextmanager
@@ -287,7 +291,7 @@ def benchmark_length(warmup_ms, rep_ms, cls=None):
     times at these kernels' microseconds; the warm-up's processes share one GPU, whose time the
     benchmarks of a cold run wait on."""
     cls = cls or _autotuner_class()
-    if not _shardable(cls):
+    if not _hookable(cls):
         yield
         return
     bench = cls._bench
@@ -315,8 +319,5 @@ def benchmark_length(warmup_ms, rep_ms, cls=None):
             else:
                 self.__dict__["do_bench"] = saved
 
-    cls._bench = _bench
-    try:
+    with _replaced(cls, _bench=_bench):
         yield
-    finally:
-        cls._bench = bench

@@ -68,7 +68,7 @@ def load_error():
 
 
 def _ptr(t):
-    return t.data_ptr() if t is not None else None
+    return t.data_ptr() if t is not None else 0  # 0: NULL
 
 
 def _code(kind, name):
@@ -98,9 +98,9 @@ def compare(candidate, reference, fmt, atol=0.0, rtol=0.0, window_shape=None):
         wr = torch.empty(nw, dtype=torch.float64, device=cand.device)
     # The comparator's sums as a plain dict: metrics.compare makes them figures in the one
     # judge (k3ref._core); this module binds the library and knows nothing of the harness.
-    out = _lib.compare(_ptr(cand) or 0, _code("format", cand.dtype), _ptr(ref) or 0, _code("format", ref.dtype),
-                       cand.numel(), _code("format", fmt), atol, rtol, inner, extent, window, _ptr(we) or 0,
-                       _ptr(wr) or 0, _stream())
+    out = _lib.compare(_ptr(cand), _code("format", cand.dtype), _ptr(ref), _code("format", ref.dtype),
+                       cand.numel(), _code("format", fmt), atol, rtol, inner, extent, window, _ptr(we), _ptr(wr),
+                       _stream())
     if we is not None:
         out["window_err_sq"], out["window_ref_sq"] = we.tolist(), wr.tolist()
     return out

@@ -581,7 +581,7 @@ def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env
                 else:
                     rec["key"] = unit_key(unit[0].name, unit[1], unit[2])
                     if role:
-                        rec["shards"] = role[1] and len(role[1])
+                        rec["shards"] = len(role[1])
                     if on_unit_done:
                         on_unit_done(pending_key(unit[0].name, is_backward(unit[1])))
                 if progress:
