@@ -97,9 +97,13 @@ typedef struct {
 } k3gc_kda_args;
 
 /* precision 0: the fp64 reference (mutation must be 0), its plain kernel (the definition);
- * 1: fp32 arithmetic; 2: the fp64 reference's cluster-staged kernel (mutation must be 0): bit
- * for bit the results of precision 0 and, measured on an H200, slower
- * (tests/gpu_check/test_fp64_reference.py). Any other value is an error. */
+ * 1: fp32 arithmetic; 2: the fp64 reference's fast form (mutation must be 0): bit for bit the
+ * results of precision 0 (tests/gpu_check/test_fp64_reference.py), what long references run.
+ * It stages its inputs as fp64 into a device workspace of at most 1 GiB, taken on `stream`
+ * (cudaMallocAsync) for the call: windows of 2^27 / ((2 H + 2 HV) * 128 + HV) tokens (at least
+ * 8), the state carried across them in fp64 (a second 2 * HV * 128 * 128 doubles when there is
+ * more than one window); with cu_seqlens it first reads cu_seqlens to the host, synchronising
+ * `stream`, and refuses one that decreases or leaves [0, T]. Any other value is an error. */
 int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mutation, void* stream);
 
 /* The code of a name: kind "format" (the policy table's fp64, fp32, bf16, fp16: a k3gc_dtype),

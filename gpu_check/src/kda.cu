@@ -6,9 +6,11 @@
 // i = s + 8r (r < 16) in registers; k.S and q.S are reduced over the 8 threads by shuffles.
 // Inputs of TT tokens at a time are staged in shared memory with the optional stages applied
 // (gate, L2 norm, beta), in the accumulation type.
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
-#include <cooperative_groups.h>
+#include <cuda_pipeline.h>
 
 #include "common.cuh"
 
@@ -279,304 +281,397 @@ int launch_f32(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t s) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The fp64 reference, cluster-staged (precision 2): bit for bit the plain kernel's
-// launch<double, 8, 16, 32, 0> (precision 0, the reference), tested against it
-// (tests/gpu_check/test_fp64_reference.py). Written to be faster, measured slower on an H200
-// (K3's shape, 125,000 tokens x 96 heads: 0.51 s against the plain kernel's 0.38 s): it runs 4
-// threads per column where the plain kernel runs 16, and the recurrence is latency-bound, so
-// the 4x fewer warps hide less than the saved shuffles gain. Kept, tested, as the base of the
-// next attempt; the reference runs the plain kernel. Every element gets the same IEEE
-// operations in the same order:
+// The fp64 reference, fast form (precision 2): bit for bit the plain kernel's
+// launch<double, 8, 16, 32, 0> (precision 0, the definition), tested against it
+// (tests/gpu_check/test_fp64_reference.py), and what the long references run. Every element
+// gets the same IEEE operations in the same order; only who computes them, and when, changes:
 //
+// - Staging runs once per token and head, not once per column block: a prepare kernel writes
+//   the staged rows (q and k after the L2 norm, the decay exp(gate), v and beta, each the plain
+//   kernel's expression) as fp64 into a workspace, for a window of tokens at a time (at most
+//   kWorkspaceBytes). In the plain kernel the gate's exps, recomputed by each of a head's 4
+//   column blocks, cost about a third of the recurrence.
 // - Column j's k.S and q.S are, in the plain kernel, 16 partial sums ("slices" s < 16, slice s
 //   summing rows s + 16r in r order, starting from 0) reduced by x += shfl_xor(x, off) for off
 //   = 8, 4, 2, 1. Addition is commutative, so lanes s and s^off hold the same value after each
-//   step: P physical threads per column (thread p holding the NV = 16/P slices s = p + P*jv,
-//   i.e. every row i = p mod P) do the steps off >= P in registers, own operand first, and
-//   shuffle only the steps off < P. Fewer shuffles and redundant tree adds, NV independent
-//   accumulation chains per thread.
-// - Staging computes the same expression for each element; only who computes it changes. The
-//   column blocks of one (sequence, head) form a thread block cluster (sm_90) and split the
-//   tile's tokens: each block stages its tokens (loads, gate, exp, L2 norm, with its lane-strided
-//   sums and 16..1 tree) once and writes them into every block's shared memory, so the gate's
-//   exps are computed once per head, not once per column block. exp(A_log[hv]) is hoisted (exp
-//   is a function: same argument, same bits).
-// - Shared memory holds a thread's rows contiguously (row i at (i % P) * kStride + i / P, padded
-//   so the P threads of a warp hit distinct banks): 16-byte loads.
-// - Two tile buffers: the tokens of tile n+1 are staged while tile n is computed; one cluster
-//   barrier per tile.
-// - Grid: for the K3 shape 96 heads x 4 column blocks = 384 blocks of 128 threads, 3 resident per
-//   SM (56 KiB of shared memory each), so one wave on 132 SMs.
+//   step: P threads per column (thread p holding the 16/P slices s = p + P*jv, i.e. the rows
+//   i = p mod P) do the steps off >= P in registers, own operand first, and shuffle only the
+//   steps off < P. Each thread holds C columns, so one load of a row's q, k and decay serves C
+//   columns: the loop is bound by fp64 arithmetic, not by shared-memory loads and shuffles.
+// - The recurrence streams its window's rows from the workspace into shared memory with
+//   cp.async, two tiles of kTT tokens in flight; a thread's rows lie contiguously (row i at
+//   (i % P) * kStride + i / P, padded so the P threads of a warp hit distinct banks): 16-byte loads.
+// - A sequence that runs past a window carries its fp64 state to the next window through a
+//   workspace buffer (two, alternating: the sequence leaving a window and the one entering it
+//   may differ). Sequences are contiguous in the token dimension, so at most one crosses each
+//   window boundary.
 // As in the plain kernel every one of the 128 rows is computed (rows >= K with q = k = 0, decay
 // 1), so zeros' signs, infinities and NaNs propagate as there.
 namespace fp64 {
 
-constexpr int kCB = 32;  // columns per block
-constexpr int kTT = 8;   // tokens per tile
-
-template <int P> struct Layout {
-  static constexpr int kNV = 16 / P;                 // slices per thread
-  static constexpr int kRows = kMaxDim / P;          // rows per thread
-  static constexpr int kStride = kRows + 2;          // per-thread row block, padded (16 B banks)
-  static constexpr int kWidth = P * kStride;         // one token's row vector
-  static __device__ __forceinline__ int pos(int i) { return (i % P) * kStride + i / P; }
-};
-
-template <int P> struct alignas(16) Tile64 {
-  double q[kTT][Layout<P>::kWidth], k[kTT][Layout<P>::kWidth], d[kTT][Layout<P>::kWidth];
-  double v[kTT][kCB], b[kTT];
-};
-
-// gate_value with exp(A_log[hv]) (amp) and dt_bias[hv * K + i] (bias) given: the same operations.
-__device__ __forceinline__ double gate_of(const k3gc_kda_args& a, double amp, double bias, double raw) {
-  if (a.gate == K3GC_GATE_LOG_DECAY) return raw;
-  const double x = raw + bias;
-  if (a.gate == K3GC_GATE_SOFTPLUS) return -amp * softplus(x);
-  const double y = a.A_log ? amp * x : x;
-  return double(a.lower_bound) * sigmoid(y);
-}
-
-// One step of the reduction tree in registers: slice jv takes slice jv ^ dj = jv + dj (its own
-// value first, as x += shfl_xor(x, off) adds); only the slices jv < dj feed the next step.
-template <int NV> __device__ __forceinline__ void tree_step(double (&x)[NV], int dj) {
-#pragma unroll
-  for (int jv = 0; jv < NV; ++jv)
-    if (jv < dj) x[jv] = x[jv] + x[jv + dj];
-}
-
-template <int P>
-__global__ void __launch_bounds__(kCB * P, 3) kda_fp64_kernel(k3gc_kda_args a) {
-  using L = Layout<P>;
-  constexpr int NV = L::kNV, R = L::kRows;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Tile64<P>* const buf = reinterpret_cast<Tile64<P>*>(smem_raw);  // [2]
-  const int64_t col_blocks = (a.V + kCB - 1) / kCB;
-  const int64_t cb = blockIdx.x % col_blocks;
-  const int64_t n = blockIdx.x / col_blocks / a.HV, hv = blockIdx.x / col_blocks % a.HV;
-  const int64_t h = hv / (a.HV / a.H);
-  int64_t bos, eos;
-  if (a.cu_seqlens) {
-    bos = a.cu_seqlens[n];
-    eos = a.cu_seqlens[n + 1];
-  } else {
-    bos = n * a.T;
-    eos = bos + a.T;
-  }
-  const int64_t K = a.K, V = a.V;
-  const int tid = threadIdx.x, p = tid % P, jl = tid / P;
-  const int64_t j = cb * kCB + jl;
-  const bool column = j < V;
-  const int warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
-
-  // The blocks this one stages for: its cluster (the column blocks of its (sequence, head)) on
-  // sm_90 when launched as one, else itself.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int CL = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  Tile64<P>* dst[4];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) dst[c] = c < CL ? cluster.map_shared_rank(buf, c) : buf;
-  auto barrier = [&] { if (CL > 1) cluster.sync(); else __syncthreads(); };
-  if (CL > 1) cluster.sync();  // every block of the cluster runs before any writes into it
-#else
-  constexpr int CL = 1, rank = 0;
-  Tile64<P>* dst[1] = {buf};
-  auto barrier = [] { __syncthreads(); };
+#ifndef K3GC_FP64_THREADS_PER_COLUMN
+#define K3GC_FP64_THREADS_PER_COLUMN 8
 #endif
+#ifndef K3GC_FP64_COLUMNS_PER_THREAD
+#define K3GC_FP64_COLUMNS_PER_THREAD 2
+#endif
+constexpr int kP = K3GC_FP64_THREADS_PER_COLUMN;  // threads per column
+constexpr int kC = K3GC_FP64_COLUMNS_PER_THREAD;  // columns per thread
+constexpr int kThreads = 128;
+constexpr int kCB = kThreads / kP * kC;  // columns per block
+constexpr int kTT = 8;                   // tokens per tile
+constexpr int kNV = 16 / kP;             // slices per thread
+constexpr int kR = kMaxDim / kP;         // rows per thread
+constexpr int kStride = kR + 2;          // a thread's row block in shared memory, padded (16 B banks)
+constexpr int kWidth = kP * kStride;     // one token's row vector in shared memory
+constexpr int64_t kWorkspaceBytes = int64_t(1) << 30;
+// The lanes of one column hold p in the high lane bits, so that the 8 lanes of each quarter warp
+// read as few distinct rows as they can (measured: 3 % faster than p in the low bits).
+constexpr int kLaneStep = 32 / kP;
+static_assert(16 % kP == 0 && kP >= 2 && kC == 2 && kMaxDim % kCB == 0 && kR % 2 == 0, "a layout the kernel cannot take");
 
-  // Staging constants of this lane's rows i = lane + 32c (c < 4).
-  const double amp = (a.gate != K3GC_GATE_LOG_DECAY && a.A_log) ? Math<double>::exp_(double(a.A_log[hv])) : 1.0;
-  double bias[4];
+// Row i of a staged vector, in the workspace (unpadded) and in shared memory.
+__host__ __device__ constexpr int ws_pos(int i) { return (i % kP) * kR + i / kP; }
+
+// The staged rows of a window of tokens [c0, c0 + tokens): q and k per (token, head), decay
+// and v per (token, value head), each 128 doubles; beta per (value head, token).
+struct Workspace {
+  double *q, *k, *d, *v, *b;
+  int64_t c0, tokens;
+};
+
+__host__ inline int64_t workspace_doubles_per_token(const k3gc_kda_args& a) { return (2 * a.H + 2 * a.HV) * kMaxDim + a.HV; }
+
+// One warp per (token, head) of q and k, then one per (token, value head) of the decay, v and
+// beta: lane l computes rows l + 32c, as the plain kernel's staging and L2 norm do.
+__global__ void __launch_bounds__(256) kda_fp64_prepare(k3gc_kda_args a, Workspace w) {
+  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t K = a.K, V = a.V;
+  // The warp's two rows go through shared memory, so that each lane stores 32 contiguous bytes.
+  __shared__ __align__(16) double rows[8][2][kMaxDim];
+  double (&row)[2][kMaxDim] = rows[threadIdx.x / 32];
+  auto write_rows = [&](double* dst0, double* dst1) {
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      double* dst = r ? dst1 : dst0;
+      reinterpret_cast<double2*>(dst)[2 * lane] = reinterpret_cast<const double2*>(row[r])[2 * lane];
+      reinterpret_cast<double2*>(dst)[2 * lane + 1] = reinterpret_cast<const double2*>(row[r])[2 * lane + 1];
+    }
+  };
+  if (item < w.tokens * a.H) {
+    const int64_t tok = item / a.H, h = item % a.H, t = w.c0 + tok;
+    double qv[4], kv[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t i = lane + 32 * c;
+      qv[c] = i < K ? load_as_double(a.q, a.input_dtype, (t * a.H + h) * K + i) : 0.0;
+      kv[c] = i < K ? load_as_double(a.k, a.input_dtype, (t * a.H + h) * K + i) : 0.0;
+    }
+    if (a.qk_l2norm) {
+      double sq = 0, sk = 0;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (lane + 32 * c < K) {
+          sq += qv[c] * qv[c];
+          sk += kv[c] * kv[c];
+        }
+      }
+      for (int off = 16; off > 0; off /= 2) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, off);
+        sk += __shfl_xor_sync(0xffffffffu, sk, off);
+      }
+      const double fq = 1.0 / Math<double>::sqrt_(sq + double(1e-6)), fk = 1.0 / Math<double>::sqrt_(sk + double(1e-6));
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (lane + 32 * c < K) {
+          qv[c] *= fq;
+          kv[c] *= fk;
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      row[0][ws_pos(lane + 32 * c)] = qv[c];
+      row[1][ws_pos(lane + 32 * c)] = kv[c];
+    }
+    write_rows(w.q + item * kMaxDim, w.k + item * kMaxDim);
+    return;
+  }
+  const int64_t vitem = item - w.tokens * a.H;
+  if (vitem >= w.tokens * a.HV) return;  // a whole warp: write_rows' __syncwarp sees all 32 lanes
+  const int64_t tok = vitem / a.HV, hv = vitem % a.HV, t = w.c0 + tok;
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int64_t i = lane + 32 * c;
-    bias[c] = (a.dt_bias && i < K) ? double(a.dt_bias[hv * K + i]) : 0.0;
+    double dv = 1;
+    if (i < K) dv = Math<double>::exp_(gate_value<double>(a, hv, i, load_as_double(a.g, a.input_dtype, (t * a.HV + hv) * K + i)));
+    row[0][ws_pos(lane + 32 * c)] = dv;
+    row[1][i] = i < V ? load_as_double(a.v, a.input_dtype, (t * a.HV + hv) * V + i) : 0.0;
+  }
+  write_rows(w.d + vitem * kMaxDim, w.v + vitem * kMaxDim);
+  if (lane == 0) {
+    double bv = load_as_double(a.beta, a.input_dtype, t * a.HV + hv);
+    if (a.beta_mode == K3GC_BETA_SIGMOID) bv = sigmoid(bv);
+    if (a.beta_mode == K3GC_BETA_TWO_SIGMOID) bv = 2.0 * sigmoid(bv);
+    w.b[hv * w.tokens + tok] = bv;
+  }
+}
+
+struct alignas(16) Tile64 {
+  double q[kTT][kWidth], k[kTT][kWidth], d[kTT][kWidth];
+  double v[kTT][kCB], b[kTT];
+};
+
+// One step of the reduction tree in registers: slice jv takes slice jv ^ dj = jv + dj (its own
+// value first, as x += shfl_xor(x, off) adds); only the slices jv < dj feed the next step.
+__device__ __forceinline__ void tree_step(double (&x)[kNV], int dj) {
+#pragma unroll
+  for (int jv = 0; jv < kNV; ++jv)
+    if (jv < dj) x[jv] = x[jv] + x[jv + dj];
+}
+
+// Two columns' reductions at once: the first shuffle step exchanges the halves, lanes with
+// bit kP / 2 of p set keeping column 1 and the others column 0, so each step after it moves one
+// value, not two. Returns the kept column's sum (column hi of the caller's pair).
+__device__ __forceinline__ double pair_sum(double (&x0)[kNV], double (&x1)[kNV], bool hi) {
+#pragma unroll
+  for (int off = 8; off >= kP; off /= 2) {
+    tree_step(x0, off / kP);
+    tree_step(x1, off / kP);
+  }
+  const double keep = hi ? x1[0] : x0[0], send = hi ? x0[0] : x1[0];
+  double sum = keep + __shfl_xor_sync(0xffffffffu, send, (kP / 2) * kLaneStep);
+#pragma unroll
+  for (int off = kP / 4; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off * kLaneStep);
+  return sum;
+}
+
+// The index of state element (i, j) of (sequence n, value head hv) in a's state layout.
+__device__ __forceinline__ int64_t state_index(const k3gc_kda_args& a, int64_t n, int64_t hv, int64_t i, int64_t j) {
+  const int64_t K = a.K, V = a.V;
+  return ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) * (a.state_v_first ? K : V) +
+         (a.state_v_first ? i : j);
+}
+
+// The sequences [n_lo, n_lo + gridDim / (HV * column blocks)) over the window's tokens
+// [w.c0, w.c0 + w.tokens): their state from the initial state (or 0) where they begin in the
+// window, else from carry_in; to the final state where they end in it, else to carry_out
+// (each [HV, 128, 128] fp64).
+__global__ void __launch_bounds__(kThreads, 3)
+    kda_fp64_window(k3gc_kda_args a, Workspace w, int64_t n_lo, const double* carry_in, double* carry_out) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Tile64* const buf = reinterpret_cast<Tile64*>(smem_raw);  // [2]
+  const int64_t col_blocks = (a.V + kCB - 1) / kCB;
+  const int64_t cb = blockIdx.x % col_blocks;
+  const int64_t n = n_lo + blockIdx.x / col_blocks / a.HV, hv = blockIdx.x / col_blocks % a.HV;
+  const int64_t h = hv / (a.HV / a.H);
+  const int64_t bos = a.cu_seqlens ? a.cu_seqlens[n] : n * a.T, eos = a.cu_seqlens ? a.cu_seqlens[n + 1] : bos + a.T;
+  const int64_t c0 = w.c0, c1 = w.c0 + w.tokens;
+  const int64_t lo = bos > c0 ? bos : c0, hi = eos < c1 ? eos : c1;
+  const int64_t K = a.K, V = a.V;
+  const int tid = threadIdx.x;
+  const int p = tid % 32 / kLaneStep;
+  const int jl = (tid / 32 * kLaneStep + tid % kLaneStep) * kC;  // this thread's first column in the block
+  const int64_t j0 = cb * kCB + jl;
+
+  double S[kC][kR];
+  const bool begins = bos >= c0;
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const int64_t j = j0 + c;
+#pragma unroll
+    for (int m = 0; m < kR; ++m) {
+      const int64_t i = p + kP * m;
+      S[c][m] = 0.0;
+      if (j < V && i < K) {
+        if (!begins) S[c][m] = carry_in[(hv * kMaxDim + i) * kMaxDim + j];
+        else if (a.initial_state) S[c][m] = load_as_double(a.initial_state, a.state_dtype, state_index(a, n, hv, i, j));
+      }
+    }
   }
 
-  double S[R];
-  const bool use_init = a.initial_state != nullptr;
-#pragma unroll
-  for (int m = 0; m < R; ++m) {
-    const int64_t i = p + P * m;
-    S[m] = 0.0;
-    if (use_init && column && i < K) {
-      const int64_t idx = ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) *
-                              (a.state_v_first ? K : V) + (a.state_v_first ? i : j);
-      S[m] = load_as_double(a.initial_state, a.state_dtype, idx);
+  // Tile nt's rows into buffer nb, 16 bytes (beta: 8) per cp.async.
+  auto stage = [&](int64_t t0, int count, int nb) {
+    Tile64& tile = buf[nb];
+    constexpr int kChunks = kMaxDim / 2;  // 16-byte chunks of one row vector
+    for (int idx = tid; idx < 3 * count * kChunks; idx += kThreads) {
+      const int which = idx / (count * kChunks), tt = idx / kChunks % count, ch = idx % kChunks;
+      const int64_t tok = t0 + tt - c0;
+      const double* src = which == 2 ? w.d + (tok * a.HV + hv) * kMaxDim : (which ? w.k : w.q) + (tok * a.H + h) * kMaxDim;
+      double* dst = which == 2 ? tile.d[tt] : (which ? tile.k[tt] : tile.q[tt]);
+      const int at = 2 * ch;  // (p, m) = (at / kR, at % kR)
+      __pipeline_memcpy_async(dst + (at / kR) * kStride + at % kR, src + at, 16);
     }
-  }
-
-  // Stages tile `nt` (tokens t0..t0+count) into buffer nb: this block's share of the q, k, decay
-  // rows into every block of the cluster, its own v columns and the betas.
-  auto stage = [&](int64_t t0, int count, int nb, int64_t nt) {
-    for (int slot = 0; slot * CL + rank < count; ++slot) {
-      if ((slot + nt) % n_warps != warp) continue;  // rotated over the warps from tile to tile
-      const int tt = slot * CL + rank;
-      const int64_t t = t0 + tt;
-      double qv[4], kv[4], dv[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int64_t i = lane + 32 * c;
-        qv[c] = 0;
-        kv[c] = 0;
-        dv[c] = 1;
-        if (i < K) {
-          qv[c] = load_as_double(a.q, a.input_dtype, (t * a.H + h) * K + i);
-          kv[c] = load_as_double(a.k, a.input_dtype, (t * a.H + h) * K + i);
-          const double raw = load_as_double(a.g, a.input_dtype, (t * a.HV + hv) * K + i);
-          dv[c] = Math<double>::exp_(gate_of(a, amp, bias[c], raw));
-        }
-      }
-      if (a.qk_l2norm) {
-        double sq = 0, sk = 0;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          if (lane + 32 * c < K) {
-            sq += qv[c] * qv[c];
-            sk += kv[c] * kv[c];
-          }
-        }
-        for (int off = 16; off > 0; off /= 2) {
-          sq += __shfl_xor_sync(0xffffffffu, sq, off);
-          sk += __shfl_xor_sync(0xffffffffu, sk, off);
-        }
-        const double fq = 1.0 / Math<double>::sqrt_(sq + double(1e-6)), fk = 1.0 / Math<double>::sqrt_(sk + double(1e-6));
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          if (lane + 32 * c < K) {
-            qv[c] *= fq;
-            kv[c] *= fk;
-          }
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int at = L::pos(lane + 32 * c);
-#pragma unroll
-        for (int r = 0; r < int(sizeof(dst) / sizeof(dst[0])); ++r) {
-          if (r >= CL) break;
-          dst[r][nb].q[tt][at] = qv[c];
-          dst[r][nb].k[tt][at] = kv[c];
-          dst[r][nb].d[tt][at] = dv[c];
-        }
-      }
+    for (int idx = tid; idx < count * (kCB / 2); idx += kThreads) {
+      const int tt = idx / (kCB / 2), ch = idx % (kCB / 2);
+      __pipeline_memcpy_async(&tile.v[tt][2 * ch], w.v + ((t0 + tt - c0) * a.HV + hv) * kMaxDim + cb * kCB + 2 * ch, 16);
     }
-    for (int idx = tid; idx < count * kCB; idx += blockDim.x) {
-      const int tt = idx / kCB, c = idx % kCB;
-      const int64_t col = cb * kCB + c;
-      buf[nb].v[tt][c] = col < V ? load_as_double(a.v, a.input_dtype, ((t0 + tt) * a.HV + hv) * V + col) : 0.0;
-    }
-    if (tid < count) {
-      double bv = load_as_double(a.beta, a.input_dtype, (t0 + tid) * a.HV + hv);
-      if (a.beta_mode == K3GC_BETA_SIGMOID) bv = sigmoid(bv);
-      if (a.beta_mode == K3GC_BETA_TWO_SIGMOID) bv = 2.0 * sigmoid(bv);
-      buf[nb].b[tid] = bv;
-    }
+    if (tid < count) __pipeline_memcpy_async(&tile.b[tid], w.b + hv * w.tokens + (t0 + tid - c0), 8);
+    __pipeline_commit();
   };
 
   const double scale = a.scale;
-  const int64_t n_tiles = (eos - bos + kTT - 1) / kTT;
-  if (n_tiles > 0) stage(bos, static_cast<int>(imin(int64_t(kTT), eos - bos)), 0, 0);
-  barrier();
+  // Token t's o from its q.S partial sums: lanes p = 0 and kP / 2 hold columns j0 and j0 + 1.
+  const bool upper = p & (kP / 2);
+  double xq[kC][kNV];
+  auto output = [&](double (&x)[kC][kNV], int64_t t) {
+    const double qs = pair_sum(x[0], x[1], upper);
+    const int64_t j = j0 + (upper ? 1 : 0);
+    if (p % (kP / 2) == 0 && j < V) store_from_double(a.o, a.output_dtype, (t * a.HV + hv) * V + j, qs * scale);
+  };
+  const int64_t n_tiles = (hi - lo + kTT - 1) / kTT;
+  if (n_tiles > 0) stage(lo, static_cast<int>(imin(int64_t(kTT), hi - lo)), 0);
   for (int64_t nt = 0; nt < n_tiles; ++nt) {
     const int nb = static_cast<int>(nt & 1);
-    const int64_t t0 = bos + nt * kTT;
-    // Buffer nb ^ 1 was last read by tile nt - 1, which every block of the cluster has finished.
-    if (nt + 1 < n_tiles) stage(t0 + kTT, static_cast<int>(imin(int64_t(kTT), eos - t0 - kTT)), nb ^ 1, nt + 1);
-    const int count = static_cast<int>(imin(int64_t(kTT), eos - t0));
-    const Tile64<P>& tile = buf[nb];
+    const int64_t t0 = lo + nt * kTT;
+    // Buffer nb ^ 1 was last read by tile nt - 1, which every thread has finished (the
+    // barrier at the end of the loop).
+    if (nt + 1 < n_tiles) {
+      stage(t0 + kTT, static_cast<int>(imin(int64_t(kTT), hi - t0 - kTT)), nb ^ 1);
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();
+    const int count = static_cast<int>(imin(int64_t(kTT), hi - t0));
+    const Tile64& tile = buf[nb];
     for (int tt = 0; tt < count; ++tt) {
-      const double* dq = tile.d[tt] + p * L::kStride;
-      const double* kq = tile.k[tt] + p * L::kStride;
-      const double* qq = tile.q[tt] + p * L::kStride;
-      double x[NV];
+      const double* dq = tile.d[tt] + p * kStride;
+      const double* kq = tile.k[tt] + p * kStride;
+      const double* qq = tile.q[tt] + p * kStride;
+      double xk[kC][kNV];
 #pragma unroll
-      for (int jv = 0; jv < NV; ++jv) x[jv] = 0;
+      for (int c = 0; c < kC; ++c)
 #pragma unroll
-      for (int m = 0; m < R; m += 2) {  // m = jv + NV * r: slice jv's rows in r order
-        // Halfway, a warp barrier: ptxas would otherwise hoist every row's loads (232 registers,
-        // spills at the 168 that 3 blocks per SM leave).
-        if (m % 16 == 0 && m > 0) __syncwarp();
+        for (int jv = 0; jv < kNV; ++jv) xk[c][jv] = 0;
+#pragma unroll
+      for (int m = 0; m < kR; m += 2) {  // m = jv + kNV * r: slice jv's rows in r order
         const double2 d2 = *reinterpret_cast<const double2*>(dq + m);
         const double2 k2 = *reinterpret_cast<const double2*>(kq + m);
-        S[m] *= d2.x;
-        S[m + 1] *= d2.y;
-        x[m % NV] += k2.x * S[m];
-        x[(m + 1) % NV] += k2.y * S[m + 1];
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          S[c][m] *= d2.x;
+          S[c][m + 1] *= d2.y;
+          xk[c][m % kNV] += k2.x * S[c][m];
+          xk[c][(m + 1) % kNV] += k2.y * S[c][m + 1];
+        }
       }
-      // The tree's steps 8 .. P in registers (slice jv with slice jv ^ (off / P), own first),
-      // then the steps below P across the P lanes.
+      const double ks_mine = pair_sum(xk[0], xk[1], upper);
+      const double ks_other = __shfl_xor_sync(0xffffffffu, ks_mine, (kP / 2) * kLaneStep);
+      const double b = tile.b[tt];
+      const double u0 = b * ((j0 < V ? tile.v[tt][jl] : 0.0) - (upper ? ks_other : ks_mine));
+      const double u1 = b * ((j0 + 1 < V ? tile.v[tt][jl + 1] : 0.0) - (upper ? ks_mine : ks_other));
 #pragma unroll
-      for (int off = 8; off >= P; off /= 2) tree_step<NV>(x, off / P);
-      double ks = x[0];
+      for (int c = 0; c < kC; ++c)
 #pragma unroll
-      for (int off = P / 2; off > 0; off /= 2) ks += __shfl_xor_sync(0xffffffffu, ks, off);
-      const double u = tile.b[tt] * ((column ? tile.v[tt][jl] : 0.0) - ks);
+        for (int jv = 0; jv < kNV; ++jv) xq[c][jv] = 0;
 #pragma unroll
-      for (int jv = 0; jv < NV; ++jv) x[jv] = 0;
-#pragma unroll
-      for (int m = 0; m < R; m += 2) {
-        if (m % 16 == 0 && m > 0) __syncwarp();
+      for (int m = 0; m < kR; m += 2) {
         const double2 q2 = *reinterpret_cast<const double2*>(qq + m);
         const double2 k2 = *reinterpret_cast<const double2*>(kq + m);
-        S[m] += k2.x * u;
-        S[m + 1] += k2.y * u;
-        x[m % NV] += q2.x * S[m];
-        x[(m + 1) % NV] += q2.y * S[m + 1];
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          const double u = c ? u1 : u0;
+          S[c][m] += k2.x * u;
+          S[c][m + 1] += k2.y * u;
+          xq[c][m % kNV] += q2.x * S[c][m];
+          xq[c][(m + 1) % kNV] += q2.y * S[c][m + 1];
+        }
       }
-#pragma unroll
-      for (int off = 8; off >= P; off /= 2) tree_step<NV>(x, off / P);
-      double qs = x[0];
-#pragma unroll
-      for (int off = P / 2; off > 0; off /= 2) qs += __shfl_xor_sync(0xffffffffu, qs, off);
-      if (p == 0 && column) store_from_double(a.o, a.output_dtype, ((t0 + tt) * a.HV + hv) * V + j, qs * scale);
+      output(xq, t0 + tt);
     }
-    barrier();
+    __syncthreads();
   }
 
-  if (a.final_state && column) {
+  const bool ends = eos <= c1;
+  if (ends && !a.final_state) return;
 #pragma unroll
-    for (int m = 0; m < R; ++m) {
-      const int64_t i = p + P * m;
-      if (i < K) {
-        const int64_t idx = ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) *
-                                (a.state_v_first ? K : V) + (a.state_v_first ? i : j);
-        store_from_double(a.final_state, a.state_dtype, idx, S[m]);
-      }
+  for (int c = 0; c < kC; ++c) {
+    const int64_t j = j0 + c;
+#pragma unroll
+    for (int m = 0; m < kR; ++m) {
+      const int64_t i = p + kP * m;
+      if (j >= V || i >= K) continue;
+      if (ends) store_from_double(a.final_state, a.state_dtype, state_index(a, n, hv, i, j), S[c][m]);
+      else carry_out[(hv * kMaxDim + i) * kMaxDim + j] = S[c][m];
     }
   }
 }
 
-template <int P>
-int launch_tuned(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t stream) {
-  const int64_t col_blocks = (a.V + kCB - 1) / kCB;
-  const int64_t cols = a.V < kCB ? a.V : kCB;
-  const unsigned threads = static_cast<unsigned>((cols * P + 31) / 32 * 32);
-  const size_t smem = 2 * sizeof(Tile64<P>);
-  auto kernel = kda_fp64_kernel<P>;
-  if (int rc = check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-                          "kda_fp64_kernel shared memory"))
-    return rc;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(n_seq * a.HV * col_blocks));
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  int device = 0, major = 0;
-  cudaLaunchAttribute attr = {};
-  if (col_blocks > 1 && cudaGetDevice(&device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9) {
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(col_blocks);
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, kernel, a) == cudaSuccess) return 0;
-    (void)cudaGetLastError();  // no cluster of this size fits: each block stages for itself
-    cfg.numAttrs = 0;
+// Frees what it holds on the stream when it goes out of scope (every return path of launch_fast).
+struct StreamBuffer {
+  void* p = nullptr;
+  cudaStream_t s;
+  explicit StreamBuffer(cudaStream_t stream) : s(stream) {}
+  ~StreamBuffer() { if (p) (void)cudaFreeAsync(p, s); }
+};
+
+int launch_fast(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t stream) {
+  // The sequences' bounds on the host, to cut the tokens into windows at known sequences.
+  std::vector<int64_t> cu(static_cast<size_t>(n_seq) + 1);
+  if (a.cu_seqlens) {
+    if (int rc = check_cuda(cudaMemcpyAsync(cu.data(), a.cu_seqlens, cu.size() * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
+                            "k3gc_kda_forward: reading cu_seqlens"))
+      return rc;
+    if (int rc = check_cuda(cudaStreamSynchronize(stream), "k3gc_kda_forward: reading cu_seqlens")) return rc;
+    for (int64_t n = 0; n < n_seq; ++n)
+      if (cu[n + 1] < cu[n]) return fail("k3gc_kda_forward: cu_seqlens decreases at index " + std::to_string(n + 1));
+    if (cu[0] < 0 || cu[n_seq] > a.T)
+      return fail("k3gc_kda_forward: cu_seqlens must lie in [0, T = " + std::to_string(a.T) + "], got " +
+                  std::to_string(cu[0]) + " to " + std::to_string(cu[n_seq]));
+  } else {
+    for (int64_t n = 0; n <= n_seq; ++n) cu[n] = n * a.T;
   }
-  if (int rc = check_cuda(cudaLaunchKernelEx(&cfg, kernel, a), "kda_fp64_kernel launch")) return rc;
+  const int64_t begin = cu[0], total = cu[n_seq];  // the tokens the sequences cover: [begin, total)
+  const int64_t per_token = workspace_doubles_per_token(a);
+  const int64_t window = total == begin ? 0 : std::max<int64_t>(kTT, std::min(total - begin, kWorkspaceBytes / 8 / per_token));
+
+  StreamBuffer ws(stream), carry(stream);
+  if (window > 0 && check_cuda(cudaMallocAsync(&ws.p, size_t(window * per_token) * 8, stream),
+                               "k3gc_kda_forward: the fp64 reference's workspace"))
+    return 1;
+  const int64_t carry_doubles = a.HV * kMaxDim * kMaxDim;
+  if (window < total - begin && check_cuda(cudaMallocAsync(&carry.p, size_t(2 * carry_doubles) * 8, stream),
+                                   "k3gc_kda_forward: the fp64 reference's state carry"))
+    return 1;
+  double* const carry_buf[2] = {static_cast<double*>(carry.p), carry.p ? static_cast<double*>(carry.p) + carry_doubles : nullptr};
+
+  const size_t smem = 2 * sizeof(Tile64);
+  if (int rc = check_cuda(cudaFuncSetAttribute(kda_fp64_window, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                          "kda_fp64_window shared memory"))
+    return rc;
+  const int64_t col_blocks = (a.V + kCB - 1) / kCB;
+  int64_t n = 0, c0 = begin;
+  for (int parity = 0; n < n_seq; parity ^= 1) {
+    const int64_t c1 = std::min(c0 + window, total);
+    // The sequences with tokens in [c0, c1), and the empty ones at its positions (those at
+    // c1 belong to the next window, unless this is the last).
+    int64_t n_hi = n;
+    while (n_hi < n_seq && (cu[n_hi] < c1 || c1 == total)) ++n_hi;
+    Workspace w{};
+    w.c0 = c0;
+    w.tokens = c1 - c0;
+    if (w.tokens > 0) {
+      double* base = static_cast<double*>(ws.p);
+      w.q = base;
+      w.k = w.q + w.tokens * a.H * kMaxDim;
+      w.d = w.k + w.tokens * a.H * kMaxDim;
+      w.v = w.d + w.tokens * a.HV * kMaxDim;
+      w.b = w.v + w.tokens * a.HV * kMaxDim;
+      const int64_t warps = w.tokens * (a.H + a.HV);
+      kda_fp64_prepare<<<static_cast<unsigned>((warps + 7) / 8), 256, 0, stream>>>(a, w);
+      if (int rc = check_cuda(cudaGetLastError(), "kda_fp64_prepare launch")) return rc;
+    }
+    const int64_t blocks = (n_hi - n) * a.HV * col_blocks;
+    if (blocks > 0x7fffffffLL) return fail("k3gc_kda_forward: more than 2^31 - 1 blocks in one window");
+    if (blocks > 0) kda_fp64_window<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(a, w, n, carry_buf[parity], carry_buf[parity ^ 1]);
+    if (int rc = check_cuda(cudaGetLastError(), "kda_fp64_window launch")) return rc;
+    // The next window starts with the sequence that runs past c1, if one does.
+    n = (n_hi > n && cu[n_hi] > c1) ? n_hi - 1 : n_hi;
+    c0 = c1;
+  }
   return 0;
 }
 
@@ -607,11 +702,11 @@ extern "C" int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mu
   cudaStream_t s = static_cast<cudaStream_t>(stream_ptr);
   if (precision == 0 || precision == 2) {
     if (mutation != K3GC_MUT_NONE) return fail("k3gc_kda_forward: the fp64 reference has no mutants");
-    // 0: the plain kernel (the definition, and the faster one measured); 2: the cluster-staged one (bit for bit the same).
-    return precision == 2 ? fp64::launch_tuned<4>(a, n_seq, s) : launch<double, 8, 16, 32, 0>(a, n_seq, s);
+    // 0: the plain kernel (the definition); 2: the fast form (bit for bit the same).
+    return precision == 2 ? fp64::launch_fast(a, n_seq, s) : launch<double, 8, 16, 32, 0>(a, n_seq, s);
   }
   if (precision != 1)
-    return fail("k3gc_kda_forward: precision must be 0 (fp64), 1 (fp32) or 2 (fp64, cluster-staged), got " +
+    return fail("k3gc_kda_forward: precision must be 0 (fp64), 1 (fp32) or 2 (fp64, fast form), got " +
                 std::to_string(precision));
   switch (mutation) {
     case 0: return launch_f32<0>(a, n_seq, s);

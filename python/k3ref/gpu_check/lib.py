@@ -110,8 +110,8 @@ def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.floa
     """Runs the library's KDA forward. inputs: q, k, v, g, beta (one dtype), optional A_log, dt_bias,
     initial_state, cu_seqlens (CUDA tensors); params: golden params (gate, lower_bound, beta, qk_l2norm,
     scale, state_layout). precision 0: the fp64 reference (its plain kernel, the definition);
-    1: the fp32 kernel (mutation = its mistake); 2: the fp64 reference's cluster-staged kernel,
-    bit for bit precision 0's results (k3gc.h). The state defaults to fp64 for 0 and 2, fp32 for 1.
+    1: the fp32 kernel (mutation = its mistake); 2: the fp64 reference's fast form, bit for bit
+    precision 0's results, what long references run (k3gc.h). The state defaults to fp64 for 0 and 2, fp32 for 1.
     Returns (o, final_state)."""
     assert available(), _error
     q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
