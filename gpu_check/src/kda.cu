@@ -8,6 +8,7 @@
 // (gate, L2 norm, beta), in the accumulation type.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include <cuda_pipeline.h>
@@ -40,18 +41,22 @@ template <typename Acc> __device__ Acc softplus(Acc x) {
 }
 template <typename Acc> __device__ Acc sigmoid(Acc x) { return Acc(1) / (Acc(1) + Math<Acc>::exp_(-x)); }
 
-// The log decay of one gate element, from the raw input as the options say.
+// The log decay of one gate element, from the raw input as the options say, with amp =
+// exp(A_log[hv]) given (1 without A_log): a kernel may compute it once per head.
 template <typename Acc>
-__device__ Acc gate_value(const k3gc_kda_args& a, int64_t hv, int64_t i, Acc raw) {
+__device__ Acc gate_with_amp(const k3gc_kda_args& a, Acc amp, int64_t hv, int64_t i, Acc raw) {
   if (a.gate == K3GC_GATE_LOG_DECAY) return raw;
   const Acc bias = a.dt_bias ? Acc(a.dt_bias[hv * a.K + i]) : Acc(0);
   const Acc x = raw + bias;
-  if (a.gate == K3GC_GATE_SOFTPLUS) {
-    const Acc amp = a.A_log ? Math<Acc>::exp_(Acc(a.A_log[hv])) : Acc(1);
-    return -amp * softplus(x);
-  }
-  const Acc y = a.A_log ? Math<Acc>::exp_(Acc(a.A_log[hv])) * x : x;
+  if (a.gate == K3GC_GATE_SOFTPLUS) return -amp * softplus(x);
+  const Acc y = a.A_log ? amp * x : x;
   return Acc(a.lower_bound) * sigmoid(y);
+}
+
+template <typename Acc>
+__device__ Acc gate_value(const k3gc_kda_args& a, int64_t hv, int64_t i, Acc raw) {
+  const Acc amp = (a.gate != K3GC_GATE_LOG_DECAY && a.A_log) ? Math<Acc>::exp_(Acc(a.A_log[hv])) : Acc(1);
+  return gate_with_amp(a, amp, hv, i, raw);
 }
 
 template <typename Acc, int TT>
@@ -299,7 +304,7 @@ int launch_f32(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t s) {
 //   steps off < P. Each thread holds C columns, so one load of a row's q, k and decay serves C
 //   columns: the loop is bound by fp64 arithmetic, not by shared-memory loads and shuffles.
 // - The recurrence streams its window's rows from the workspace into shared memory with
-//   cp.async, two tiles of kTT tokens in flight; a thread's rows lie contiguously (row i at
+//   cp.async, the next tile of kTT tokens in flight while one is computed, one barrier per tile; a thread's rows lie contiguously (row i at
 //   (i % P) * kStride + i / P, padded so the P threads of a warp hit distinct banks): 16-byte loads.
 // - A sequence that runs past a window carries its fp64 state to the next window through a
 //   workspace buffer (two, alternating: the sequence leaving a window and the one entering it
@@ -309,6 +314,9 @@ int launch_f32(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t s) {
 // 1), so zeros' signs, infinities and NaNs propagate as there.
 namespace fp64 {
 
+#ifndef K3GC_FP64_UNSKEWED
+#define K3GC_FP64_UNSKEWED 1
+#endif
 #ifndef K3GC_FP64_THREADS_PER_COLUMN
 #define K3GC_FP64_THREADS_PER_COLUMN 8
 #endif
@@ -402,11 +410,13 @@ __global__ void __launch_bounds__(256) kda_fp64_prepare(k3gc_kda_args a, Workspa
   const int64_t vitem = item - w.tokens * a.H;
   if (vitem >= w.tokens * a.HV) return;  // a whole warp: write_rows' __syncwarp sees all 32 lanes
   const int64_t tok = vitem / a.HV, hv = vitem % a.HV, t = w.c0 + tok;
+  // exp(A_log[hv]) once per warp, not per element: a function, so the same bits.
+  const double amp = (a.gate != K3GC_GATE_LOG_DECAY && a.A_log) ? Math<double>::exp_(double(a.A_log[hv])) : 1.0;
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int64_t i = lane + 32 * c;
     double dv = 1;
-    if (i < K) dv = Math<double>::exp_(gate_value<double>(a, hv, i, load_as_double(a.g, a.input_dtype, (t * a.HV + hv) * K + i)));
+    if (i < K) dv = Math<double>::exp_(gate_with_amp(a, amp, hv, i, load_as_double(a.g, a.input_dtype, (t * a.HV + hv) * K + i)));
     row[0][ws_pos(lane + 32 * c)] = dv;
     row[1][i] = i < V ? load_as_double(a.v, a.input_dtype, (t * a.HV + hv) * V + i) : 0.0;
   }
@@ -493,22 +503,30 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 
   // Tile nt's rows into buffer nb, 16 bytes (beta: 8) per cp.async.
+  // Constant trip counts and power-of-two strides: the index arithmetic is shifts, not the
+  // runtime divisions a loop over `count` tokens would take (measured: a tenth of the kernel).
+  const int64_t stride_qk = a.H * kMaxDim, stride_dv = a.HV * kMaxDim;
   auto stage = [&](int64_t t0, int count, int nb) {
     Tile64& tile = buf[nb];
     constexpr int kChunks = kMaxDim / 2;  // 16-byte chunks of one row vector
-    for (int idx = tid; idx < 3 * count * kChunks; idx += kThreads) {
-      const int which = idx / (count * kChunks), tt = idx / kChunks % count, ch = idx % kChunks;
-      const int64_t tok = t0 + tt - c0;
-      const double* src = which == 2 ? w.d + (tok * a.HV + hv) * kMaxDim : (which ? w.k : w.q) + (tok * a.H + h) * kMaxDim;
-      double* dst = which == 2 ? tile.d[tt] : (which ? tile.k[tt] : tile.q[tt]);
-      const int at = 2 * ch;  // (p, m) = (at / kR, at % kR)
-      __pipeline_memcpy_async(dst + (at / kR) * kStride + at % kR, src + at, 16);
+    const int64_t tok0 = t0 - c0;
+    const double* const src_q = w.q + tok0 * stride_qk + h * kMaxDim;
+    const double* const src_k = w.k + tok0 * stride_qk + h * kMaxDim;
+    const double* const src_d = w.d + tok0 * stride_dv + hv * kMaxDim;
+#pragma unroll 1
+    for (int idx = tid; idx < 3 * kTT * kChunks; idx += kThreads) {
+      const int which = idx / (kTT * kChunks), tt = idx / kChunks % kTT, at = 2 * (idx % kChunks);
+      if (tt >= count) continue;
+      const double* src = (which == 0 ? src_q : which == 1 ? src_k : src_d) + tt * (which == 2 ? stride_dv : stride_qk);
+      double* dst = which == 0 ? tile.q[tt] : which == 1 ? tile.k[tt] : tile.d[tt];
+      __pipeline_memcpy_async(dst + (at / kR) * kStride + at % kR, src + at, 16);  // (p, m) = (at / kR, at % kR)
     }
-    for (int idx = tid; idx < count * (kCB / 2); idx += kThreads) {
-      const int tt = idx / (kCB / 2), ch = idx % (kCB / 2);
-      __pipeline_memcpy_async(&tile.v[tt][2 * ch], w.v + ((t0 + tt - c0) * a.HV + hv) * kMaxDim + cb * kCB + 2 * ch, 16);
+    static_assert(kTT * (kCB / 2) <= kThreads, "one v chunk per thread");
+    if (tid < kTT * (kCB / 2)) {
+      const int tt = tid / (kCB / 2), ch = tid % (kCB / 2);
+      if (tt < count) __pipeline_memcpy_async(&tile.v[tt][2 * ch], w.v + (tok0 + tt) * stride_dv + hv * kMaxDim + cb * kCB + 2 * ch, 16);
     }
-    if (tid < count) __pipeline_memcpy_async(&tile.b[tid], w.b + hv * w.tokens + (t0 + tid - c0), 8);
+    if (tid < count) __pipeline_memcpy_async(&tile.b[tid], w.b + hv * w.tokens + tok0 + tid, 8);
     __pipeline_commit();
   };
 
@@ -526,17 +544,14 @@ __global__ void __launch_bounds__(kThreads, 3)
   for (int64_t nt = 0; nt < n_tiles; ++nt) {
     const int nb = static_cast<int>(nt & 1);
     const int64_t t0 = lo + nt * kTT;
-    // Buffer nb ^ 1 was last read by tile nt - 1, which every thread has finished (the
-    // barrier at the end of the loop).
-    if (nt + 1 < n_tiles) {
-      stage(t0 + kTT, static_cast<int>(imin(int64_t(kTT), hi - t0 - kTT)), nb ^ 1);
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
-    }
+    // One barrier per tile: past it, tile nt is in buffer nb for every thread, and every thread
+    // has finished tile nt - 1, so buffer nb ^ 1 takes tile nt + 1 while tile nt is computed.
+    __pipeline_wait_prior(0);
     __syncthreads();
+    if (nt + 1 < n_tiles) stage(t0 + kTT, static_cast<int>(imin(int64_t(kTT), hi - t0 - kTT)), nb ^ 1);
     const int count = static_cast<int>(imin(int64_t(kTT), hi - t0));
     const Tile64& tile = buf[nb];
+#if K3GC_FP64_UNSKEWED
     for (int tt = 0; tt < count; ++tt) {
       const double* dq = tile.d[tt] + p * kStride;
       const double* kq = tile.k[tt] + p * kStride;
@@ -582,7 +597,76 @@ __global__ void __launch_bounds__(kThreads, 3)
       }
       output(xq, t0 + tt);
     }
-    __syncthreads();
+#else
+    // Token tt's q.S is summed in token tt + 1's first pass over the rows, beside its k.S (S
+    // read before the decay, so the same operands in the same order): twice the independent
+    // chains in that pass, and the two reductions side by side. The tile's last token is
+    // flushed alone.
+    auto step = [&](auto with_prev, int tt) {
+      constexpr bool kPrev = decltype(with_prev)::value;
+      const double* dq = tile.d[tt] + p * kStride;
+      const double* kq = tile.k[tt] + p * kStride;
+      const double* qp = tile.q[kPrev ? tt - 1 : 0] + p * kStride;
+      double xk[kC][kNV];
+#pragma unroll
+      for (int c = 0; c < kC; ++c)
+#pragma unroll
+        for (int jv = 0; jv < kNV; ++jv) xk[c][jv] = xq[c][jv] = 0;
+#pragma unroll
+      for (int m = 0; m < kR; m += 2) {  // m = jv + kNV * r: slice jv's rows in r order
+        const double2 d2 = *reinterpret_cast<const double2*>(dq + m);
+        const double2 k2 = *reinterpret_cast<const double2*>(kq + m);
+        double2 q2 = {};
+        if constexpr (kPrev) q2 = *reinterpret_cast<const double2*>(qp + m);
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          if constexpr (kPrev) {
+            xq[c][m % kNV] += q2.x * S[c][m];
+            xq[c][(m + 1) % kNV] += q2.y * S[c][m + 1];
+          }
+          S[c][m] *= d2.x;
+          S[c][m + 1] *= d2.y;
+          xk[c][m % kNV] += k2.x * S[c][m];
+          xk[c][(m + 1) % kNV] += k2.y * S[c][m + 1];
+        }
+      }
+      if constexpr (kPrev) output(xq, t0 + tt - 1);
+      const double ks_mine = pair_sum(xk[0], xk[1], upper);
+      const double ks_other = __shfl_xor_sync(0xffffffffu, ks_mine, (kP / 2) * kLaneStep);
+      const double b = tile.b[tt];
+      const double u0 = b * ((j0 < V ? tile.v[tt][jl] : 0.0) - (upper ? ks_other : ks_mine));
+      const double u1 = b * ((j0 + 1 < V ? tile.v[tt][jl + 1] : 0.0) - (upper ? ks_mine : ks_other));
+#pragma unroll
+      for (int m = 0; m < kR; m += 2) {
+        const double2 k2 = *reinterpret_cast<const double2*>(kq + m);
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          const double u = c ? u1 : u0;
+          S[c][m] += k2.x * u;
+          S[c][m + 1] += k2.y * u;
+        }
+      }
+    };
+    step(std::false_type{}, 0);
+    for (int tt = 1; tt < count; ++tt) step(std::true_type{}, tt);
+    {  // the flush: the tile's last token's q.S
+      const double* qp = tile.q[count - 1] + p * kStride;
+#pragma unroll
+      for (int c = 0; c < kC; ++c)
+#pragma unroll
+        for (int jv = 0; jv < kNV; ++jv) xq[c][jv] = 0;
+#pragma unroll
+      for (int m = 0; m < kR; m += 2) {
+        const double2 q2 = *reinterpret_cast<const double2*>(qp + m);
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          xq[c][m % kNV] += q2.x * S[c][m];
+          xq[c][(m + 1) % kNV] += q2.y * S[c][m + 1];
+        }
+      }
+      output(xq, t0 + count - 1);
+    }
+#endif
   }
 
   const bool ends = eos <= c1;

@@ -36,14 +36,14 @@ def module_reference(inputs, params, precision="double"):
 
 
 def compute_reference(inputs, params, device="cpu"):
-    """(o, final_state, source) in float64 on the CPU: libk3gc's fp64 kernel for long cases on
+    """(o, final_state, source) in float64 on the CPU: libk3gc's fp64 kernel (its fast form) for long cases on
     a CUDA device (or when k3ref._core is absent there), else k3ref._core in double."""
     s = shapes_of(inputs)
     size = s["T"] * s["HV"] * s["K"] * s["V"]
     gpu_ok = str(device).startswith("cuda") and lib.available() and s["K"] <= 128 and s["V"] <= 128
     if gpu_ok and (size >= LONG_CASE_ELEMENTS or _module() is None):
         gpu = {k: v.to(device) for k, v in inputs.items()}
-        o, f = lib.kda_forward(gpu, params, precision=0, output_dtype=torch.float64, state_dtype=torch.float64)
+        o, f = lib.kda_forward(gpu, params, precision=2, output_dtype=torch.float64, state_dtype=torch.float64)
         return o.cpu(), f.cpu(), "libk3gc fp64"
     o, f = module_reference(inputs, params)
     return o, f, "k3ref module (double)"

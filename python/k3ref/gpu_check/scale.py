@@ -164,11 +164,12 @@ def index_layout(H, HV, L):
 # --------------------------------------------------------------------------- reference and judge
 
 def reference(inputs, params, device):
-    """(o, final_state) in fp64: libk3gc's fp64 kernel on a CUDA device, else k3ref in double."""
+    """(o, final_state) in fp64: libk3gc's fp64 kernel on a CUDA device (its fast form, bit for bit
+    the plain kernel), else k3ref in double."""
     if str(device).startswith("cuda"):
         if not lib.available():
             raise RuntimeError("the scale tier's reference is libk3gc's fp64 kernel: " + lib.load_error())
-        return lib.kda_forward(inputs, params, precision=0, output_dtype=torch.float64, state_dtype=torch.float64)
+        return lib.kda_forward(inputs, params, precision=2, output_dtype=torch.float64, state_dtype=torch.float64)
     from . import references
 
     return references.module_reference(inputs, params)
