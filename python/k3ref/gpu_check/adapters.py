@@ -127,9 +127,9 @@ class KdaAdapter(Adapter):
 
             yield from backward.cases(self, suite)
             return
-        from . import checks
+        from .problems import pick_config
 
-        c = checks.pick_config(self)
+        c = pick_config(self)
         yield (c["name"], None, None) if c else ("-", None, "no supported configuration")
 
     def run_check(self, check, case, device):

@@ -137,7 +137,7 @@ def warmup_command(args):
     plan = shapes.build(tests, suite)
     s = plan.summary()
     print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
-          f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS); "
+          f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of problems.CONFIGS); "
           f"cache {os.environ.get(warmup.CACHE_VARIABLE)}", flush=True)
     for a, b in s["by_adapter"].items():
         print(f"  {a}: {b['groups']} groups, {b['shapes']} shapes; metamorphic: {s['metamorphic_configs'].get(a, '-')}")

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adapters import Adapter, _env_path, _need_cuda, fla_option_kwargs, fla_version, load_fla
+from .problems import TOKEN_INPUTS
 from .protocol import CheckResult
 
 FORWARD_OP = "kcp.context_parallel"
@@ -59,7 +60,6 @@ FORWARD_TENSORS = ("o", "fragment_transition", "fragment_state", "entering_state
 GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta")
 PARAMETER_GRADIENTS = ("dA_log", "ddt_bias")
 INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
-TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 LAUNCH_TIMEOUT_S = float(os.environ.get("K3REF_CP_TIMEOUT", "300"))
 
 

@@ -97,7 +97,7 @@ def make(opts, conftest_objects=(), progress=print):
              "shape_plan": shape_plan.summary(), "autotune_configs": opts.autotune_configs}
     s = speed["shape_plan"]
     progress(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
-             f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS)")
+             f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of problems.CONFIGS)")
     warm_up = None
     if opts.warmup and shape_plan.shapes:
         selected = warmup.select(warmup.units(shape_plan, adapters), device,

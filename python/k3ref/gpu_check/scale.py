@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from . import checks, lib
+from . import checks, lib, problems
 from . import metrics as M
 from .protocol import CheckResult, shapes_of
 
@@ -94,7 +94,7 @@ GATE_RANGE = (-5.0, 0.0)
 def k3_params(cu_seqlens=None, initial_state=True):
     """K3's KDA options (the configuration FlashKDA and FLA share): lower-bound gate in kernel,
     beta = sigmoid(logits), q and k L2-normalised, state [N, HV, V, K]."""
-    c = checks.CONFIGS[1]
+    c = problems.CONFIGS[1]
     return dict(gate=c["gate"], lower_bound=c["lower_bound"], beta=c["beta"], qk_l2norm=c["qk_l2norm"], scale=None,
                 state_layout=c["state_layout"], A_log=True, cu_seqlens=cu_seqlens, initial_state=initial_state)
 
@@ -178,7 +178,7 @@ def documents(inputs, params, ns):
     """The inputs and params of documents `ns` alone, packed in that order (their tokens, their
     initial states), and their cu_seqlens (a list)."""
     cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
-    part = {k: torch.cat([inputs[k][:, cu[n] : cu[n + 1]] for n in ns], dim=1).contiguous() for k in checks.TOKEN_INPUTS}
+    part = {k: torch.cat([inputs[k][:, cu[n] : cu[n + 1]] for n in ns], dim=1).contiguous() for k in problems.TOKEN_INPUTS}
     for k in ("A_log", "dt_bias"):
         part[k] = inputs[k]
     if "initial_state" in inputs:
@@ -238,7 +238,7 @@ def contract_errors(adapter, inputs, params, ref_o, ref_f, L, window=None):
     if cut:
         # One long sequence: the contract on its first `cut` tokens; the windows past them are
         # bounded with the largest contract error of the windows it covers.
-        sub = checks.token_range(sub, 0, cut)
+        sub = problems.token_range(sub, 0, cut)
         ro, rf = (t.cpu() for t in reference(sub, params, ref_o.device))
     else:
         ro, rf = ref_o.index_select(2, idx).cpu(), ref_f.index_select(1, idx).cpu()
@@ -371,7 +371,7 @@ def case_ragged_tail(adapter, H, HV, L, device, seed=14):
         T = L.chunk + r
         inputs, params = make_inputs(T, H, HV, L, seed + r, device)
         pad = L.chunk * HV * max(L.K, L.V)
-        poisoned = {k: (checks._poisoned_copy(v, pad) if k in checks.TOKEN_INPUTS else v) for k, v in inputs.items()}
+        poisoned = {k: (checks._poisoned_copy(v, pad) if k in problems.TOKEN_INPUTS else v) for k, v in inputs.items()}
         try:
             res = _whole(adapter, "ragged_tail", poisoned, params, L, device)
         except Exception as e:  # one residue's exception is that residue's failure

@@ -69,6 +69,7 @@ from .. import goldens as golden_io, policy
 from . import references, torch_model
 from .adapters import (Adapter, _env_path, _module_version, _need_cuda, fla_option_kwargs, fla_version,
                        load_fla)
+from .problems import TOKEN_INPUTS
 from .protocol import CheckResult, bits, outside_domain
 
 PAD = -1
@@ -84,7 +85,6 @@ DETERMINISM_LENGTHS = (70, 3, 130)
 DECODE_OPS = ("serving.decode", "gdn.decode")
 SERVING_CHECKS = ("golden", "slot_isolation", "layout_equivalence", "decode_after_prefill", "intermediate_states",
                   "accepted_zero", "empty_sequences", "determinism")
-TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
 
 # --------------------------------------------------------------------------- pools
