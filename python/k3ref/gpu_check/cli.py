@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from . import warmup
-from .protocol import KERNEL_PATHS
+from .protocol import KERNEL_PATHS, UsageError
 from .registry import AdapterSpecError
-from .selection import UsageError
 
 def _kernel_options(p):
     for dest, env, text in KERNEL_PATHS:

@@ -40,7 +40,7 @@ import torch
 
 from . import checks, lib, problems
 from . import metrics as M
-from .protocol import CheckResult, shapes_of
+from .protocol import CheckResult, UsageError, shapes_of
 
 
 @dataclass(frozen=True)
@@ -490,9 +490,8 @@ def select_kernels(opts, conftest_objects=()):
     built-in kernels and the scale mutants, then the KDA forward kernels among the adapters
     given (--k3ref-adapter, conftest.py's k3ref_adapters); --k3ref-only picks among them (each
     must exist), --k3ref-no-mutants leaves out the mutants not named. Named kernels are asked
-    for (one that is not available fails). Raises selection.UsageError (one line)."""
+    for (one that is not available fails). Raises UsageError (one line)."""
     from . import registry
-    from .selection import UsageError
 
     kernels = builtin_kernels(include_mutants=True)
     try:
@@ -520,8 +519,7 @@ def select_kernels(opts, conftest_objects=()):
 
 def cases_of(names):
     """The cases a --k3ref-cases list names, in CASES' order (all without one); an unknown name
-    is a one-line selection.UsageError naming the valid ones."""
-    from .selection import UsageError
+    is a one-line UsageError naming the valid ones."""
 
     if not names:
         return CASES
@@ -533,7 +531,6 @@ def cases_of(names):
 
 def environment_limits():
     """The Limits of $K3REF_SCALE_LIMITS (FULL without it); a bad value is a one-line UsageError."""
-    from .selection import UsageError
 
     try:
         return limits_from(os.environ.get("K3REF_SCALE_LIMITS"))

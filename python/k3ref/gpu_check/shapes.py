@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from .autotune import _unwrap, kernel_name
 from .problems import CONFIGS, P_SPLIT, T_META
-from .protocol import KDA_METAMORPHIC
+from .protocol import KDA_METAMORPHIC, MutantTest
 
 # --------------------------------------------------------------------------- the key model
 
@@ -329,10 +329,8 @@ def _runs_of(test, config, cases):
 
 
 def _tests_of(tests):
-    from . import collection
-
     for t in tests:
-        if isinstance(t, collection.MutantTest):
+        if isinstance(t, MutantTest):
             yield from t.tests
         else:
             yield t
@@ -391,8 +389,6 @@ def build(tests, suite=()):
 def order(tests, plan):
     """The tests with each adapter's tests of one group next to each other (the adapter order
     and the order inside a group kept): checks of one shape run together."""
-    from . import collection
-
     first_group, index = {}, {}
     for s in plan.shapes.values():
         n = index.setdefault((s.adapter, s.group), len(index))
@@ -404,7 +400,7 @@ def order(tests, plan):
         position.setdefault(name, n)
     def key(item):
         n, t = item
-        if isinstance(t, collection.MutantTest):
+        if isinstance(t, MutantTest):
             return (position[t.adapter.name], 1, n)
         g = first_group.get(t.id)
         return (position[t.adapter.name], 0, g[1] if g else 1 << 30, n)
