@@ -79,7 +79,7 @@ if has default && [ "$(left)" -lt 120 ]; then echo "default step left out: $(lef
 if has default && [ "$(left)" -ge 120 ]; then
   echo "== default tier on the scale mutants (each must be missed there)"
   t0=$(date +%s.%N)
-  timeout -k 10 $(( $(left) - 40 )) $PY -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.scale:scale_mutants \
+  timeout -k 10 $(( $(left) - 40 )) $PY -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.adapters:scale_mutants \
     --out "$OUT_DIR/default_mutants" --cache-dir "$CACHE" > "$OUT_DIR/default_mutants.log" 2>&1
   echo "{\"rc\": $?, \"wall_s\": $(elapsed "$t0")}" > "$OUT_DIR/default_mutants.rc.json"
   tail -3 "$OUT_DIR/default_mutants.log"

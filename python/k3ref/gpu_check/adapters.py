@@ -527,6 +527,18 @@ def kda_adapters(include_mutants=True):
     return adapters
 
 
+def scale_mutants():
+    """libk3gc's scale mutants (lib.SCALE_MUTANTS) as adapters: the scale tier's, which the default
+    tier runs with `--adapter k3ref.gpu_check.adapters:scale_mutants`."""
+    return [LibKernelAdapter(lib.MUTATIONS.index(m)) for m in lib.SCALE_MUTANTS]
+
+
+def scale_kernels():
+    """The scale tier's built-in kernels (scale.py), its mutants last."""
+    kernels = [FlaAdapter("chunk_kda"), FlaAdapter("fused_recurrent_kda"), FlashKdaAdapter(), LibKernelAdapter(0)]
+    return kernels + scale_mutants()
+
+
 def torch_test_kernels():
     """The CPU test kernels (not run unless named): the correct one and its mutants. Register
     them with `--adapter k3ref.gpu_check.adapters:torch_test_kernels`."""

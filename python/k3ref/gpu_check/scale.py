@@ -28,7 +28,7 @@ single long sequence, its first L.contract_tokens): its error there stands for t
 on all of them. A non-finite output where the reference is finite fails.
 
 The four scale mutants of libk3gc (lib.SCALE_MUTANTS) must each fail at least one case;
-`python3 -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.scale:scale_mutants`
+`python3 -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.adapters:scale_mutants`
 runs the default tier on them, which they pass (gpu_check/device_scale.sh shows both).
 """
 import math
@@ -462,27 +462,14 @@ def run_case(adapter, case, L=FULL, device="cuda"):
     return res
 
 
-def scale_mutants():
-    """libk3gc's scale mutants as adapters (the default tier runs them with --adapter)."""
-    from .adapters import LibKernelAdapter
-
-    return [LibKernelAdapter(lib.MUTATIONS.index(m)) for m in lib.SCALE_MUTANTS]
-
-
-def builtin_kernels(include_mutants=True):
-    from .adapters import FlaAdapter, FlashKdaAdapter, LibKernelAdapter
-
-    kernels = [FlaAdapter("chunk_kda"), FlaAdapter("fused_recurrent_kda"), FlashKdaAdapter(), LibKernelAdapter(0)]
-    return kernels + (scale_mutants() if include_mutants else [])
-
-
 def reference_adapter(device):
     """The tier's reference as an adapter (reference_vs_goldens judges it on the goldens): the one
     reference() computes with, libk3gc's fp64 kernel on a CUDA device, else k3ref's compiled
     reference in double."""
-    from . import adapters
+    from . import registry
 
-    return adapters.LibReferenceAdapter() if str(device).startswith("cuda") else adapters.HostReferenceAdapter()
+    return registry.resolve(registry.SCALE_REFERENCE_CUDA if str(device).startswith("cuda")
+                            else registry.SCALE_REFERENCE_HOST)[0]
 
 
 def select_kernels(opts, conftest_objects=()):
@@ -493,7 +480,7 @@ def select_kernels(opts, conftest_objects=()):
     for (one that is not available fails). Raises UsageError (one line)."""
     from . import registry
 
-    kernels = builtin_kernels(include_mutants=True)
+    kernels = registry.resolve(registry.SCALE_KERNELS)
     try:
         given, _ = registry.discover(specs=opts.adapters, conftest_specs=conftest_objects, entry_points=False)
     except registry.AdapterSpecError as e:
@@ -599,4 +586,4 @@ def table(rows):
     return "\n".join(lines)
 
 
-__all__ = ["Limits", "FULL", "CASES", "run_case", "scale_mutants", "judge_tensor", "replace"]
+__all__ = ["Limits", "FULL", "CASES", "run_case", "judge_tensor", "replace"]
