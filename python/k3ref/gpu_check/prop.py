@@ -409,3 +409,9 @@ def main(args):
     print(f"written: {res['golden']}")
     print(f"replay this case: {res['replay']}{flags}")
     return 1
+
+
+if __name__ == "__main__":  # the child of the `prop` command (cli.prop_in_child)
+    from . import cli
+
+    sys.exit(cli.prop_child(main))
