@@ -46,7 +46,7 @@ if has build; then
 fi
 export K3GC_LIB=$BUILD/gpu_check/libk3gc.so K3REF_CORE_PATH=$BUILD/python
 export PYTHONPATH=$ROOT/python:${PYTHONPATH:-}
-export FLA_FLASH_KDA=0 FLA_TILELANG=0 FLA_DISABLE_BACKEND_DISPATCH=1  # the harness pins the same (adapters.FLA_DISPATCH)
+export FLA_FLASH_KDA=0 FLA_TILELANG=0 FLA_DISABLE_BACKEND_DISPATCH=1  # the harness pins the same (upstream.FLA_DISPATCH)
 PATHS="--fla-path $TP/fla_pkg --flashkda-path $TP/FlashKDA"
 KERNELS=${KERNELS:-fla.chunk_kda fla.fused_recurrent_kda flashkda.fwd k3gc.fp32 mutant.int32_offset_wrap mutant.grid_drops_sequences mutant.last_chunk_read_past_end mutant.bf16_state_long_t}
 
