@@ -46,7 +46,7 @@ if has build; then
 fi
 export K3GC_LIB=$BUILD/gpu_check/libk3gc.so K3REF_CORE_PATH=$BUILD/python
 export PYTHONPATH=$ROOT/python:${PYTHONPATH:-}
-export FLA_FLASH_KDA=0 FLA_TILELANG=0 FLA_DISABLE_BACKEND_DISPATCH=1  # the harness pins the same (adapters.FLA_DISPATCH)
+export FLA_FLASH_KDA=0 FLA_TILELANG=0 FLA_DISABLE_BACKEND_DISPATCH=1  # the harness pins the same (upstream.FLA_DISPATCH)
 PATHS="--fla-path $TP/fla_pkg --flashkda-path $TP/FlashKDA"
 KERNELS=${KERNELS:-fla.chunk_kda fla.fused_recurrent_kda flashkda.fwd k3gc.fp32 mutant.int32_offset_wrap mutant.grid_drops_sequences mutant.last_chunk_read_past_end mutant.bf16_state_long_t}
 
@@ -79,7 +79,7 @@ if has default && [ "$(left)" -lt 120 ]; then echo "default step left out: $(lef
 if has default && [ "$(left)" -ge 120 ]; then
   echo "== default tier on the scale mutants (each must be missed there)"
   t0=$(date +%s.%N)
-  timeout -k 10 $(( $(left) - 40 )) $PY -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.scale:scale_mutants \
+  timeout -k 10 $(( $(left) - 40 )) $PY -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.adapters:scale_mutants \
     --out "$OUT_DIR/default_mutants" --cache-dir "$CACHE" > "$OUT_DIR/default_mutants.log" 2>&1
   echo "{\"rc\": $?, \"wall_s\": $(elapsed "$t0")}" > "$OUT_DIR/default_mutants.rc.json"
   tail -3 "$OUT_DIR/default_mutants.log"

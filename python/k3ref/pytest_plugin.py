@@ -432,7 +432,7 @@ def pytest_collection_modifyitems(session, config, items):
     if role is None:
         return
     from k3ref.gpu_check import plan as run_plan
-    from k3ref.gpu_check import selection
+    from k3ref.gpu_check import protocol
 
     state = config.stash[STATE]
     if role == "worker":
@@ -449,7 +449,7 @@ def pytest_collection_modifyitems(session, config, items):
             mark = PROGRESS if role == "planner" else ""
             progress = lambda text: print("\n".join(mark + line for line in str(text).splitlines()), flush=True)  # noqa: E731
             plan, warm_up = run_plan.make(state["opts"], _conftest_specs(config), progress=progress)
-        except selection.UsageError as e:
+        except protocol.UsageError as e:
             raise UsageError(f"k3ref: {e}") from None
         if role == "planner":
             out = Path(config.getoption("k3ref_plan_out"))

@@ -8,7 +8,7 @@ import os
 import torch
 
 from k3ref import kernel_domains
-from k3ref.gpu_check import checks, scale, torch_model
+from k3ref.gpu_check import problems, scale, torch_model
 from k3ref.gpu_check.adapters import KdaAdapter
 
 TILE = 16  # libk3gc's fp32 kernel stages 16 tokens at a time (its read-past mutant's tile)
@@ -44,7 +44,7 @@ class StandIn(KdaAdapter):
         if m == "bf16_state_long_t":
             hook = lambda pos, S: S.to(torch.bfloat16).to(torch.float64) if pos >= L.window else S  # noqa: E731
         if m == "int32_offset_wrap":  # offsets wrap modulo the limit: reads past it come from the start
-            for n in checks.TOKEN_INPUTS:
+            for n in problems.TOKEN_INPUTS:
                 t = x[n]
                 if t.numel() > L.index:
                     x[n] = t.reshape(-1)[torch.arange(t.numel()) % L.index].view(t.shape)

@@ -181,12 +181,12 @@ def test_skips_of_kernels_nobody_asked_for_pass_and_known_limitations_are_strict
 
 def test_the_package_known_limitations_file_is_valid_and_names_real_cases():
     from k3ref import goldens
-    from k3ref.gpu_check import checks, collection, shapes
+    from k3ref.gpu_check import collection, problems, shapes
 
     suite = goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent", "kda.backward", "attnres.full", "attnres.block",
                                                       "attnres.phase1"))
     # golden cases, and the metamorphic checks' configurations (built in, and one per KDA golden)
-    names = ({c.name for c in suite} | {c["name"] for c in checks.CONFIGS}
+    names = ({c.name for c in suite} | {c["name"] for c in problems.CONFIGS}
              | {c["name"] for c in shapes.golden_configs(suite)})
     entries = collection.load_limitations()
     assert len(entries) > 0

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from k3ref import goldens  # noqa: E402
-from k3ref.gpu_check import checks, probe, references, torch_model  # noqa: E402
+from k3ref.gpu_check import checks, probe, problems, references, torch_model  # noqa: E402
 from k3ref.gpu_check.adapters import FlaAdapter  # noqa: E402
 
 if references._module() is None:
@@ -140,7 +140,7 @@ def test_an_old_version_gets_not_applicable_never_a_numeric_failure():
 def test_a_version_without_gva_keeps_every_metamorphic_check():
     adapter = StandInFla(fla_without_gva)
     assert adapter.available()
-    config = checks.pick_config(adapter)  # the GVA trial runs here, on the first configuration
+    config = problems.pick_config(adapter)  # the GVA trial runs here, on the first configuration
     assert adapter.gva is False and config["H"] == config["HV"], config["name"]
     results = [check(adapter, "cpu") for check in checks.METAMORPHIC]
     assert [r.status for r in results] == ["pass"] * len(checks.METAMORPHIC), [(r.check, r.reason) for r in results]

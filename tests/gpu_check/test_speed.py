@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from k3ref.gpu_check import adapters, autotune, checks, collection, shapes, warmup  # noqa: E402
+from k3ref.gpu_check import adapters, autotune, checks, collection, problems, shapes, warmup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ class TestPlan:
 
     def _suite(self):
         # A golden of the metamorphic properties (GVA, K = 100) in another group than
-        # checks.CONFIGS' generic_k100 (H=1, HV=2, V=64): H=2, HV=4, V=32, T=50 and varlen.
+        # problems.CONFIGS' generic_k100 (H=1, HV=2, V=64): H=2, HV=4, V=32, T=50 and varlen.
         return [FakeCase("g_plain", 1, 50, 2, 4, 100, 32),
                 FakeCase("g_varlen", 1, 50, 2, 4, 100, 32, cu=[0, 20, 50]),
                 FakeCase("g_other", 1, 40, 1, 1, 32, 32)]
@@ -66,7 +66,7 @@ class TestPlan:
         a, suite = TritonLike(), self._suite()
         shapes.choose_all([a], suite)
         assert a.metamorphic_config["golden"] == "g_plain"
-        assert checks.pick_config(a)["name"] == "g_plain_shape"
+        assert problems.pick_config(a)["name"] == "g_plain_shape"
         tests = collection.collect([a], suite)
         plan = shapes.build(tests, suite)
         # Goldens: g_plain (T 50: classes n,1,1,1), g_varlen (n,1,n,n), g_other (own group).
@@ -432,7 +432,7 @@ def speed_kernel(fake_triton_dir):
 def unit_of(adapter, H, K, V, T=20):
     """One warm-up unit of one config-built shape (the recipe the checks' shapes use)."""
     group = (("H", H), ("HV", H), ("K", K), ("V", V))
-    return (adapter, group, [{"config": dict(checks.CONFIGS[0], H=H, HV=H, K=K, V=V), "T": T, "cu_seqlens": None}])
+    return (adapter, group, [{"config": dict(problems.CONFIGS[0], H=H, HV=H, K=K, V=V), "T": T, "cu_seqlens": None}])
 
 
 class TestWarmup:
@@ -452,7 +452,7 @@ class TestWarmup:
         # the recipes name golden files; here the shapes are built from configs
         for s in plan.shapes.values():
             g = dict(s.group)
-            s.recipe = {"config": dict(checks.CONFIGS[0], H=g["H"], HV=g["HV"], K=g["K"], V=g["V"]),
+            s.recipe = {"config": dict(problems.CONFIGS[0], H=g["H"], HV=g["HV"], K=g["K"], V=g["V"]),
                         "T": 20, "cu_seqlens": None}
         rec = warmup.run(plan, [a], "cpu", jobs=2)
         # The same units again into the same cache directory: recorded as finished, so no

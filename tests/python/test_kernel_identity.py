@@ -1,6 +1,6 @@
 """Reports name a kernel's source, not only its package version: the commit of the git
 checkout it lies in, else a hash of its package's files; FLA's dispatch variables are pinned
-before it is imported and recorded (k3ref.gpu_check.protocol; the pinning: k3ref.gpu_check.adapters)."""
+before it is imported and recorded (k3ref.gpu_check.protocol; the pinning: k3ref.gpu_check.upstream)."""
 import importlib.util
 import os
 import subprocess
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 pytest.importorskip("torch")
-from k3ref.gpu_check import adapters, protocol  # noqa: E402
+from k3ref.gpu_check import protocol, upstream  # noqa: E402
 
 
 def make_package(root, name, body="x = 1\n"):
@@ -83,9 +83,9 @@ def test_fla_dispatch_is_pinned_and_recorded(tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    mod = adapters.load_fla(str(root))
+    mod = upstream.load_fla(str(root))
     assert mod.SEEN == "0"
-    line = adapters.fla_version()
+    line = upstream.fla_version()
     assert "FLA_DISABLE_BACKEND_DISPATCH=1, FLA_FLASH_KDA=0, FLA_TILELANG=0" in line
     assert "files sha256:" in line
 
@@ -116,14 +116,14 @@ def test_fla_kda_is_imported_without_the_packages_init(tmp_path, clean_fla):
     # the packages' __init__ files import every op, layer and model: they must not run
     root = fla_tree(tmp_path / "t", "__version__ = '9.9.9'\nraise RuntimeError('package __init__ ran')\n",
                     "from fla.modules.l2norm import NORM\n")
-    mod = adapters.load_fla(str(root))
+    mod = upstream.load_fla(str(root))
     assert mod.NORM == "l2"
     assert sys.modules["fla"].__version__ == "9.9.9"
-    line = adapters.fla_version()
+    line = upstream.fla_version()
     assert line.startswith("fla 9.9.9 from ") and "imported without the packages' __init__" in line
 
 
 def test_fla_whose_ops_need_the_package_exports_is_imported_as_usual(tmp_path, clean_fla):
     root = fla_tree(tmp_path / "t", "__version__ = '1.0'\nEXPORTED = 3\n", "from fla import EXPORTED\n")
-    assert adapters.load_fla(str(root)).EXPORTED == 3
-    assert "without the packages' __init__" not in adapters.fla_version()
+    assert upstream.load_fla(str(root)).EXPORTED == 3
+    assert "without the packages' __init__" not in upstream.fla_version()

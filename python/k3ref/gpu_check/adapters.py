@@ -36,9 +36,6 @@ Adapters are built anew in every process that runs their checks (a pytest-xdist 
 the same specs the plan read: construct one without importing its kernel (that is load()'s work).
 """
 import importlib
-import os
-import sys
-from pathlib import Path
 
 import torch
 
@@ -48,6 +45,7 @@ from .protocol import outside_domain
 from .protocol import KDA_METAMORPHIC, Adapter, BrokenAdapter, CheckResult, LoadableAdapter  # noqa: F401 (the protocol's names, here as before)
 from .protocol import shapes_of as _shapes
 from .protocol import source_identity  # noqa: F401 (adapters.source_identity, as before)
+from .upstream import add_path, env_path, fla_option_kwargs, fla_version, load_fla, module_version, need_cuda
 
 
 class KdaAdapter(Adapter):
@@ -127,9 +125,9 @@ class KdaAdapter(Adapter):
 
             yield from backward.cases(self, suite)
             return
-        from . import checks
+        from .problems import pick_config
 
-        c = checks.pick_config(self)
+        c = pick_config(self)
         yield (c["name"], None, None) if c else ("-", None, "no supported configuration")
 
     def run_check(self, check, case, device):
@@ -150,130 +148,6 @@ class KdaAdapter(Adapter):
 
     def run(self, inputs, params, out=None):
         raise NotImplementedError
-
-
-def _add_path(path):
-    if path and path not in sys.path:
-        sys.path.insert(0, path)
-
-
-def _env_path(variable, override=None):
-    """A third-party checkout's directory: the adapter's own setting, else the environment."""
-    return override or os.environ.get(variable) or None
-
-
-def _need_cuda():
-    if not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device")
-
-
-def _module_version(name):
-    mod = sys.modules.get(name)
-    if not mod:
-        return ""
-    version = getattr(mod, "__version__", "")
-    where = getattr(mod, "__file__", "")
-    try:
-        ident = source_identity(mod)
-    except OSError as e:
-        ident = f"source not identified ({e.strerror})"
-    return f"{name} {version or '(no __version__)'} from {where}, {ident}"
-
-
-# FLA may dispatch chunk_kda to another backend (FlashKDA, TileLang) by environment: pinned so
-# that an adapter named after FLA's Triton kernel runs that kernel (the findings scripts pin the
-# same). Recorded in every FLA adapter's version line.
-FLA_DISPATCH = {"FLA_DISABLE_BACKEND_DISPATCH": "1", "FLA_FLASH_KDA": "0", "FLA_TILELANG": "0"}
-
-
-# The packages whose __init__ imports every FLA op, layer and model (transformers and
-# torch._dynamo with them): 22.7 s for `import fla.ops.kda` on the H200, 28-32 s in each of 16
-# processes started together. Their __init__ files only import and re-export, so fla.ops.kda
-# is imported with them as bare packages; FLA_FULL_IMPORT=1 (or a failure) imports as usual.
-FLA_BARE_PACKAGES = ("fla", "fla.ops", "fla.modules")
-
-
-def bare_packages(root, names):
-    """Registers each dotted package of `names` (outer ones first) as an empty module whose path
-    is its folder under `root`, without running its __init__ (FLA's, and an engine's, import the
-    whole library); a package already imported is left as it is. Returns the names made."""
-    import types
-
-    made = []
-    for name in names:
-        if name in sys.modules:
-            continue
-        d = Path(root).joinpath(*name.split("."))
-        mod = types.ModuleType(name)
-        mod.__path__, mod.__file__, mod.__package__ = [str(d)], str(d / "__init__.py"), name
-        mod.__k3ref_bare__ = True  # recorded in the version line
-        sys.modules[name] = mod
-        made.append(name)
-        parent, _, leaf = name.rpartition(".")
-        if parent in sys.modules:
-            setattr(sys.modules[parent], leaf, mod)
-    return made
-
-
-def _import_fla_kda_bare():
-    import importlib.util
-
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("no fla package on the path")
-    root = Path(list(spec.submodule_search_locations)[0])
-    version = ""
-    for line in (root / "__init__.py").read_text(errors="replace").splitlines():
-        if line.startswith("__version__"):
-            version = line.partition("=")[2].strip().strip("'\"")
-    try:
-        bare_packages(root.parent, FLA_BARE_PACKAGES)
-        sys.modules["fla"].__version__ = version
-        return importlib.import_module("fla.ops.kda")
-    except Exception:
-        for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")]:
-            del sys.modules[name]
-        raise
-
-
-def load_fla(path):
-    """Pins FLA_DISPATCH, puts `path` (a directory holding the fla package; None: the installed
-    one) first on sys.path, and imports fla.ops.kda (FLA_BARE_PACKAGES)."""
-    os.environ.update(FLA_DISPATCH)
-    _add_path(path)
-    if "fla.ops.kda" in sys.modules or os.environ.get("FLA_FULL_IMPORT") == "1" or "fla" in sys.modules:
-        return importlib.import_module("fla.ops.kda")
-    try:
-        return _import_fla_kda_bare()
-    except Exception:  # an FLA tree whose ops need its package's exports: the usual import
-        return importlib.import_module("fla.ops.kda")
-
-
-def fla_version():
-    pins = ", ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in FLA_DISPATCH)
-    bare = getattr(sys.modules.get("fla"), "__k3ref_bare__", False)
-    return f"{_module_version('fla')}; {pins}" + ("; fla.ops.kda imported without the packages' __init__" if bare else "")
-
-
-def fla_option_kwargs(inputs, params):
-    """FLA's KDA keyword arguments for k3ref's options (every FLA entry point takes them alike:
-    chunk_kda, fused_recurrent_kda, their serving and context-parallel forms): the scale, the L2
-    norm, the gate computed in kernel (A_log, dt_bias flattened to HV * K, lower bound) and
-    beta's sigmoid (two_sigmoid: allow_neg_eigval)."""
-    kw = dict(scale=params.get("scale"), use_qk_l2norm_in_kernel=bool(params.get("qk_l2norm")))
-    gate = params.get("gate", "log_decay")
-    if gate != "log_decay":
-        kw["use_gate_in_kernel"] = True
-        kw["A_log"] = inputs["A_log"].float() if inputs.get("A_log") is not None else None
-        if inputs.get("dt_bias") is not None:
-            kw["dt_bias"] = inputs["dt_bias"].float().reshape(-1)
-        if gate == "lower_bound":
-            kw["lower_bound"] = float(params["lower_bound"])
-    beta = params.get("beta", "as_given")
-    if beta != "as_given":
-        kw["use_beta_sigmoid_in_kernel"] = True
-        kw["allow_neg_eigval"] = beta == "two_sigmoid"
-    return kw
 
 
 class FlaAdapter(KdaAdapter):
@@ -309,8 +183,8 @@ class FlaAdapter(KdaAdapter):
             self.warmup_share = "fla.chunk_kda"  # its autotuned kernels, keyed on warmup.AUTOTUNE_DIMS
 
     def load(self):
-        _need_cuda()
-        self.fn = getattr(load_fla(_env_path("K3REF_FLA_PATH", FlaAdapter.fla_path)), self.variant)
+        need_cuda()
+        self.fn = getattr(load_fla(env_path("K3REF_FLA_PATH", FlaAdapter.fla_path)), self.variant)
 
     def version(self):
         return fla_version()
@@ -369,12 +243,12 @@ class FlashKdaAdapter(KdaAdapter):
     _unpicklable = ("mod",)
 
     def load(self):
-        _need_cuda()
-        _add_path(_env_path("K3REF_FLASHKDA_PATH", FlashKdaAdapter.flashkda_path))
+        need_cuda()
+        add_path(env_path("K3REF_FLASHKDA_PATH", FlashKdaAdapter.flashkda_path))
         self.mod = importlib.import_module("flash_kda")
 
     def version(self):
-        return _module_version("flash_kda")
+        return module_version("flash_kda")
 
     def run(self, inputs, params, out=None):
         q = inputs["q"]
@@ -420,7 +294,7 @@ class LibKernelAdapter(KdaAdapter):
             "" if mutation == 0 else f", with the mistake '{self.mutation_name}'")
 
     def load(self):
-        _need_cuda()
+        need_cuda()
         if not lib.available():
             raise RuntimeError(lib.load_error())
 
@@ -446,7 +320,7 @@ class LibReferenceAdapter(KdaAdapter):
     accepts_out = True
 
     def load(self):
-        _need_cuda()
+        need_cuda()
         if not lib.available():
             raise RuntimeError(lib.load_error())
 
@@ -525,6 +399,18 @@ def kda_adapters(include_mutants=True):
     if include_mutants:
         adapters += [LibKernelAdapter(m) for m in range(1, len(lib.MUTATIONS)) if lib.MUTATIONS[m] not in lib.SCALE_MUTANTS]
     return adapters
+
+
+def scale_mutants():
+    """libk3gc's scale mutants (lib.SCALE_MUTANTS) as adapters: the scale tier's, which the default
+    tier runs with `--adapter k3ref.gpu_check.adapters:scale_mutants`."""
+    return [LibKernelAdapter(lib.MUTATIONS.index(m)) for m in lib.SCALE_MUTANTS]
+
+
+def scale_kernels():
+    """The scale tier's built-in kernels (scale.py), its mutants last."""
+    kernels = [FlaAdapter("chunk_kda"), FlaAdapter("fused_recurrent_kda"), FlashKdaAdapter(), LibKernelAdapter(0)]
+    return kernels + scale_mutants()
 
 
 def torch_test_kernels():

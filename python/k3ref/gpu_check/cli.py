@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from . import warmup
-from .protocol import KERNEL_PATHS
+from .protocol import KERNEL_PATHS, UsageError
 from .registry import AdapterSpecError
-from .selection import UsageError
 
 def _kernel_options(p):
     for dest, env, text in KERNEL_PATHS:
@@ -137,7 +136,7 @@ def warmup_command(args):
     plan = shapes.build(tests, suite)
     s = plan.summary()
     print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
-          f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS); "
+          f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of problems.CONFIGS); "
           f"cache {os.environ.get(warmup.CACHE_VARIABLE)}", flush=True)
     for a, b in s["by_adapter"].items():
         print(f"  {a}: {b['groups']} groups, {b['shapes']} shapes; metamorphic: {s['metamorphic_configs'].get(a, '-')}")
@@ -252,7 +251,7 @@ def prop_in_child(argv):
         env = dict(os.environ, **{PROP_VERDICT_VARIABLE: str(verdict)})
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([package_root] + [p for p in sys.path if p and os.path.isdir(p)]))
-        proc = subprocess.Popen([sys.executable, "-m", "k3ref.gpu_check", *argv], env=env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "k3ref.gpu_check.prop", *argv], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, errors="replace")
         def drain():
             for line in proc.stderr:
@@ -283,18 +282,26 @@ def main(argv=None):
             apply_kernel_options(args)
             return warmup_command(args)
         if args.cmd == "prop":
-            if os.environ.get(PROP_VERDICT_VARIABLE) is None:
-                return prop_in_child(argv if argv is not None else sys.argv[1:])
-            from . import prop
-
-            apply_kernel_options(args)
-            rc = prop.main(args)
-            Path(os.environ[PROP_VERDICT_VARIABLE]).write_text(str(rc))  # reached only by returning
-            return rc
+            return prop_in_child(argv if argv is not None else sys.argv[1:])
         return run_command(args)
     except (UsageError, AdapterSpecError) as e:
         print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+
+
+def prop_child(run, argv=None):
+    """The child that `prop` starts (`python3 -m k3ref.gpu_check.prop prop ...`): `run` (prop.main)
+    on the options parsed here, its exit code written where the parent reads the verdict."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    try:
+        apply_kernel_options(args)
+        rc = run(args)
+    except (UsageError, AdapterSpecError) as e:
+        print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    Path(os.environ[PROP_VERDICT_VARIABLE]).write_text(str(rc))  # reached only by returning
+    return rc
 
 
 if __name__ == "__main__":

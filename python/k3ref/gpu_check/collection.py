@@ -10,44 +10,15 @@ until its entry is removed.
 """
 import fnmatch
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from .protocol import MutantTest, Test
 
 KNOWN_LIMITATIONS = Path(__file__).with_name("known_limitations.json")
 
 
 class SelectorError(ValueError):
     """An unknown name in a selector (one-line message)."""
-
-
-@dataclass
-class Test:
-    adapter: object
-    check: str
-    case: str
-    case_path: str = None
-    skip: str = None        # the adapter does not support this case: the reason
-    xfail: str = None       # a known limitation: the reason
-
-    @property
-    def id(self):
-        if self.case == "-":  # a check that takes no case
-            return f"{self.adapter.name}-{self.check}"
-        return f"{self.adapter.name}-{self.case}-{self.check}"
-
-
-@dataclass
-class MutantTest:
-    adapter: object
-    tests: list = field(default_factory=list)
-    xfail: str = None
-
-    @property
-    def id(self):
-        return f"{self.adapter.name}-zoo-caught"
-
-    check = "caught"
-    case = "zoo"
 
 
 def load_suite(directory, ops):

@@ -50,8 +50,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapters import Adapter, _env_path, _need_cuda, fla_option_kwargs, fla_version, load_fla
-from .protocol import CheckResult
+from .problems import TOKEN_INPUTS
+from .protocol import Adapter, CheckResult
+from .upstream import env_path, fla_option_kwargs, fla_version, load_fla, need_cuda
 
 FORWARD_OP = "kcp.context_parallel"
 BACKWARD_OP = "kda.backward"
@@ -59,7 +60,6 @@ FORWARD_TENSORS = ("o", "fragment_transition", "fragment_state", "entering_state
 GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta")
 PARAMETER_GRADIENTS = ("dA_log", "ddt_bias")
 INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
-TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 LAUNCH_TIMEOUT_S = float(os.environ.get("K3REF_CP_TIMEOUT", "300"))
 
 
@@ -460,17 +460,17 @@ class FlaCpAdapter(TorchCpAdapter):
         self.isolation_group = self.name
 
     def load(self):
-        _need_cuda()
+        need_cuda()
         if torch.cuda.device_count() < self.ranks:
             raise RuntimeError(f"needs {self.ranks} CUDA devices (one per rank); this host has {torch.cuda.device_count()}")
-        load_fla(_env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))
+        load_fla(env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))
         import fla.ops.cp  # noqa: F401
 
     def version(self):
         return fla_version()
 
     def rank_device(self, rank):
-        load_fla(_env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))  # a spawned rank imports fla itself
+        load_fla(env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))  # a spawned rank imports fla itself
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
 

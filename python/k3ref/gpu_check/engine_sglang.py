@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .adapters import _env_path, _need_cuda
 from .serving_check import (GDN_POOL_OPS, POOL_OPS, BuiltinDomain, PolicyBound, ServingAdapter, engine_version,
                             import_engine_module, scalar_gate)
+from .upstream import env_path, need_cuda
 
 FLA = "sglang/srt/layers/attention/fla"
 MODULE = "fused_sigmoid_gating_recurrent"
@@ -104,8 +104,8 @@ class SglangGatingAdapter(ServingAdapter):
             self.modes = ("decode", "multi_token_decode", "pad", "prefill")
 
     def load(self):
-        _need_cuda()
-        self.mod = load_module(_env_path("K3REF_SGLANG_PATH", SglangGatingAdapter.sglang_path))
+        need_cuda()
+        self.mod = load_module(env_path("K3REF_SGLANG_PATH", SglangGatingAdapter.sglang_path))
 
     def version(self):
         return engine_version("sglang", self.mod) if getattr(self, "mod", None) is not None else ""

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from .adapters import _env_path, _need_cuda, load_fla
 from .serving_check import (GDN_POOL_OPS, POOL_OPS, VARLEN_OPS, BuiltinDomain, ChunkPrefill, PolicyBound,
                             ServingAdapter, engine_version, import_engine_module, scalar_gate)
+from .upstream import env_path, load_fla, need_cuda
 
 PKG = "tokenspeed_kernel"
 NEEDS = ("a directory holding the tokenspeed_kernel package (DIR/tokenspeed_kernel or "
@@ -98,8 +98,8 @@ class TokenSpeedAdapter(ServingAdapter):
     state_bound = PolicyBound("serving.decode", "pool_out", at_least=1e-6)
 
     def load(self):
-        _need_cuda()
-        self.mod = load_module(self.module, _env_path("K3REF_TOKENSPEED_PATH", TokenSpeedAdapter.tokenspeed_path))
+        need_cuda()
+        self.mod = load_module(self.module, env_path("K3REF_TOKENSPEED_PATH", TokenSpeedAdapter.tokenspeed_path))
 
     def version(self):
         return engine_version("tokenspeed", self.mod) if getattr(self, "mod", None) is not None else ""
@@ -144,7 +144,7 @@ class TokenSpeedKdaPoolDecodeAdapter(TokenSpeedAdapter):
         from .adapters import FlaAdapter
 
         super().load()
-        load_fla(_env_path("K3REF_FLA_PATH", FlaAdapter.fla_path))  # kda_recurrent_decode (prefill) is FLA's
+        load_fla(env_path("K3REF_FLA_PATH", FlaAdapter.fla_path))  # kda_recurrent_decode (prefill) is FLA's
 
     def prefill(self, inputs, params, initial_state):
         A_log, bias, lb = self._gate(inputs, params)
@@ -221,7 +221,7 @@ class TokenSpeedKdaChunkPrefillAdapter(ChunkPrefill, TokenSpeedAdapter):
         from .adapters import FlaAdapter
 
         super().load()
-        load_fla(_env_path("K3REF_FLA_PATH", FlaAdapter.fla_path))
+        load_fla(env_path("K3REF_FLA_PATH", FlaAdapter.fla_path))
 
     scale_reason = "kda_chunk_prefill takes no scale: FLA's chunk_kda applies K^-1/2"
 

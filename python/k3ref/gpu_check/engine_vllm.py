@@ -58,9 +58,9 @@ from pathlib import Path
 
 import torch
 
-from .adapters import _env_path, _need_cuda
 from .serving_check import (GDN_POOL_OPS, POOL_OPS, REPLAY_OPS, VARLEN_OPS, BuiltinDomain, ChunkPrefill, PolicyBound,
                             ServingAdapter, ServingModes, engine_version, import_engine_module, scalar_gate)
+from .upstream import env_path, need_cuda
 
 OPS = "vllm/model_executor/layers/fla/ops"
 NEEDS = (f"a directory holding {OPS}/ (fused_recurrent.py, op.py; fused_recurrent_replayssm.py and "
@@ -164,8 +164,8 @@ class VllmAdapter(ServingAdapter):
     domain = BuiltinDomain()  # policy/kernel_domains.json
 
     def load(self):
-        _need_cuda()
-        self.mod = load_ops(self.module, _env_path("K3REF_VLLM_PATH", VllmAdapter.vllm_path))
+        need_cuda()
+        self.mod = load_ops(self.module, env_path("K3REF_VLLM_PATH", VllmAdapter.vllm_path))
 
     def version(self):
         return engine_version("vllm", self.mod) if getattr(self, "mod", None) is not None else ""
@@ -307,8 +307,8 @@ class VllmKdaAdapter(VllmAdapter):
     layout_reason = "this kda.py's fused_recurrent.py indexes the state V-first (o_v * K + o_k)"
 
     def load(self):
-        _need_cuda()
-        self.mod = load_kda_ops(_env_path("K3REF_VLLM_PATH", VllmAdapter.vllm_path))
+        need_cuda()
+        self.mod = load_kda_ops(env_path("K3REF_VLLM_PATH", VllmAdapter.vllm_path))
 
     @staticmethod
     def gate_of(params):

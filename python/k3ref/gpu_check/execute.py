@@ -11,8 +11,8 @@ import time
 import traceback
 
 from . import selection
-from .protocol import CheckResult
-from .collection import Test, mutant_outcome, outcome
+from .collection import mutant_outcome, outcome
+from .protocol import CheckResult, Test
 
 
 def _error(adapter, check, case, what, e):

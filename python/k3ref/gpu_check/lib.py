@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .. import policy
+from .._data import FORMAT_NAMES
 from .._data import compiled as _core
 
 # The mutants equal to the fp32 kernel below the sizes where they break (k3gc.h): the scale
@@ -73,8 +73,8 @@ def _ptr(t):
 
 def _code(kind, name):
     """The library's code of a name (its enums): a format of the policy table (a torch dtype,
-    named by k3ref.policy.FORMAT_OF), a gate or a beta mode."""
-    text = policy.FORMAT_OF.get(name) if kind == "format" else name
+    named as k3ref.policy.FORMAT_OF names it), a gate or a beta mode."""
+    text = FORMAT_NAMES.get(str(name).removeprefix("torch.")) if kind == "format" else name
     code = _core().k3gc_code(kind, str(text))
     if code < 0:
         raise ValueError(f"libk3gc: no {kind} named {name}")

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .protocol import KERNEL_PATHS, RunOptions, write_json
+from .protocol import KERNEL_PATHS, MutantTest, RunOptions, UsageError, write_json
 from .selection import device_of, select_adapters
 
 PLAN_VERSION = 1
@@ -89,7 +89,7 @@ def make(opts, conftest_objects=(), progress=print):
         tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, limitations=limitations,
                                    backward=opts.backward)
     except ValueError as e:
-        raise selection.UsageError(str(e)) from e
+        raise UsageError(str(e)) from e
     device = device_of(opts)
     shape_plan = shapes.build(tests, suite)
     tests = shapes.order(tests, shape_plan)
@@ -97,7 +97,7 @@ def make(opts, conftest_objects=(), progress=print):
              "shape_plan": shape_plan.summary(), "autotune_configs": opts.autotune_configs}
     s = speed["shape_plan"]
     progress(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
-             f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of checks.CONFIGS)")
+             f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of problems.CONFIGS)")
     warm_up = None
     if opts.warmup and shape_plan.shapes:
         selected = warmup.select(warmup.units(shape_plan, adapters), device,
@@ -117,7 +117,7 @@ def make(opts, conftest_objects=(), progress=print):
     entries = []
     for t in tests:
         e = {"id": t.id, "group": groups[t.adapter.name], "xfail": t.xfail, **_entry(t)}
-        if isinstance(t, collection.MutantTest):
+        if isinstance(t, MutantTest):
             e["mutant"] = [_entry(x) for x in t.tests]
         e["nodeid"] = f"k3ref/{scope_name(e['group'])}::{t.id}"
         entries.append(e)
@@ -145,7 +145,7 @@ def make_scale(opts, conftest_objects=()):
     from . import scale, selection
 
     if opts.checks:
-        raise selection.UsageError("--checks: the scale tier has no checks to pick; --cases picks its cases "
+        raise UsageError("--checks: the scale tier has no checks to pick; --cases picks its cases "
                                    f"({', '.join(scale.CASES)})")
     kernels, requested = scale.select_kernels(opts, conftest_objects)
     cases = scale.cases_of(opts.cases)

@@ -151,7 +151,7 @@ def trial_device(adapter):
 def gva_trial(adapter, params, shapes, call):
     """Runs the kernel once at these shapes and options (those the case compiles and autotunes
     anyway, T capped at 4,096); sets adapter.gva. Returns the refusal's reason or None."""
-    from . import checks
+    from . import problems
 
     c = dict(name="probe", H=shapes["H"], HV=shapes["HV"], K=shapes["K"], V=shapes["V"],
              gate=params.get("gate", "log_decay"), lower_bound=params.get("lower_bound"),
@@ -161,8 +161,8 @@ def gva_trial(adapter, params, shapes, call):
     T = max(1, min(int(shapes.get("T") or 16), 4096))
     cu = params.get("cu_seqlens")
     cu = list(cu) if cu and cu[-1] == T else None
-    inputs, p = checks.make_problem(c, T, 0, trial_device(adapter), cu_seqlens=cu,
-                                    initial_state=bool(params.get("initial_state", True)))
+    inputs, p = problems.make_problem(c, T, 0, trial_device(adapter), cu_seqlens=cu,
+                                      initial_state=bool(params.get("initial_state", True)))
     try:
         call_with_gva_trial(adapter, lambda x: call(x, p), inputs)
     except NotSupported as e:

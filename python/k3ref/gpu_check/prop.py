@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from . import adapters as A
 from . import registry
 from .. import goldens
 from . import lib, metrics as M
 from .drawn_case import make_inputs, params_of  # noqa: F401  (params_of: prop.params_of for callers)
+from .protocol import shapes_of
 
 GENERATOR_VERSION = "k3gc.prop/1"
 
@@ -296,7 +296,7 @@ def replay(adapter, path, device):
         raise ValueError(f"{path}: op {case.op}, not kda.recurrent")
     if not adapter.available():
         return None, "not available: " + adapter.unavailable_reason
-    why = adapter.unsupported(case.params, A._shapes(case.inputs))
+    why = adapter.unsupported(case.params, shapes_of(case.inputs))
     if why:
         return None, "unsupported: " + why
     inputs = {k: v.to(device) for k, v in case.inputs.items()}
@@ -312,7 +312,7 @@ def prepare(args, adapter, fixed):
 
     share = float(getattr(args, "outside_share", 1.0))
     if not 0 <= share <= 1:
-        from .selection import UsageError
+        from .protocol import UsageError
 
         raise UsageError(f"--outside-share {share}: must be in [0, 1]")
     flags = f" --outside-share {share:g}"
@@ -361,7 +361,7 @@ def rate(seconds, examples):
 def main(args):
     """`prop`: fails closed. An unknown kernel is a usage error (exit 2); a kernel that is not
     available, or a replayed file it does not support, exits 1 with the reason."""
-    from .selection import UsageError
+    from .protocol import UsageError
     from .registry import AdapterSpecError, discover
 
     try:
@@ -409,3 +409,9 @@ def main(args):
     print(f"written: {res['golden']}")
     print(f"replay this case: {res['replay']}{flags}")
     return 1
+
+
+if __name__ == "__main__":  # the child of the `prop` command (cli.prop_in_child)
+    from . import cli
+
+    sys.exit(cli.prop_child(main))

@@ -46,6 +46,10 @@ class NotSupported(Exception):
     """A case needs what this version of the kernel does not accept (reported not applicable)."""
 
 
+class UsageError(Exception):
+    """A run's options or selection that cannot be run: one line that names them (exit 2)."""
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """Every option of a run, as the plugin's command line gave it (`--k3ref-*`)."""
@@ -89,6 +93,37 @@ class CheckResult:
     window_tokens: int = None
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+
+
+# A test: one adapter x case x check (collection.py collects them); a mutant's one test runs all its checks.
+@dataclass
+class Test:
+    adapter: object
+    check: str
+    case: str
+    case_path: str = None
+    skip: str = None        # the adapter does not support this case: the reason
+    xfail: str = None       # a known limitation: the reason
+
+    @property
+    def id(self):
+        if self.case == "-":  # a check that takes no case
+            return f"{self.adapter.name}-{self.check}"
+        return f"{self.adapter.name}-{self.case}-{self.check}"
+
+
+@dataclass
+class MutantTest:
+    adapter: object
+    tests: list = field(default_factory=list)
+    xfail: str = None
+
+    @property
+    def id(self):
+        return f"{self.adapter.name}-zoo-caught"
+
+    check = "caught"
+    case = "zoo"
 
 
 def shapes_of(inputs):

@@ -166,6 +166,10 @@ BUILTIN_SPECS = ("k3ref.gpu_check.adapters:kda_adapters",          # libk3gc, FL
 ENGINE_SPECS = ("k3ref.gpu_check.engine_vllm:adapters", "k3ref.gpu_check.engine_sglang:adapters",
                 "k3ref.gpu_check.engine_tokenspeed:adapters")
 TEST_KERNELS = "k3ref.gpu_check.adapters:torch_test_kernels"
+# The scale tier's kernels and its reference on either device (scale.py).
+SCALE_KERNELS = "k3ref.gpu_check.adapters:scale_kernels"
+SCALE_REFERENCE_CUDA = "k3ref.gpu_check.adapters:LibReferenceAdapter"
+SCALE_REFERENCE_HOST = "k3ref.gpu_check.adapters:HostReferenceAdapter"
 
 
 def builtin_adapters():

@@ -28,7 +28,7 @@ single long sequence, its first L.contract_tokens): its error there stands for t
 on all of them. A non-finite output where the reference is finite fails.
 
 The four scale mutants of libk3gc (lib.SCALE_MUTANTS) must each fail at least one case;
-`python3 -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.scale:scale_mutants`
+`python3 -m k3ref.gpu_check run --no-builtin --adapter k3ref.gpu_check.adapters:scale_mutants`
 runs the default tier on them, which they pass (gpu_check/device_scale.sh shows both).
 """
 import math
@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from . import checks, lib
+from . import checks, lib, problems
 from . import metrics as M
-from .protocol import CheckResult, shapes_of
+from .protocol import CheckResult, UsageError, shapes_of
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ GATE_RANGE = (-5.0, 0.0)
 def k3_params(cu_seqlens=None, initial_state=True):
     """K3's KDA options (the configuration FlashKDA and FLA share): lower-bound gate in kernel,
     beta = sigmoid(logits), q and k L2-normalised, state [N, HV, V, K]."""
-    c = checks.CONFIGS[1]
+    c = problems.CONFIGS[1]
     return dict(gate=c["gate"], lower_bound=c["lower_bound"], beta=c["beta"], qk_l2norm=c["qk_l2norm"], scale=None,
                 state_layout=c["state_layout"], A_log=True, cu_seqlens=cu_seqlens, initial_state=initial_state)
 
@@ -179,7 +179,7 @@ def documents(inputs, params, ns):
     """The inputs and params of documents `ns` alone, packed in that order (their tokens, their
     initial states), and their cu_seqlens (a list)."""
     cu = [int(x) for x in inputs["cu_seqlens"].tolist()]
-    part = {k: torch.cat([inputs[k][:, cu[n] : cu[n + 1]] for n in ns], dim=1).contiguous() for k in checks.TOKEN_INPUTS}
+    part = {k: torch.cat([inputs[k][:, cu[n] : cu[n + 1]] for n in ns], dim=1).contiguous() for k in problems.TOKEN_INPUTS}
     for k in ("A_log", "dt_bias"):
         part[k] = inputs[k]
     if "initial_state" in inputs:
@@ -239,7 +239,7 @@ def contract_errors(adapter, inputs, params, ref_o, ref_f, L, window=None):
     if cut:
         # One long sequence: the contract on its first `cut` tokens; the windows past them are
         # bounded with the largest contract error of the windows it covers.
-        sub = checks.token_range(sub, 0, cut)
+        sub = problems.token_range(sub, 0, cut)
         ro, rf = (t.cpu() for t in reference(sub, params, ref_o.device))
     else:
         ro, rf = ref_o.index_select(2, idx).cpu(), ref_f.index_select(1, idx).cpu()
@@ -372,7 +372,7 @@ def case_ragged_tail(adapter, H, HV, L, device, seed=14):
         T = L.chunk + r
         inputs, params = make_inputs(T, H, HV, L, seed + r, device)
         pad = L.chunk * HV * max(L.K, L.V)
-        poisoned = {k: (checks._poisoned_copy(v, pad) if k in checks.TOKEN_INPUTS else v) for k, v in inputs.items()}
+        poisoned = {k: (checks._poisoned_copy(v, pad) if k in problems.TOKEN_INPUTS else v) for k, v in inputs.items()}
         try:
             res = _whole(adapter, "ragged_tail", poisoned, params, L, device)
         except Exception as e:  # one residue's exception is that residue's failure
@@ -463,27 +463,14 @@ def run_case(adapter, case, L=FULL, device="cuda"):
     return res
 
 
-def scale_mutants():
-    """libk3gc's scale mutants as adapters (the default tier runs them with --adapter)."""
-    from .adapters import LibKernelAdapter
-
-    return [LibKernelAdapter(lib.MUTATIONS.index(m)) for m in lib.SCALE_MUTANTS]
-
-
-def builtin_kernels(include_mutants=True):
-    from .adapters import FlaAdapter, FlashKdaAdapter, LibKernelAdapter
-
-    kernels = [FlaAdapter("chunk_kda"), FlaAdapter("fused_recurrent_kda"), FlashKdaAdapter(), LibKernelAdapter(0)]
-    return kernels + (scale_mutants() if include_mutants else [])
-
-
 def reference_adapter(device):
     """The tier's reference as an adapter (reference_vs_goldens judges it on the goldens): the one
     reference() computes with, libk3gc's fp64 kernel on a CUDA device, else k3ref's compiled
     reference in double."""
-    from . import adapters
+    from . import registry
 
-    return adapters.LibReferenceAdapter() if str(device).startswith("cuda") else adapters.HostReferenceAdapter()
+    return registry.resolve(registry.SCALE_REFERENCE_CUDA if str(device).startswith("cuda")
+                            else registry.SCALE_REFERENCE_HOST)[0]
 
 
 def select_kernels(opts, conftest_objects=()):
@@ -491,11 +478,10 @@ def select_kernels(opts, conftest_objects=()):
     built-in kernels and the scale mutants, then the KDA forward kernels among the adapters
     given (--k3ref-adapter, conftest.py's k3ref_adapters); --k3ref-only picks among them (each
     must exist), --k3ref-no-mutants leaves out the mutants not named. Named kernels are asked
-    for (one that is not available fails). Raises selection.UsageError (one line)."""
+    for (one that is not available fails). Raises UsageError (one line)."""
     from . import registry
-    from .selection import UsageError
 
-    kernels = builtin_kernels(include_mutants=True)
+    kernels = registry.resolve(registry.SCALE_KERNELS)
     try:
         given, _ = registry.discover(specs=opts.adapters, conftest_specs=conftest_objects, entry_points=False)
     except registry.AdapterSpecError as e:
@@ -521,8 +507,7 @@ def select_kernels(opts, conftest_objects=()):
 
 def cases_of(names):
     """The cases a --k3ref-cases list names, in CASES' order (all without one); an unknown name
-    is a one-line selection.UsageError naming the valid ones."""
-    from .selection import UsageError
+    is a one-line UsageError naming the valid ones."""
 
     if not names:
         return CASES
@@ -534,7 +519,6 @@ def cases_of(names):
 
 def environment_limits():
     """The Limits of $K3REF_SCALE_LIMITS (FULL without it); a bad value is a one-line UsageError."""
-    from .selection import UsageError
 
     try:
         return limits_from(os.environ.get("K3REF_SCALE_LIMITS"))
@@ -603,4 +587,4 @@ def table(rows):
     return "\n".join(lines)
 
 
-__all__ = ["Limits", "FULL", "CASES", "run_case", "scale_mutants", "judge_tensor", "replace"]
+__all__ = ["Limits", "FULL", "CASES", "run_case", "judge_tensor", "replace"]

@@ -4,11 +4,8 @@ directory and suite, and the usage error that names a bad selection in one line.
 from pathlib import Path
 
 from . import collection
+from .protocol import UsageError
 from .registry import AdapterSpecError, discover
-
-
-class UsageError(Exception):
-    pass
 
 
 def default_goldens(option="--goldens"):

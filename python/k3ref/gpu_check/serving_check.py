@@ -67,9 +67,9 @@ import torch
 
 from .. import goldens as golden_io, policy
 from . import references, torch_model
-from .adapters import (Adapter, _env_path, _module_version, _need_cuda, fla_option_kwargs, fla_version,
-                       load_fla)
-from .protocol import CheckResult, bits, outside_domain
+from .problems import TOKEN_INPUTS
+from .protocol import Adapter, CheckResult, bits, outside_domain, source_identity
+from .upstream import bare_packages, env_path, fla_option_kwargs, fla_version, load_fla, module_version, need_cuda
 
 PAD = -1
 POOL_OPS = ("serving.decode", "serving.verify")
@@ -84,7 +84,6 @@ DETERMINISM_LENGTHS = (70, 3, 130)
 DECODE_OPS = ("serving.decode", "gdn.decode")
 SERVING_CHECKS = ("golden", "slot_isolation", "layout_equivalence", "decode_after_prefill", "intermediate_states",
                   "accepted_zero", "empty_sequences", "determinism")
-TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
 
 # --------------------------------------------------------------------------- pools
@@ -243,8 +242,6 @@ def import_engine_module(full, root, needs, option, packages=(), shims=None):
     One-line errors naming what is needed; a second copy of the engine already imported is refused."""
     import importlib
 
-    from .adapters import bare_packages
-
     parts = full.split(".")
     if root is not None:
         top = sys.modules.get(parts[0])
@@ -264,9 +261,7 @@ def import_engine_module(full, root, needs, option, packages=(), shims=None):
 def engine_version(engine, mod):
     """Which engine source a kernel module is: the commit its tree's COMMITS.txt gives the file
     (`<path> <commit>` lines, a path naming the file or a folder above it; a tree laid out from
-    single files at pinned commits), and adapters.source_identity of its folder."""
-    from .adapters import source_identity
-
+    single files at pinned commits), and protocol.source_identity of its folder."""
     where = Path(mod.__file__).resolve()
     listed = ""
     for d in where.parents:
@@ -1157,8 +1152,8 @@ class FlaServingAdapter(ServingModes, ServingAdapter):
     kernel_name = "fla.fused_recurrent_kda"
 
     def load(self):
-        _need_cuda()
-        load_fla(_env_path("K3REF_FLA_PATH", FlaServingAdapter.fla_path))
+        need_cuda()
+        load_fla(env_path("K3REF_FLA_PATH", FlaServingAdapter.fla_path))
         import importlib
 
         mod = importlib.import_module("fla.ops.kda.fused_recurrent")
@@ -1227,8 +1222,8 @@ class FlaChunkIntermediateAdapter(ServingAdapter):
     name = "fla.chunk_kda[serving]"
 
     def load(self):
-        _need_cuda()
-        self.fn = load_fla(_env_path("K3REF_FLA_PATH", FlaChunkIntermediateAdapter.fla_path)).chunk_kda
+        need_cuda()
+        self.fn = load_fla(env_path("K3REF_FLA_PATH", FlaChunkIntermediateAdapter.fla_path)).chunk_kda
 
     def version(self):
         return fla_version()
@@ -1267,15 +1262,18 @@ class FlashKdaVarlenAdapter(ServingAdapter):
     policy_reason = "chunk 16, fp16 Neumann inverse, bf16 state between chunks: 3.4x-3.5x the bf16 floor on o measured"
     contract = "CUTLASS (sm_90); chunks of 16, bf16 state between chunks, bf16 output"
     _unpicklable = ("inner",)
+    # The KDA adapter of FlashKDA that this one wraps, by spec as the registry finds the built-ins
+    # (the KDA adapters stand above the checks, this family's included).
+    inner_spec = "k3ref.gpu_check.adapters:FlashKdaAdapter"
 
     def load(self):
-        from .adapters import FlashKdaAdapter
+        from .registry import resolve
 
-        self.inner = FlashKdaAdapter()
+        [self.inner] = resolve(self.inner_spec)
         self.inner.load()
 
     def version(self):
-        return _module_version("flash_kda")
+        return module_version("flash_kda")
 
     def varlen(self, inputs, params):
         return self.inner.run(inputs, params)

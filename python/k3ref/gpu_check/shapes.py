@@ -27,7 +27,10 @@ causes are measured (timing.py), and the report gives both.
 """
 import math
 from dataclasses import dataclass, field
+
 from .autotune import _unwrap, kernel_name
+from .problems import CONFIGS, P_SPLIT, T_META
+from .protocol import KDA_METAMORPHIC, MutantTest
 
 # --------------------------------------------------------------------------- the key model
 
@@ -129,23 +132,21 @@ def group_of(adapter, params, shapes):
 def metamorphic_runs(check):
     """(T, cu_seqlens) of every kernel run a metamorphic check makes (checks.py), from the
     constants the checks use; tests/gpu_check/speed_test.py records the runs and compares."""
-    from . import checks as C
-
-    cu = [0, 37, 38, C.T_META]
+    cu = [0, 37, 38, T_META]
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     return {
-        "causality": [(C.T_META, None)],
-        "suffix": [(C.T_META + 28, None), (C.T_META, None)],
-        "varlen": [(C.T_META, cu)] + [(n, None) for n in lengths],
-        "split": [(C.T_META, None), (C.P_SPLIT, None), (C.T_META - C.P_SPLIT, None)],
-        "determinism": [(C.T_META, cu)],
-        "poisoned_memory": [(C.T_META, cu)],
-        "inputs_unchanged": [(C.T_META, cu)],
+        "causality": [(T_META, None)],
+        "suffix": [(T_META + 28, None), (T_META, None)],
+        "varlen": [(T_META, cu)] + [(n, None) for n in lengths],
+        "split": [(T_META, None), (P_SPLIT, None), (T_META - P_SPLIT, None)],
+        "determinism": [(T_META, cu)],
+        "poisoned_memory": [(T_META, cu)],
+        "inputs_unchanged": [(T_META, cu)],
     }.get(check, [])
 
 
 def config_params(c, T, cu):
-    """The golden-style params and shapes of checks.make_problem(c, T, ..., cu_seqlens=cu)."""
+    """The golden-style params and shapes of problems.make_problem(c, T, ..., cu_seqlens=cu)."""
     params = dict(gate=c["gate"], lower_bound=c["lower_bound"], beta=c["beta"], qk_l2norm=c["qk_l2norm"], scale=None,
                   state_layout=c["state_layout"], A_log=c["gate"] != "log_decay", dt_bias=c["gate"] != "log_decay",
                   cu_seqlens=cu, initial_state=True, g_range=list(c["g_range"]))
@@ -162,7 +163,7 @@ def case_shapes(case):
 # --------------------------------------------------------------------------- metamorphic configs
 
 def _properties(c):
-    """What a metamorphic configuration was chosen to exercise (checks.CONFIGS): grouped
+    """What a metamorphic configuration was chosen to exercise (problems.CONFIGS): grouped
     value heads, a head size that is not a multiple of 16, the in-kernel lower-bound gate
     with sigmoid beta, L2 norm and the V-first state at K = V = 128."""
     props = set()
@@ -203,14 +204,12 @@ def _supports(adapter, c):
 
 
 def choose_metamorphic_config(adapter, suite):
-    """(config, why) for the adapter's metamorphic checks: the configuration checks.CONFIGS
+    """(config, why) for the adapter's metamorphic checks: the configuration problems.CONFIGS
     gives it (the first it supports), replaced by a golden case's shape when one has every
     property that configuration was chosen for (so the checks run on shapes the goldens
     compile anyway) and adds more of the check's shapes to the golden groups; never one that
     exercises less."""
-    from . import checks as C
-
-    old = next((c for c in C.CONFIGS if _supports(adapter, c)), None)
+    old = next((c for c in CONFIGS if _supports(adapter, c)), None)
     if old is None:
         return None, "no supported configuration"
     golden = golden_groups(adapter, suite)
@@ -218,9 +217,9 @@ def choose_metamorphic_config(adapter, suite):
 
     def reused(c):
         return sum(group_of(adapter, *config_params(c, T, cu)) in golden
-                   for check in C.METAMORPHIC_BY_NAME for T, cu in metamorphic_runs(check))
+                   for check in KDA_METAMORPHIC for T, cu in metamorphic_runs(check))
 
-    runs = sum(len(metamorphic_runs(check)) for check in C.METAMORPHIC_BY_NAME)
+    runs = sum(len(metamorphic_runs(check)) for check in KDA_METAMORPHIC)
     best, best_reuse = old, reused(old)
     for c in golden_configs(suite):
         if need <= _properties(c) and _supports(adapter, c):
@@ -272,7 +271,7 @@ class Plan:
     # one shape per test (warm-up runs the test's check itself)
     compilers: dict = field(default_factory=dict)  # adapter -> compiler_of
     metamorphic: dict = field(default_factory=dict)  # adapter -> why its metamorphic config
-    before: int = None                            # distinct shapes with checks.CONFIGS' configs
+    before: int = None                            # distinct shapes with problems.CONFIGS' configs
 
     def groups(self):
         """{(adapter, group): [Shape, ...]} of the adapters compiled at run time."""
@@ -330,10 +329,8 @@ def _runs_of(test, config, cases):
 
 
 def _tests_of(tests):
-    from . import collection
-
     for t in tests:
-        if isinstance(t, collection.MutantTest):
+        if isinstance(t, MutantTest):
             yield from t.tests
         else:
             yield t
@@ -341,7 +338,7 @@ def _tests_of(tests):
 
 def build(tests, suite=()):
     """The plan of a collection (collection.collect's list, after choose_all); `before`
-    counts the shapes the first supported configs of checks.CONFIGS would compile."""
+    counts the shapes the first supported configs of problems.CONFIGS would compile."""
     plan = Plan()
     adapters = []
     for t in _tests_of(tests):
@@ -349,12 +346,10 @@ def build(tests, suite=()):
             adapters.append(t.adapter)
     old_configs, new_configs = {}, {}
     cases = {str(c.path): c for c in suite if getattr(c, "path", None)}
-    from . import checks as C
-
     for a in adapters:
         plan.compilers[a.name] = compiler_of(a)
         if getattr(a, "family", None) == "kda" and hasattr(a, "unsupported"):
-            old_configs[a.name] = next((c for c in C.CONFIGS if _supports(a, c)), None)
+            old_configs[a.name] = next((c for c in CONFIGS if _supports(a, c)), None)
             if getattr(a, "metamorphic_config_reason", None):
                 plan.metamorphic[a.name] = a.metamorphic_config_reason
             new_configs[a.name] = getattr(a, "metamorphic_config", None) or old_configs[a.name]
@@ -394,8 +389,6 @@ def build(tests, suite=()):
 def order(tests, plan):
     """The tests with each adapter's tests of one group next to each other (the adapter order
     and the order inside a group kept): checks of one shape run together."""
-    from . import collection
-
     first_group, index = {}, {}
     for s in plan.shapes.values():
         n = index.setdefault((s.adapter, s.group), len(index))
@@ -407,7 +400,7 @@ def order(tests, plan):
         position.setdefault(name, n)
     def key(item):
         n, t = item
-        if isinstance(t, collection.MutantTest):
+        if isinstance(t, MutantTest):
             return (position[t.adapter.name], 1, n)
         g = first_group.get(t.id)
         return (position[t.adapter.name], 0, g[1] if g else 1 << 30, n)

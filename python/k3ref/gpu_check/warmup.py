@@ -84,7 +84,7 @@ def inputs_of(adapter, recipe, device):
             inputs["initial_state"] = inputs["initial_state"].float()
         return inputs, case.params
     if "config" in recipe:
-        from .checks import make_problem
+        from .problems import make_problem
 
         return make_problem(recipe["config"], recipe["T"], 0, device, cu_seqlens=recipe.get("cu_seqlens"))
     if "check" in recipe:  # no shape model: warm-up runs the check itself (child() does)
