@@ -10,8 +10,7 @@
 # 250,000 tokens (x 4: 10^6).
 #
 #   gpu_check/device_fp64_variants.sh [OUT_DIR] [P:C[:MACRO,MACRO] ...]
-#   (a MACRO is one of kda.cu's layout switches, defined as 1: K3GC_FP64_P_HIGH, K3GC_FP64_K_REGS,
-#   K3GC_FP64_TRANSPOSE)
+#   (a MACRO is one of kda.cu's switches of the fast form, NAME (defined as 1) or NAME=VALUE)
 #   env: LIB (the tree's libk3gc.so, default build/gpu_check/libk3gc.so), K3REF_CORE_PATH as
 #        the other device scripts, NVCC (default nvcc)
 set -uo pipefail
@@ -26,7 +25,7 @@ for v in $VARIANTS; do
   IFS=: read -r P C DEFS <<< "$v"; N=p${P}_c${C}${DEFS:+_${DEFS//,/_}}
   ( ${NVCC:-nvcc} -O3 -std=c++17 --fmad=false -shared -Xcompiler -fPIC -gencode=arch=compute_90,code=sm_90 \
       -Igpu_check/include -I$S -DK3GC_FP64_THREADS_PER_COLUMN=$P -DK3GC_FP64_COLUMNS_PER_THREAD=$C \
-      ${DEFS:+$(printf -- ' -D%s=1' ${DEFS//,/ })} -Xptxas -v \
+      $(for d in ${DEFS//,/ }; do [[ $d == *=* ]] && printf -- ' -D%s' "$d" || printf -- ' -D%s=1' "$d"; done) -Xptxas -v \
       -o "$OUT/lib_$N.so" $S/errors.cu $S/compare.cu $S/kda.cu > "$OUT/build_$N.txt" 2>&1
     echo "nvcc rc $?" >> "$OUT/build_$N.txt" ) &
 done

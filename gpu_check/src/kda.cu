@@ -8,7 +8,6 @@
 // (gate, L2 norm, beta), in the accumulation type.
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <vector>
 
 #include <cuda_pipeline.h>
@@ -314,9 +313,6 @@ int launch_f32(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t s) {
 // 1), so zeros' signs, infinities and NaNs propagate as there.
 namespace fp64 {
 
-#ifndef K3GC_FP64_UNSKEWED
-#define K3GC_FP64_UNSKEWED 1
-#endif
 #ifndef K3GC_FP64_THREADS_PER_COLUMN
 #define K3GC_FP64_THREADS_PER_COLUMN 8
 #endif
@@ -352,6 +348,8 @@ __host__ inline int64_t workspace_doubles_per_token(const k3gc_kda_args& a) { re
 
 // One warp per (token, head) of q and k, then one per (token, value head) of the decay, v and
 // beta: lane l computes rows l + 32c, as the plain kernel's staging and L2 norm do.
+// DT: the input dtype, a template argument so that each load is one conversion, not a switch.
+template <int DT>
 __global__ void __launch_bounds__(256) kda_fp64_prepare(k3gc_kda_args a, Workspace w) {
   const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -374,8 +372,8 @@ __global__ void __launch_bounds__(256) kda_fp64_prepare(k3gc_kda_args a, Workspa
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int64_t i = lane + 32 * c;
-      qv[c] = i < K ? load_as_double(a.q, a.input_dtype, (t * a.H + h) * K + i) : 0.0;
-      kv[c] = i < K ? load_as_double(a.k, a.input_dtype, (t * a.H + h) * K + i) : 0.0;
+      qv[c] = i < K ? load_as_double(a.q, DT, (t * a.H + h) * K + i) : 0.0;
+      kv[c] = i < K ? load_as_double(a.k, DT, (t * a.H + h) * K + i) : 0.0;
     }
     if (a.qk_l2norm) {
       double sq = 0, sk = 0;
@@ -416,13 +414,13 @@ __global__ void __launch_bounds__(256) kda_fp64_prepare(k3gc_kda_args a, Workspa
   for (int c = 0; c < 4; ++c) {
     const int64_t i = lane + 32 * c;
     double dv = 1;
-    if (i < K) dv = Math<double>::exp_(gate_with_amp(a, amp, hv, i, load_as_double(a.g, a.input_dtype, (t * a.HV + hv) * K + i)));
+    if (i < K) dv = Math<double>::exp_(gate_with_amp(a, amp, hv, i, load_as_double(a.g, DT, (t * a.HV + hv) * K + i)));
     row[0][ws_pos(lane + 32 * c)] = dv;
-    row[1][i] = i < V ? load_as_double(a.v, a.input_dtype, (t * a.HV + hv) * V + i) : 0.0;
+    row[1][i] = i < V ? load_as_double(a.v, DT, (t * a.HV + hv) * V + i) : 0.0;
   }
   write_rows(w.d + vitem * kMaxDim, w.v + vitem * kMaxDim);
   if (lane == 0) {
-    double bv = load_as_double(a.beta, a.input_dtype, t * a.HV + hv);
+    double bv = load_as_double(a.beta, DT, t * a.HV + hv);
     if (a.beta_mode == K3GC_BETA_SIGMOID) bv = sigmoid(bv);
     if (a.beta_mode == K3GC_BETA_TWO_SIGMOID) bv = 2.0 * sigmoid(bv);
     w.b[hv * w.tokens + tok] = bv;
@@ -551,7 +549,6 @@ __global__ void __launch_bounds__(kThreads, 3)
     if (nt + 1 < n_tiles) stage(t0 + kTT, static_cast<int>(imin(int64_t(kTT), hi - t0 - kTT)), nb ^ 1);
     const int count = static_cast<int>(imin(int64_t(kTT), hi - t0));
     const Tile64& tile = buf[nb];
-#if K3GC_FP64_UNSKEWED
     for (int tt = 0; tt < count; ++tt) {
       const double* dq = tile.d[tt] + p * kStride;
       const double* kq = tile.k[tt] + p * kStride;
@@ -597,76 +594,6 @@ __global__ void __launch_bounds__(kThreads, 3)
       }
       output(xq, t0 + tt);
     }
-#else
-    // Token tt's q.S is summed in token tt + 1's first pass over the rows, beside its k.S (S
-    // read before the decay, so the same operands in the same order): twice the independent
-    // chains in that pass, and the two reductions side by side. The tile's last token is
-    // flushed alone.
-    auto step = [&](auto with_prev, int tt) {
-      constexpr bool kPrev = decltype(with_prev)::value;
-      const double* dq = tile.d[tt] + p * kStride;
-      const double* kq = tile.k[tt] + p * kStride;
-      const double* qp = tile.q[kPrev ? tt - 1 : 0] + p * kStride;
-      double xk[kC][kNV];
-#pragma unroll
-      for (int c = 0; c < kC; ++c)
-#pragma unroll
-        for (int jv = 0; jv < kNV; ++jv) xk[c][jv] = xq[c][jv] = 0;
-#pragma unroll
-      for (int m = 0; m < kR; m += 2) {  // m = jv + kNV * r: slice jv's rows in r order
-        const double2 d2 = *reinterpret_cast<const double2*>(dq + m);
-        const double2 k2 = *reinterpret_cast<const double2*>(kq + m);
-        double2 q2 = {};
-        if constexpr (kPrev) q2 = *reinterpret_cast<const double2*>(qp + m);
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-          if constexpr (kPrev) {
-            xq[c][m % kNV] += q2.x * S[c][m];
-            xq[c][(m + 1) % kNV] += q2.y * S[c][m + 1];
-          }
-          S[c][m] *= d2.x;
-          S[c][m + 1] *= d2.y;
-          xk[c][m % kNV] += k2.x * S[c][m];
-          xk[c][(m + 1) % kNV] += k2.y * S[c][m + 1];
-        }
-      }
-      if constexpr (kPrev) output(xq, t0 + tt - 1);
-      const double ks_mine = pair_sum(xk[0], xk[1], upper);
-      const double ks_other = __shfl_xor_sync(0xffffffffu, ks_mine, (kP / 2) * kLaneStep);
-      const double b = tile.b[tt];
-      const double u0 = b * ((j0 < V ? tile.v[tt][jl] : 0.0) - (upper ? ks_other : ks_mine));
-      const double u1 = b * ((j0 + 1 < V ? tile.v[tt][jl + 1] : 0.0) - (upper ? ks_mine : ks_other));
-#pragma unroll
-      for (int m = 0; m < kR; m += 2) {
-        const double2 k2 = *reinterpret_cast<const double2*>(kq + m);
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-          const double u = c ? u1 : u0;
-          S[c][m] += k2.x * u;
-          S[c][m + 1] += k2.y * u;
-        }
-      }
-    };
-    step(std::false_type{}, 0);
-    for (int tt = 1; tt < count; ++tt) step(std::true_type{}, tt);
-    {  // the flush: the tile's last token's q.S
-      const double* qp = tile.q[count - 1] + p * kStride;
-#pragma unroll
-      for (int c = 0; c < kC; ++c)
-#pragma unroll
-        for (int jv = 0; jv < kNV; ++jv) xq[c][jv] = 0;
-#pragma unroll
-      for (int m = 0; m < kR; m += 2) {
-        const double2 q2 = *reinterpret_cast<const double2*>(qp + m);
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-          xq[c][m % kNV] += q2.x * S[c][m];
-          xq[c][(m + 1) % kNV] += q2.y * S[c][m + 1];
-        }
-      }
-      output(xq, t0 + count - 1);
-    }
-#endif
   }
 
   const bool ends = eos <= c1;
@@ -745,7 +672,13 @@ int launch_fast(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t stream) {
       w.v = w.d + w.tokens * a.HV * kMaxDim;
       w.b = w.v + w.tokens * a.HV * kMaxDim;
       const int64_t warps = w.tokens * (a.H + a.HV);
-      kda_fp64_prepare<<<static_cast<unsigned>((warps + 7) / 8), 256, 0, stream>>>(a, w);
+      const unsigned blocks_p = static_cast<unsigned>((warps + 7) / 8);
+      switch (a.input_dtype) {
+        case K3GC_F64: kda_fp64_prepare<K3GC_F64><<<blocks_p, 256, 0, stream>>>(a, w); break;
+        case K3GC_F32: kda_fp64_prepare<K3GC_F32><<<blocks_p, 256, 0, stream>>>(a, w); break;
+        case K3GC_BF16: kda_fp64_prepare<K3GC_BF16><<<blocks_p, 256, 0, stream>>>(a, w); break;
+        default: kda_fp64_prepare<K3GC_F16><<<blocks_p, 256, 0, stream>>>(a, w); break;
+      }
       if (int rc = check_cuda(cudaGetLastError(), "kda_fp64_prepare launch")) return rc;
     }
     const int64_t blocks = (n_hi - n) * a.HV * col_blocks;
