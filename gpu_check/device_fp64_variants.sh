@@ -1,38 +1,35 @@
 #!/usr/bin/env bash
 # Layout variants of the fp64 reference's fast form (precision 2), timed and checked bit for bit
 # against the plain kernel (precision 0, the definition): the same kda.cu built with another
-# number of threads per column P and columns per thread C (K3GC_FP64_THREADS_PER_COLUMN,
-# K3GC_FP64_COLUMNS_PER_THREAD; the tree's build is P = 8, C = 2). P and C change who computes
-# which element, not its IEEE operations or their order, so every variant must give the plain
-# kernel's bits.
+# number of threads per column P (K3GC_FP64_THREADS_PER_COLUMN; the tree's build is P = 8) and
+# any further definitions an experiment adds to it. P changes who computes which element, not
+# its IEEE operations or their order, so every variant must give the plain kernel's bits.
 # Each row: sha256 of o and the final state on 8,192 tokens x 96 heads (K3's options) from the
 # fast form and from the plain kernel of the same library, and the fast form's kernel time over
 # 250,000 tokens (x 4: 10^6).
 #
-#   gpu_check/device_fp64_variants.sh [OUT_DIR] [P:C[:MACRO,MACRO] ...]
-#   (a MACRO is one of kda.cu's switches of the fast form, NAME (defined as 1) or NAME=VALUE)
+#   gpu_check/device_fp64_variants.sh [OUT_DIR] [P[:NAME=VALUE,...] ...]   (default: 4 16)
 #   env: LIB (the tree's libk3gc.so, default build/gpu_check/libk3gc.so), K3REF_CORE_PATH as
 #        the other device scripts, NVCC (default nvcc)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-.cache_k3ref/fp64_variants}
 shift || true
-VARIANTS=${*:-4:1 8:1 16:2 16:4}
+VARIANTS=${*:-4 16}
 LIB=${LIB:-build/gpu_check/libk3gc.so}
 mkdir -p "$OUT"
 S=gpu_check/src
 for v in $VARIANTS; do
-  IFS=: read -r P C DEFS <<< "$v"; N=p${P}_c${C}${DEFS:+_${DEFS//,/_}}
+  IFS=: read -r P DEFS <<< "$v"; N=p${P}${DEFS:+_${DEFS//[,=]/_}}
   ( ${NVCC:-nvcc} -O3 -std=c++17 --fmad=false -shared -Xcompiler -fPIC -gencode=arch=compute_90,code=sm_90 \
-      -Igpu_check/include -I$S -DK3GC_FP64_THREADS_PER_COLUMN=$P -DK3GC_FP64_COLUMNS_PER_THREAD=$C \
-      $(for d in ${DEFS//,/ }; do [[ $d == *=* ]] && printf -- ' -D%s' "$d" || printf -- ' -D%s=1' "$d"; done) -Xptxas -v \
+      -Igpu_check/include -I$S -DK3GC_FP64_THREADS_PER_COLUMN=$P ${DEFS:+$(printf -- ' -D%s' ${DEFS//,/ })} -Xptxas -v \
       -o "$OUT/lib_$N.so" $S/errors.cu $S/compare.cu $S/kda.cu > "$OUT/build_$N.txt" 2>&1
     echo "nvcc rc $?" >> "$OUT/build_$N.txt" ) &
 done
 wait
 export PYTHONPATH=$PWD/python:${PYTHONPATH:-}
 LIBS="$LIB"
-for v in $VARIANTS; do IFS=: read -r P C DEFS <<< "$v"; LIBS="$LIBS $OUT/lib_p${P}_c${C}${DEFS:+_${DEFS//,/_}}.so"; done
+for v in $VARIANTS; do IFS=: read -r P DEFS <<< "$v"; LIBS="$LIBS $OUT/lib_p${P}${DEFS:+_${DEFS//[,=]/_}}.so"; done
 for L in $LIBS; do
   [ -f "$L" ] || { echo "{\"lib\": \"$L\", \"error\": \"not built\"}" >> "$OUT/rows.jsonl"; continue; }
   K3GC_LIB=$L timeout 150 python3 - >> "$OUT/rows.jsonl" 2>> "$OUT/errors.txt" <<'PYEOF'

@@ -293,18 +293,20 @@ int launch_f32(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t s) {
 // - Staging runs once per token and head, not once per column block: a prepare kernel writes
 //   the staged rows (q and k after the L2 norm, the decay exp(gate), v and beta, each the plain
 //   kernel's expression) as fp64 into a workspace, for a window of tokens at a time (at most
-//   kWorkspaceBytes). In the plain kernel the gate's exps, recomputed by each of a head's 4
-//   column blocks, cost about a third of the recurrence.
+//   kWorkspaceBytes), where the plain kernel recomputes the gate's exps in each of a head's 4
+//   column blocks.
 // - Column j's k.S and q.S are, in the plain kernel, 16 partial sums ("slices" s < 16, slice s
 //   summing rows s + 16r in r order, starting from 0) reduced by x += shfl_xor(x, off) for off
 //   = 8, 4, 2, 1. Addition is commutative, so lanes s and s^off hold the same value after each
 //   step: P threads per column (thread p holding the 16/P slices s = p + P*jv, i.e. the rows
 //   i = p mod P) do the steps off >= P in registers, own operand first, and shuffle only the
-//   steps off < P. Each thread holds C columns, so one load of a row's q, k and decay serves C
-//   columns: the loop is bound by fp64 arithmetic, not by shared-memory loads and shuffles.
+//   steps off < P. Each thread holds C = 2 columns: one load of a row's q, k and decay serves
+//   both, and their shuffle steps are paired (pair_sum). Of the loop's 433 instructions per
+//   warp and token, 239 are fp64 arithmetic (ncu on the H200).
 // - The recurrence streams its window's rows from the workspace into shared memory with
-//   cp.async, the next tile of kTT tokens in flight while one is computed, one barrier per tile; a thread's rows lie contiguously (row i at
-//   (i % P) * kStride + i / P, padded so the P threads of a warp hit distinct banks): 16-byte loads.
+//   cp.async, the next tile of kTT tokens in flight while one is computed, one barrier per
+//   tile. A thread's rows lie contiguously (row i at (i % P) * kStride + i / P, padded so the P
+//   threads of a warp hit distinct banks): 16-byte loads.
 // - A sequence that runs past a window carries its fp64 state to the next window through a
 //   workspace buffer (two, alternating: the sequence leaving a window and the one entering it
 //   may differ). Sequences are contiguous in the token dimension, so at most one crosses each
@@ -316,11 +318,8 @@ namespace fp64 {
 #ifndef K3GC_FP64_THREADS_PER_COLUMN
 #define K3GC_FP64_THREADS_PER_COLUMN 8
 #endif
-#ifndef K3GC_FP64_COLUMNS_PER_THREAD
-#define K3GC_FP64_COLUMNS_PER_THREAD 2
-#endif
 constexpr int kP = K3GC_FP64_THREADS_PER_COLUMN;  // threads per column
-constexpr int kC = K3GC_FP64_COLUMNS_PER_THREAD;  // columns per thread
+constexpr int kC = 2;                             // columns per thread (pair_sum takes two)
 constexpr int kThreads = 128;
 constexpr int kCB = kThreads / kP * kC;  // columns per block
 constexpr int kTT = 8;                   // tokens per tile
@@ -519,10 +518,14 @@ __global__ void __launch_bounds__(kThreads, 3)
       double* dst = which == 0 ? tile.q[tt] : which == 1 ? tile.k[tt] : tile.d[tt];
       __pipeline_memcpy_async(dst + (at / kR) * kStride + at % kR, src + at, 16);  // (p, m) = (at / kR, at % kR)
     }
-    static_assert(kTT * (kCB / 2) <= kThreads, "one v chunk per thread");
-    if (tid < kTT * (kCB / 2)) {
-      const int tt = tid / (kCB / 2), ch = tid % (kCB / 2);
+    auto copy_v = [&](int idx) {
+      const int tt = idx / (kCB / 2), ch = idx % (kCB / 2);
       if (tt < count) __pipeline_memcpy_async(&tile.v[tt][2 * ch], w.v + (tok0 + tt) * stride_dv + hv * kMaxDim + cb * kCB + 2 * ch, 16);
+    };
+    if constexpr (kTT * (kCB / 2) <= kThreads) {  // one chunk per thread at most (P = 8): no loop, no spill
+      if (tid < kTT * (kCB / 2)) copy_v(tid);
+    } else {
+      for (int idx = tid; idx < kTT * (kCB / 2); idx += kThreads) copy_v(idx);
     }
     if (tid < count) __pipeline_memcpy_async(&tile.b[tid], w.b + hv * w.tokens + tok0 + tid, 8);
     __pipeline_commit();
