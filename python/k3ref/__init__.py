@@ -16,7 +16,8 @@ precision, rounded once to double on the way out).
 References: kda (the recurrence), kda_chunkwise (FlashKDA / FLA chunk forms, with their
 stage tensors), kda_backward (gradients: adjoint recurrence or chunkwise with stages),
 kcp_forward / kcp_backward (context parallelism: per-rank fragments and entering states),
-attnres (Attention Residuals), qb_solver (Quantile Balancing); save writes your own tensors as
+attnres (Attention Residuals), qb_solver (Quantile Balancing); reference_of (a golden case's
+outputs, by the reference of its operator); save writes your own tensors as
 a safetensors file for the `k3ref` command. Submodules: k3ref.goldens
 (golden cases as torch tensors), k3ref.testing (assert_kda_close), k3ref.policy (the
 tolerance table), k3ref.gpu_check (the GPU harness). docs/python.md is the guide.
@@ -32,6 +33,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Sequence
 
 from . import _data
+from ._kda_params import kda_options
 
 if TYPE_CHECKING:  # annotations only: `import k3ref` imports neither torch nor NumPy
     import numpy as np
@@ -207,16 +209,6 @@ def _count(fn: str, name: str, value: Any, minimum: int, maximum: int = MAX_COUN
     if value > maximum:
         _fail(fn, ValueError, f"option '{name}' must be at most {maximum}, not {value}")
     return value
-
-
-def kda_options(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The kda / kda_contract keyword arguments of a KDA parameter object (a golden's params,
-    a prop case, an adapter's params): the golden schema's names mapped once onto this
-    module's option names (`qk_l2norm` -> `l2norm`); a key absent takes the option's default."""
-    return dict(gate=params.get("gate", "log_decay"), gate_base=params.get("gate_base", "e"),
-                lower_bound=params.get("lower_bound"), beta=params.get("beta", "as_given"),
-                l2norm=bool(params.get("qk_l2norm")), scale=params.get("scale"),
-                state_layout=params.get("state_layout", "k_first"))
 
 
 def _kda_options(fn: str, gate: Any, gate_base: Any, lower_bound: Any, beta: Any, l2norm: Any, scale: Any,
@@ -552,6 +544,56 @@ def qb_solver(inputs: Mapping[str, Any], *, k: int, iterations: int,
     b0 = None if beta0 is None else _as_float64(fn, "beta0", beta0)
     return _call(fn, _compiled().qb_solver, t["scores"], _count(fn, "k", k, 1), _count(fn, "iterations", iterations, 0),
                  b0, _progress_after(fn, progress_after))
+
+
+# The golden operators reference_of computes.
+REFERENCE_OPS = ("kda.recurrent", "kda.chunkwise_fla", "kda.chunkwise_flashkda", "kda.backward",
+                 "kcp.context_parallel", "attnres.full", "attnres.block", "attnres.phase1", "qb.solver")
+# The chunk size of the chunkwise backward whose stage tensors (chunk_states,
+# chunk_state_gradients) the kda.backward goldens hold (docs/backward.md: C = 64).
+BACKWARD_GOLDEN_CHUNK_SIZE = 64
+
+
+def reference_of(case: Any, precision: str = "mp256", threads: int | None = None) -> dict[str, torch.Tensor]:
+    """The references' outputs for a golden case's inputs (a k3ref.goldens.GoldenCase), for
+    every expected output this package computes (all of them except qb.online's), in float64 (integer outputs in the golden's
+    dtype). At "mp256", the goldens' tier, the KDA, kcp and AttnRes outputs equal the
+    goldens bit for bit; qb.solver runs in double, exact on the goldens' dyadic scores."""
+    op, opt = case.op, case.options
+    kw: dict[str, Any] = {} if threads is None else {"threads": threads}
+    if op == "kda.recurrent":
+        out = kda(case.inputs, precision=precision, **opt, **kw)
+    elif op.startswith("kda.chunkwise_"):
+        out = kda_chunkwise(case.inputs, precision=precision, **opt, **kw)
+    elif op == "kda.backward":
+        inputs = dict(case.inputs)
+        splits = inputs.pop("splits", None)
+        out = kda_backward(inputs, precision=precision, **opt, **kw)
+        stages = kda_backward(inputs, method="chunkwise", chunk_size=BACKWARD_GOLDEN_CHUNK_SIZE,
+                              precision=precision, **opt, **kw)
+        out.update({n: stages[n] for n in ("chunk_states", "chunk_state_gradients")})
+        if splits is not None:
+            cp = kcp_backward(inputs, splits=splits, precision=precision, **opt, **kw)
+            out.update({n: cp[n] for n in ("cp_entering_states", "cp_entering_state_gradients")})
+    elif op == "kcp.context_parallel":
+        out = kcp_forward(case.inputs, precision=precision, **opt, **kw)
+    elif op.startswith("attnres."):
+        out = attnres(case.inputs, precision=precision, **opt)
+    elif op == "qb.solver":
+        if "scores" not in case.tensors:
+            raise ValueError(f"k3ref.reference_of: case '{case.name}' stores no 'scores' (its scores are "
+                             f"{case.params.get('scores', {}).get('kind', 'derived')}); docs/qb.md gives their formula")
+        out = qb_solver(case.inputs, **opt)
+        # The file keeps the selections of some iterations only (1-based selection_iterations).
+        keep = case.params.get("selection_iterations")
+        if keep is not None:
+            out["selection"] = out["selection"][[i - 1 for i in keep]]
+    else:
+        raise ValueError(f"k3ref.reference_of: operator '{op}' of case '{case.name}' has no reference in "
+                         "the Python package")
+    expected = case.expected
+    return {n: (t.to(expected[n].dtype) if not expected[n].is_floating_point() else t)
+            for n, t in out.items() if n in expected}
 
 
 def save(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor | NDArray[Any]],

@@ -142,8 +142,9 @@ def make_scale(opts, conftest_objects=()):
     `MUTANT-scale-caught`, last in its group, fails when none did (the controller judges it
     from their results: pytest_plugin). No warm-up: each kernel compiles its shapes in its
     first case. The limits ($K3REF_SCALE_LIMITS) go into the plan, for the workers."""
-    from . import scale, selection
+    from . import registry, selection
 
+    scale = registry.tier("scale")
     if opts.checks:
         raise UsageError("--checks: the scale tier has no checks to pick; --cases picks its cases "
                                    f"({', '.join(scale.CASES)})")
