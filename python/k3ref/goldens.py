@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import _safetensors
-from ._kda_params import kda_options
+from ._references import kda_options
 
 if TYPE_CHECKING:
     from .policy import PolicyTable, Rule

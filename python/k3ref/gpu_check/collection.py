@@ -29,18 +29,6 @@ class SelectorError(ValueError):
     """An unknown name in a selector (one-line message)."""
 
 
-def load_suite(directory, ops):
-    """The golden cases of `directory` whose operator is in `ops`, read by k3ref.goldens: the
-    cases its MANIFEST.json lists, or every *.safetensors file of a directory without one."""
-    from .. import goldens
-
-    directory = Path(directory)
-    if (directory / "MANIFEST.json").is_file():
-        return goldens.load_suite(directory, ops=tuple(ops))
-    cases = [goldens.load_case(p) for p in sorted(directory.glob("*.safetensors"))]
-    return [c for c in cases if c.op in ops]
-
-
 LIMITATION_KEYS = ("adapter", "check", "case", "case_pattern", "reason", "evidence")
 MAX_LIMITATIONS_BYTES = 1024 * 1024
 

@@ -79,6 +79,7 @@ def make(opts, conftest_objects=(), progress=print):
     the cache directory); the plan names the adapters it compiles for and how many units each
     (speed.warmup_pending), and their tests come last, so the checks of the other kernels can
     run while it compiles (docs/gpu_check.md)."""
+    from .. import goldens
     from . import collection, selection, shapes, warmup
 
     if opts.tier == "scale":
@@ -91,7 +92,7 @@ def make(opts, conftest_objects=(), progress=print):
     except ValueError as e:
         raise UsageError(str(e)) from e
     device = device_of(opts)
-    shape_plan = shapes.build(tests, suite)
+    shape_plan = shapes.build(tests, suite, goldens.load_case)
     tests = shapes.order(tests, shape_plan)
     speed = {"cache_dir": os.environ.get(warmup.CACHE_VARIABLE), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
              "shape_plan": shape_plan.summary(), "autotune_configs": opts.autotune_configs}
