@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _compiled, _count, _number
+from ._references import _compiled, _count, _number
 
 
 def _work(w: dict[str, float], scale: float = 1.0) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """Golden cases as torch tensors: parameters, inputs, expected outputs, recommended
-tolerances, and the k3ref reference that reproduces them.
+tolerances (k3ref.reference_of(case): the references' outputs for a case).
 
     from k3ref import goldens
     case = goldens.load_case("kda_varlen")          # a name in the golden directory, or a path
@@ -10,7 +10,6 @@ tolerances, and the k3ref reference that reproduces them.
     case.options       # keyword arguments of the matching k3ref reference (CLI option names)
     case.recommended_policies      # {output: policy name} the file recommends (policy/policies.json)
     case.tolerances()  # {output: Rule} under the recommended policies, or tolerances("recurrent")
-    goldens.reference(case, precision="mp256")      # k3ref's outputs for the case's inputs
 
 Files follow the golden schema (docs/golden-format.md, "Schema"; `k3ref.schema` = SCHEMA):
 every tensor is listed in exactly one of `k3ref.inputs`, `k3ref.outputs`, `k3ref.layout`.
@@ -31,19 +30,13 @@ import numpy as np
 import torch
 
 from . import _safetensors
-from . import kda_options  # noqa: F401 (k3ref.goldens.kda_options: a golden's params as k3ref.kda options)
+from ._references import kda_options
 
 if TYPE_CHECKING:
     from .policy import PolicyTable, Rule
 
 # The golden schema this module reads (docs/golden-format.md, "Schema").
 SCHEMA = "2"
-# The operators goldens.reference() computes.
-REFERENCE_OPS = ("kda.recurrent", "kda.chunkwise_fla", "kda.chunkwise_flashkda", "kda.backward",
-                 "kcp.context_parallel", "attnres.full", "attnres.block", "attnres.phase1", "qb.solver")
-# The chunk size of the chunkwise backward whose stage tensors (chunk_states,
-# chunk_state_gradients) the kda.backward goldens hold (docs/backward.md: C = 64).
-BACKWARD_GOLDEN_CHUNK_SIZE = 64
 
 
 def directory(path: str | os.PathLike[str] | None = None) -> Path:
@@ -351,46 +344,3 @@ def load_suite(directory_: str | os.PathLike[str] | None = None, ops: Container[
         return [load_case(n, d, reader=reader) for n in case_names(d, ops)]
     cases = [load_case(p, reader=reader) for p in sorted(d.glob("*.safetensors"))]
     return [c for c in cases if ops is None or c.op in ops]
-
-
-def reference(case: GoldenCase, precision: str = "mp256", threads: int | None = None) -> dict[str, torch.Tensor]:
-    """k3ref's outputs for the case's inputs, for every expected output this package
-    computes (all of them except qb.online's), in float64 (integer outputs in the golden's
-    dtype). At "mp256", the goldens' tier, the KDA, kcp and AttnRes outputs equal the
-    goldens bit for bit; qb.solver runs in double, exact on the goldens' dyadic scores."""
-    import k3ref
-    op, opt = case.op, case.options
-    kw: dict[str, Any] = {} if threads is None else {"threads": threads}
-    if op == "kda.recurrent":
-        out = k3ref.kda(case.inputs, precision=precision, **opt, **kw)
-    elif op.startswith("kda.chunkwise_"):
-        out = k3ref.kda_chunkwise(case.inputs, precision=precision, **opt, **kw)
-    elif op == "kda.backward":
-        inputs = dict(case.inputs)
-        splits = inputs.pop("splits", None)
-        out = k3ref.kda_backward(inputs, precision=precision, **opt, **kw)
-        stages = k3ref.kda_backward(inputs, method="chunkwise", chunk_size=BACKWARD_GOLDEN_CHUNK_SIZE,
-                                    precision=precision, **opt, **kw)
-        out.update({n: stages[n] for n in ("chunk_states", "chunk_state_gradients")})
-        if splits is not None:
-            cp = k3ref.kcp_backward(inputs, splits=splits, precision=precision, **opt, **kw)
-            out.update({n: cp[n] for n in ("cp_entering_states", "cp_entering_state_gradients")})
-    elif op == "kcp.context_parallel":
-        out = k3ref.kcp_forward(case.inputs, precision=precision, **opt, **kw)
-    elif op.startswith("attnres."):
-        out = k3ref.attnres(case.inputs, precision=precision, **opt)
-    elif op == "qb.solver":
-        if "scores" not in case.tensors:
-            raise ValueError(f"k3ref.goldens.reference: case '{case.name}' stores no 'scores' (its scores are "
-                             f"{case.params.get('scores', {}).get('kind', 'derived')}); docs/qb.md gives their formula")
-        out = k3ref.qb_solver(case.inputs, **opt)
-        # The file keeps the selections of some iterations only (1-based selection_iterations).
-        keep = case.params.get("selection_iterations")
-        if keep is not None:
-            out["selection"] = out["selection"][[i - 1 for i in keep]]
-    else:
-        raise ValueError(f"k3ref.goldens.reference: operator '{op}' of case '{case.name}' has no reference in "
-                         "the Python package")
-    expected = case.expected
-    return {n: (t.to(expected[n].dtype) if not expected[n].is_floating_point() else t)
-            for n, t in out.items() if n in expected}

@@ -4,15 +4,14 @@ varlen, initial state, input dtypes). The harness judges a kernel on the goldens
 domain and reports the others as not applicable; `k3ref golden list --kernel` (the C++ reader,
 io/kernel_domains.h) lists the same goldens, with the same reasons. A user's adapter declares
 its own domain in the same schema (its `domain` attribute: a dict, or a KernelDomain); None
-accepts everything.
+accepts everything. The shipped file is read by k3ref.kernel_domains_file; this module, the
+schema and its verdicts, imports nothing of the package, so that the adapter protocol
+(k3ref.gpu_check.protocol) judges an adapter's declared domain without the file's readers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-from ._data import FORMAT_NAMES, shipped_file
 
 FORMAT = "k3ref-kernel-domains"
 VERSION = 1
@@ -248,49 +247,9 @@ def parse(data: Any, origin: str) -> dict[str, KernelDomain]:
     return out
 
 
-def path() -> Path:
-    """The file shipped with k3ref: next to this module in an installed package, else the
-    checkout's policy/kernel_domains.json."""
-    return shipped_file("kernel_domains.json", "kernel domains")
-
-
-_BUILTIN = {}
-
-
-def load(file: str | Path | None = None) -> dict[str, KernelDomain]:
-    """The domains of `file` (default: the shipped one, read once), under the package's JSON rules."""
-    from ._bounded import load_json
-
-    file = Path(file) if file is not None else path()
-    if file not in _BUILTIN:
-        try:
-            data = load_json(file, "kernel domains", limit=1 << 20)
-        except ValueError as e:
-            raise KernelDomainError(str(e)) from None
-        _BUILTIN[file] = parse(data, f"kernel domains {file}")
-    return _BUILTIN[file]
-
-
-def builtin(name: str) -> KernelDomain:
-    """The shipped domain of built-in kernel `name`; an unknown name is a KeyError naming the known ones."""
-    domains = load()
-    if name not in domains:
-        raise KeyError(f"no kernel domain named '{name}' (known: {', '.join(domains)})")
-    return domains[name]
-
-
 def domain_of(declared: Any, name: str = "") -> KernelDomain | None:
     """An adapter's `domain` attribute as a KernelDomain: None (everything), a KernelDomain, or
     a dict in the file's schema (checked)."""
     if declared is None or isinstance(declared, KernelDomain):
         return declared
     return KernelDomain.from_json(declared, name)
-
-
-def input_dtype_of(inputs: dict) -> str | None:
-    """The format name ("bf16") of a case's q, for the input_dtypes key; None without q."""
-    q = inputs.get("q") if inputs else None
-    if q is None:
-        return None
-    name = str(q.dtype)
-    return FORMAT_NAMES.get(name.removeprefix("torch."), name)

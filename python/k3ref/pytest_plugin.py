@@ -73,7 +73,7 @@ def pytest_addoption(parser):
              "--k3ref-report DIR writes DIR/scale.json); default: the golden and metamorphic checks")
     add("--k3ref-backward", choices=("default", "all"), default="default",
         help="the gradient goldens of the backward check: default, the four whose shapes share two of FLA's "
-             "backward autotune keys (k3ref.gpu_check.backward.DEFAULT_GOLDENS), or those --k3ref-cases names; "
+             "backward autotune keys (k3ref.gpu_check.collection.DEFAULT_BACKWARD_GOLDENS), or those --k3ref-cases names; "
              "all, every gradient golden (each further shape costs its backward autotuning, minutes on a cold cache)")
     add("--k3ref-goldens", metavar="DIR", help="golden directory (default: $K3REF_GOLDENS, else the checkout's "
                                                "goldens/, else the suite installed with the package)")
@@ -590,7 +590,7 @@ def _judge_caught(state, entry, report):
     collected) caught it. Judged here, in the controller, from the records of those cases:
     they may have run in several workers (a crash or a CUDA error ends one), so no worker
     holds them all."""
-    from k3ref.gpu_check import scale
+    from k3ref.gpu_check.registry import tier
     from k3ref.gpu_check.report import _result_of
 
     collected = state.get("collected")
@@ -602,7 +602,7 @@ def _judge_caught(state, entry, report):
             record = _record_of(rep)
             if record:
                 results += [_result_of(d) for d in record["results"]]
-    verdict, caught_by = scale.mutant_verdict(results)
+    verdict, caught_by = tier("scale").mutant_verdict(results)
     record = _record_of(report) or {"loaded": None, "recycle": False, "results": []}
     if verdict == "caught":
         record.update(verdict="pass", reason="caught by " + ", ".join(caught_by))
@@ -861,12 +861,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def _scale_summary(tr, state, run):
     """The scale tier's table (kernel x case: figure, bound, ratio, verdict, seconds), each
     mutant's verdict, the failures and the verdict line."""
-    from k3ref.gpu_check import scale
+    from k3ref.gpu_check.registry import tier
 
     result = run["scale"]
     s = result["summary"]
     tr.section("k3ref scale tier")
-    tr.write_line(scale.table(result["results"]))
+    tr.write_line(tier("scale").table(result["results"]))
     for n, v in s["mutants"].items():
         tr.write_line(f"mutant {n}: {v}" + (f" by {', '.join(s['mutant_catches'][n])}" if v == "caught" else ""))
     lines = ["FAIL " + line for line in s["failures"]]

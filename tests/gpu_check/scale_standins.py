@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from k3ref import kernel_domains
+from k3ref import kernel_domains_file
 from k3ref.gpu_check import problems, scale, torch_model
 from k3ref.gpu_check.adapters import KdaAdapter
 
@@ -33,7 +33,7 @@ class StandIn(KdaAdapter):
         self.mutation, self.limits = mutation, limits
         self.name = "standin" + (f".{mutation}" if mutation else "")
         self.kind = "mutant" if mutation else "kernel"
-        self.domain = kernel_domains.builtin("torch.fp64_bf16")
+        self.domain = kernel_domains_file.builtin("torch.fp64_bf16")
 
     def run(self, inputs, params, out=None):
         L, m = self.limits, self.mutation

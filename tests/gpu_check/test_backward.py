@@ -65,12 +65,12 @@ def test_the_scoring_fails_a_wrong_gradient_and_a_nan():
 
 # ---------------------------------------------------------------- the backward check of the matrix
 
-from k3ref.gpu_check import adapters, collection  # noqa: E402
+from k3ref.gpu_check import adapters, collection, selection  # noqa: E402
 from k3ref.gpu_check.protocol import NotSupported  # noqa: E402
 
 
 def _backward_results(adapter):
-    suite = collection.load_suite(ROOT / "goldens", adapter.suite_ops())
+    suite = selection.load_suite(ROOT / "goldens", adapter.suite_ops())
     out = {}
     for case_id, case, why in adapter.cases("backward", suite):
         out[case_id] = why if why else adapter.run_check("backward", case, "cpu")
@@ -154,8 +154,8 @@ def test_a_raising_backward_is_an_error_and_notsupported_is_not_applicable():
 
 
 def test_the_matrix_collects_backward_tests_for_the_fla_kernels():
-    suite = collection.load_suite(ROOT / "goldens", ("kda.recurrent", "kda.backward"))
-    for mode, count in (("default", len(backward.DEFAULT_GOLDENS)), ("all", len(CASES))):
+    suite = selection.load_suite(ROOT / "goldens", ("kda.recurrent", "kda.backward"))
+    for mode, count in (("default", len(collection.DEFAULT_BACKWARD_GOLDENS)), ("all", len(CASES))):
         tests = collection.collect([adapters.FlaAdapter("chunk_kda"), adapters.FlashKdaAdapter()], suite, backward=mode)
         backward_tests = [t for t in tests if t.check == "backward"]
         assert {t.adapter.name for t in backward_tests} == {"fla.chunk_kda"}
@@ -164,12 +164,12 @@ def test_the_matrix_collects_backward_tests_for_the_fla_kernels():
 
 def test_the_default_tier_runs_the_backward_on_its_four_goldens_and_all_runs_every_one():
     a = adapters.TorchKernelAdapter()
-    suite = collection.load_suite(ROOT / "goldens", a.suite_ops())
+    suite = selection.load_suite(ROOT / "goldens", a.suite_ops())
 
     def backward_cases(mode):
         return sorted(t.case for t in collection.collect([a], suite, backward=mode) if t.check == "backward")
 
-    assert backward_cases("default") == sorted(backward.DEFAULT_GOLDENS)
+    assert backward_cases("default") == sorted(collection.DEFAULT_BACKWARD_GOLDENS)
     # a gradient golden --cases names runs under the default too
     named = [t.case for t in collection.collect([a], suite, cases=["kda_backward_t100"]) if t.check == "backward"]
     assert named == ["kda_backward_t100"]
@@ -180,7 +180,7 @@ def test_the_default_tier_runs_the_backward_on_its_four_goldens_and_all_runs_eve
 
 
 def test_the_default_gradient_goldens_hold_two_of_the_backward_autotune_keys():
-    """What DEFAULT_GOLDENS was picked for: FLA's backward autotunes once per (H, HV, K, V,
+    """What DEFAULT_BACKWARD_GOLDENS was picked for: FLA's backward autotunes once per (H, HV, K, V,
     varlen), and the four share two such keys while the whole set holds many more."""
     from k3ref.gpu_check import warmup
 
@@ -188,8 +188,8 @@ def test_the_default_gradient_goldens_hold_two_of_the_backward_autotune_keys():
         p = case.params
         return tuple(p[k] for k in warmup.AUTOTUNE_DIMS if k not in ("varlen",)) + (p["cu_seqlens"] is not None,)
 
-    chosen = [c for c in CASES if c.name in backward.DEFAULT_GOLDENS]
-    assert len(chosen) == len(backward.DEFAULT_GOLDENS)
+    chosen = [c for c in CASES if c.name in collection.DEFAULT_BACKWARD_GOLDENS]
+    assert len(chosen) == len(collection.DEFAULT_BACKWARD_GOLDENS)
     assert len({key(c) for c in chosen}) == 2
     assert len({key(c) for c in CASES}) > 8
     # what they cover: batch 2 with an initial state, varlen with an empty and a one-token sequence, both other gates

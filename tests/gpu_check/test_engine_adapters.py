@@ -822,13 +822,13 @@ class TestRegistry:
         assert registry.kernel_by_name("vllm.gdn_replayssm_decode").name == "vllm.gdn_replayssm_decode"
 
     def test_each_declares_a_domain_and_a_policy_with_its_bounds(self):
-        from k3ref import kernel_domains, policy
+        from k3ref import kernel_domains_file, policy
 
         table = policy.load_table()
         for a in registry.builtin_adapters():
             if a.name not in ENGINE_NAMES:
                 continue
-            assert kernel_domains.builtin(a.name).about  # policy/kernel_domains.json
+            assert kernel_domains_file.builtin(a.name).about  # policy/kernel_domains.json
             assert a.policy in table.policy_names() and a.contract and a.policy_reason, a.name
             assert a.o_bound.multiple > 0 and a.state_bound.multiple > 0  # read from the policy's rules
             assert a.requires_cuda

@@ -164,7 +164,7 @@ def test_unavailable_kernel_is_skipped_with_reason():
 
 
 def test_goldens_outside_a_kernels_domain_are_not_applicable_not_failures():
-    from k3ref import kernel_domains
+    from k3ref import kernel_domains_file
     from k3ref.gpu_check import collection
 
     kernel = adapters.TorchKernelAdapter()
@@ -181,9 +181,9 @@ def test_goldens_outside_a_kernels_domain_are_not_applicable_not_failures():
     assert collection.outcome(tests[0], res["kda_t100"], requested={kernel.name})[0] == "skip"
     # The built-in kernels' domains are the data file's, and take the operators they run.
     for a in adapters.kda_adapters() + adapters.torch_test_kernels():
-        own = a.name if a.name in kernel_domains.load() else ("k3gc.fp32" if a.name.startswith("mutant.") else
+        own = a.name if a.name in kernel_domains_file.load() else ("k3gc.fp32" if a.name.startswith("mutant.") else
                                                                "torch.fp64_bf16")
-        assert a.domain is kernel_domains.builtin(own), a.name
+        assert a.domain is kernel_domains_file.builtin(own), a.name
         assert tuple(a.domain.ops) == a.golden_ops, a.name
 
 

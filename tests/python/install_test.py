@@ -47,8 +47,8 @@ out = k3ref.kda(case.inputs, precision="mp256", **case.options)
 assert all(torch.equal(out[n], case.expected[n]) for n in case.expected)
 from k3ref import policy
 assert str(policy.table_path()).startswith(sys.argv[1]), policy.table_path()
-from k3ref import kernel_domains
-assert str(kernel_domains.path()).startswith(sys.argv[1]), kernel_domains.path()
+from k3ref import kernel_domains_file
+assert str(kernel_domains_file.path()).startswith(sys.argv[1]), kernel_domains_file.path()
 import k3ref.gpu_check, k3ref.gpu_check.adapters, k3ref.testing  # the built-in adapters read their domains at import
 print("ok", k3ref.__file__)
 """
@@ -249,7 +249,7 @@ def test_meson_install_puts_the_package_on_the_interpreters_path(tmp_path):
                           capture_output=True, text=True, check=True).stdout.split()
     assert installed_as in path, f"meson install put k3ref in {installed_as}, not on {PY}'s sys.path {path}"
     assert list(site.glob("k3ref/_core*.so")) and (site / "k3ref" / "policies.json").is_file()
-    assert (site / "k3ref" / "kernel_domains.json").is_file()  # k3ref.kernel_domains reads it beside itself
+    assert (site / "k3ref" / "kernel_domains.json").is_file()  # k3ref.kernel_domains_file reads it beside itself
     env = clean_env()
     env["PYTHONPATH"] = str(site)
     r = subprocess.run([PY, "-c", CHECK, str(site), str(ROOT / "goldens")], cwd=tmp_path, env=env,

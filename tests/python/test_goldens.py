@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import k3ref
 from conftest import GOLDENS, needs_core
 from k3ref import _safetensors, goldens
 
@@ -189,8 +190,8 @@ def test_bf16_and_f8_decode_exactly(tmp_path):
 # kda_backward_k128_t65, date 2026-12-01; bound 4x, 3.97x). (kda_backward_fla_chunk_like stays at mp256:
 # its softplus decays overflow the inverse-decay chunk form's double range, docs/python.md.)
 HEAVY = {"kda_backward_cp2_varlen", "kda_backward_k128_t65"}
-REPRODUCIBLE = [n for n in NAMES if OPS[n] in goldens.REFERENCE_OPS and n != "qb_solver_k3_m4480_n896_k16"]
-UNSUPPORTED = [n for n in NAMES if OPS[n] not in goldens.REFERENCE_OPS]
+REPRODUCIBLE = [n for n in NAMES if OPS[n] in k3ref.REFERENCE_OPS and n != "qb_solver_k3_m4480_n896_k16"]
+UNSUPPORTED = [n for n in NAMES if OPS[n] not in k3ref.REFERENCE_OPS]
 
 
 @needs_core
@@ -198,7 +199,7 @@ UNSUPPORTED = [n for n in NAMES if OPS[n] not in goldens.REFERENCE_OPS]
 def test_reference_reproduces_the_golden(name):
     case = goldens.load_case(name, GOLDENS)
     precision = "double" if name in HEAVY else "mp256"
-    out = goldens.reference(case, precision=precision, threads=2)
+    out = k3ref.reference_of(case, precision=precision, threads=2)
     assert set(out) == set(case.expected) - {"max_vio", "dual_objective", "duality_gap", "lp_optimum",
                                              "optimal_assignment", "optimal_alpha", "optimal_beta"}
     for n, t in out.items():
@@ -231,7 +232,7 @@ def test_operators_without_a_reference_say_so():
     assert UNSUPPORTED, "every golden operator has a reference: drop this test"
     case = goldens.load_case(UNSUPPORTED[0], GOLDENS)
     with pytest.raises(ValueError, match=f"operator '{case.op}' of case '{case.name}' has no reference"):
-        goldens.reference(case)
+        k3ref.reference_of(case)
 
 
 def test_a_directory_without_manifest_is_read_file_by_file(tmp_path):

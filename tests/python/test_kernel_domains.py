@@ -11,6 +11,7 @@ import pytest
 
 from conftest import GOLDENS, ROOT
 from k3ref import kernel_domains as D
+from k3ref import kernel_domains_file as F
 
 MIN_GOLDENS_PER_KERNEL = 12
 MANIFEST = json.loads((GOLDENS / "MANIFEST.json").read_text())
@@ -29,9 +30,9 @@ def inside(domain):
             if domain.outside(c["op"], c["params"], None, input_dtype(c) if c["op"].startswith("kda.") else None) is None]
 
 
-@pytest.mark.parametrize("kernel", sorted(D.load()))
+@pytest.mark.parametrize("kernel", sorted(F.load()))
 def test_each_builtin_kernel_has_enough_kda_goldens_inside_its_domain(kernel):
-    domain = D.load()[kernel]
+    domain = F.load()[kernel]
     ops = {c["name"]: c["op"] for c in MANIFEST["cases"]}
     if domain.ops is not None and "kda.recurrent" not in domain.ops:
         # a serving kernel (the engines' pool decode, verify, replay): a golden of one of its operators
@@ -49,23 +50,23 @@ def k3ref_exe():
     return exe
 
 
-@pytest.mark.parametrize("kernel", sorted(D.load()))
+@pytest.mark.parametrize("kernel", sorted(F.load()))
 def test_cpp_and_python_readers_select_the_same_goldens(kernel):
     r = subprocess.run([k3ref_exe(), "golden", "list", "--kernel", kernel, "--json"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
-    assert [c["name"] for c in json.loads(r.stdout)] == inside(D.load()[kernel])
+    assert [c["name"] for c in json.loads(r.stdout)] == inside(F.load()[kernel])
 
 
 def test_unknown_kernel_is_one_line_naming_the_known_ones():
     r = subprocess.run([k3ref_exe(), "golden", "list", "--kernel", "fla.chunk_kda[nope]"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.count("\n") == 1 and all(k in r.stderr for k in D.load()), r.stderr
+    assert r.stderr.count("\n") == 1 and all(k in r.stderr for k in F.load()), r.stderr
 
 
 def test_the_domains_say_what_the_kernels_accept():
-    flashkda, safe_gate = D.builtin("flashkda.fwd"), D.builtin("fla.chunk_kda[safe_gate]")
+    flashkda, safe_gate = F.builtin("flashkda.fwd"), F.builtin("fla.chunk_kda[safe_gate]")
     base = dict(B=1, T=40, H=2, HV=2, K=128, V=128, gate="lower_bound", gate_base="2", lower_bound=-5.0, A_log=True,
                 beta="sigmoid", qk_l2norm=True, state_layout="k_first", cu_seqlens=None, initial_state=True)
     assert flashkda.outside("kda.recurrent", base, None, "bf16") is None
@@ -80,7 +81,7 @@ def test_the_domains_say_what_the_kernels_accept():
         "lower_bound = 0: the kernel takes lower_bound in [-5, 0)"
     assert safe_gate.outside("kda.recurrent", dict(base, gate="softplus")) == "gate softplus: the kernel takes gate lower_bound"
     assert safe_gate.outside("kda.recurrent", base, dict(K=512)) == "K = 512: the kernel takes K <= 256"
-    fla = D.builtin("fla.chunk_kda")
+    fla = F.builtin("fla.chunk_kda")
     assert fla.outside("kda.recurrent", dict(base, gate="softplus", A_log=False)) == \
         "gate softplus without A_log: the kernel takes it with A_log"
     # A parameter a case does not have constrains nothing (a metamorphic check's configuration).
@@ -121,8 +122,8 @@ def test_the_file_is_read_under_the_packages_json_rules(tmp_path):
     dup = tmp_path / "dup.json"
     dup.write_text(text.replace('"kernels": {', '"kernels": {"x": {"about": ""}, "x": {"about": ""},', 1))
     with pytest.raises(D.KernelDomainError, match="duplicate key 'x'"):
-        D.load(dup)
+        F.load(dup)
     wrong = tmp_path / "wrong.json"
     wrong.write_text(text.replace('"version": 1', '"version": 2', 1))
     with pytest.raises(D.KernelDomainError, match="'version' must be 1"):
-        D.load(wrong)
+        F.load(wrong)

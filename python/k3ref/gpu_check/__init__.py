@@ -7,7 +7,7 @@ section 9; docs/verify-your-kernel.md for your own kernel's CI).
 Modules: `protocol` (the adapter protocol, CheckResult, the run configuration RunOptions),
 `adapters` (the built-in KDA adapters), `upstream` (loading the upstream
 projects' kernels: checkout paths, FLA's import and version line), `registry` (entry points, --adapter specs, conftest
-lists; the built-ins by spec), `selection` (the adapters and goldens a run selects),
+lists; the built-ins by spec; the tiers by name), `selection` (the adapters and goldens a run selects),
 `collection` (the tests: adapter x case x check, known limitations, verdicts), `plan` (the
 run's adapters, tests and warm-up, decided once), `execute` (one test in the worker that holds its kernel),
 `checks` (golden and metamorphic KDA checks), `problems` (the

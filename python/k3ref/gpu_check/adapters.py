@@ -39,9 +39,9 @@ import importlib
 
 import torch
 
-from .. import kernel_domains
+from .. import kernel_domains_file
 from . import lib, probe, torch_model
-from .protocol import outside_domain
+from .protocol import input_dtype_of, outside_domain
 from .protocol import KDA_METAMORPHIC, Adapter, BrokenAdapter, CheckResult, LoadableAdapter  # noqa: F401 (the protocol's names, here as before)
 from .protocol import shapes_of as _shapes
 from .protocol import source_identity  # noqa: F401 (adapters.source_identity, as before)
@@ -113,7 +113,7 @@ class KdaAdapter(Adapter):
         why = self.version_unsupported(case.params, s)
         if why:
             return f"n/a ({why})"
-        return outside_domain(self.domain_reason(case.op, case.params, s, kernel_domains.input_dtype_of(case.inputs))
+        return outside_domain(self.domain_reason(case.op, case.params, s, input_dtype_of(case.inputs))
                               or self.unsupported(case.params, s))
 
     def cases(self, check, suite):
@@ -165,7 +165,7 @@ class FlaAdapter(KdaAdapter):
         self.variant = variant
         self.safe_gate = safe_gate
         self.name = f"fla.{variant}" + ("[safe_gate]" if safe_gate else "")
-        self.domain = kernel_domains.builtin(self.name)
+        self.domain = kernel_domains_file.builtin(self.name)
         if variant == "fused_recurrent_kda":
             self.policy = "recurrent"
             self.policy_reason = "fp32 recurrence on bf16 inputs: 1.0x the bf16 output floor measured on an H200"
@@ -233,7 +233,7 @@ class FlashKdaAdapter(KdaAdapter):
     requires_cuda = True
 
     name = "flashkda.fwd"
-    domain = kernel_domains.builtin(name)
+    domain = kernel_domains_file.builtin(name)
     policy = "flashkda"
     policy_reason = "chunk 16, fp16 Neumann inverse, bf16 state between chunks: 3.4x-3.5x measured"
     contract = "CUTLASS (sm_90); chunks of 16, fp16 Neumann-series inverse, bf16 state between chunks, bf16 output"
@@ -286,7 +286,7 @@ class LibKernelAdapter(KdaAdapter):
         self.mutation = mutation
         self.mutation_name = lib.MUTATIONS[mutation]
         self.name = "k3gc.fp32" if mutation == 0 else f"mutant.{self.mutation_name}"
-        self.domain = kernel_domains.builtin("k3gc.fp32")  # a mutant has the domain of the kernel it mutates
+        self.domain = kernel_domains_file.builtin("k3gc.fp32")  # a mutant has the domain of the kernel it mutates
         self.kind = "kernel" if mutation == 0 else "mutant"
         self.policy = "recurrent"
         self.policy_reason = "fp32 recurrence on bf16 inputs, bf16 output"
@@ -309,7 +309,7 @@ class LibReferenceAdapter(KdaAdapter):
     requires_cuda = True
 
     name = "k3gc.fp64_reference"
-    domain = kernel_domains.builtin(name)
+    domain = kernel_domains_file.builtin(name)
     kind = "reference"
     policy = "rel-rms:1e-12"
     policy_reason = "fp64 arithmetic against 256-bit goldens: error of order 1e-15"
@@ -373,7 +373,7 @@ class TorchKernelAdapter(KdaAdapter):
             raise ValueError(f"unknown mutation {mutation}")
         self.device = device
         self.name = "torch.fp64_bf16" + (f"[{self.mutation}]" if self.mutation else "")
-        self.domain = kernel_domains.builtin("torch.fp64_bf16")
+        self.domain = kernel_domains_file.builtin("torch.fp64_bf16")
         self.kind = "mutant" if self.mutation else "kernel"
 
     def run(self, inputs, params, out=None):

@@ -39,16 +39,6 @@ def score(case, grads, policy_name=POLICY):
              "passed": r.passed} for r in v.results]
 
 
-# The default tier's gradient goldens (`--k3ref-backward all`: every one). FLA's backward
-# kernels autotune on (H, HV, K, V, varlen) (warmup.AUTOTUNE_DIMS), each new key minutes of
-# benchmarking on a cold cache, and the 13 gradient goldens hold 11 keys: these four hold two
-# (H = HV = 2, K = V = 32, without and with varlen) and cover batch 2 with an initial state,
-# both gate forms FLA's backward takes besides log-decay (softplus with A_log and dt_bias,
-# the lower-bound gate), and varlen with empty and one-token sequences.
-DEFAULT_GOLDENS = ("kda_backward_b2_t37", "kda_backward_gate_softplus", "kda_backward_gate_lower_bound",
-                   "kda_backward_varlen")
-
-
 def _leaf(t, device, dtype=None):
     t = t.to(device)
     if dtype is not None:

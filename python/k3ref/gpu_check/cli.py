@@ -120,6 +120,7 @@ def warmup_parser(sub, kernel_options):
 def warmup_command(args):
     """`warmup`: exit 0 when every group warmed up (or was skipped: kernel not here), 1 when
     a worker erred (the cache may be incomplete; the run would report the checks' errors)."""
+    from .. import goldens
     from . import collection, selection, shapes, warmup
     from .protocol import RunOptions
 
@@ -133,7 +134,7 @@ def warmup_command(args):
                       device=args.device)
     adapters, _, suite = selection.select_adapters(opts, goldens_option="--goldens")  # as the run selects them
     tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, backward=args.backward)
-    plan = shapes.build(tests, suite)
+    plan = shapes.build(tests, suite, goldens.load_case)
     s = plan.summary()
     print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
           f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of problems.CONFIGS); "

@@ -15,22 +15,18 @@ from pathlib import Path
 from .protocol import MutantTest, Test
 
 KNOWN_LIMITATIONS = Path(__file__).with_name("known_limitations.json")
+# The gradient goldens of the default tier's backward check (`--k3ref-backward all`: every
+# one). FLA's backward kernels autotune on (H, HV, K, V, varlen) (warmup.AUTOTUNE_DIMS), each
+# new key minutes of benchmarking on a cold cache, and the 13 gradient goldens hold 11 keys:
+# these four hold two (H = HV = 2, K = V = 32, without and with varlen) and cover batch 2 with
+# an initial state, both gate forms FLA's backward takes besides log-decay (softplus with
+# A_log and dt_bias, the lower-bound gate), and varlen with empty and one-token sequences.
+DEFAULT_BACKWARD_GOLDENS = ("kda_backward_b2_t37", "kda_backward_gate_softplus", "kda_backward_gate_lower_bound",
+                            "kda_backward_varlen")
 
 
 class SelectorError(ValueError):
     """An unknown name in a selector (one-line message)."""
-
-
-def load_suite(directory, ops):
-    """The golden cases of `directory` whose operator is in `ops`, read by k3ref.goldens: the
-    cases its MANIFEST.json lists, or every *.safetensors file of a directory without one."""
-    from .. import goldens
-
-    directory = Path(directory)
-    if (directory / "MANIFEST.json").is_file():
-        return goldens.load_suite(directory, ops=tuple(ops))
-    cases = [goldens.load_case(p) for p in sorted(directory.glob("*.safetensors"))]
-    return [c for c in cases if c.op in ops]
 
 
 LIMITATION_KEYS = ("adapter", "check", "case", "case_pattern", "reason", "evidence")
@@ -138,9 +134,8 @@ def collect(adapters, suite, checks=None, cases=None, limitations=(), backward="
 
     checks: check names to run (None: every check of each adapter); cases: golden case names
     (None: all; checks that build their own inputs are not filtered by it); backward: "default"
-    (the backward check on backward.DEFAULT_GOLDENS, or on the gradient goldens `cases` names)
+    (the backward check on DEFAULT_BACKWARD_GOLDENS, or on the gradient goldens `cases` names)
     or "all" (on every gradient golden)."""
-    from . import backward as backward_check
     out = []
     for a in adapters:
         tests = []
@@ -153,7 +148,7 @@ def collect(adapters, suite, checks=None, cases=None, limitations=(), backward="
                 if case is not None and cases is not None and case.name not in cases:
                     continue
                 if (check == "backward" and backward == "default" and cases is None
-                        and case_id not in backward_check.DEFAULT_GOLDENS):
+                        and case_id not in DEFAULT_BACKWARD_GOLDENS):
                     continue
                 path = str(case.path) if case is not None and getattr(case, "path", None) else None
                 t = Test(a, check, case_id, case_path=path, skip=why)

@@ -32,15 +32,11 @@ import math
 import torch
 
 from .. import policy
+from .._references import kda, kda_contract, kda_options
 
 CONTRACTS = ("fla_recurrent", "fla_chunk", "fla_chunk_safe_gate", "flashkda")
 
 _INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
-
-
-def _k3ref():
-    import k3ref
-    return k3ref
 
 
 def contract_outputs(contract, inputs, params):
@@ -53,24 +49,20 @@ def contract_outputs(contract, inputs, params):
         if t is not None and t.dtype != torch.bfloat16:
             raise ValueError(f"contracts: contract {contract!r} models bf16 q, k, v and o; tensor '{name}' is {t.dtype}")
     tensors = {n: t.detach().cpu() for n, t in inputs.items() if n in _INPUTS and t is not None}
-    from .. import kda_options
-
     opts = kda_options(params)
     if contract == "flashkda" and opts["beta"] == "sigmoid" and "beta" in tensors:
         # FlashKDA's sigmoid is 0.5 + 0.5 tanh.approx(x / 2): measured per bf16 logit (flashkda_sigmoid.py)
         from . import flashkda_sigmoid
 
         tensors["beta"], opts["beta"] = flashkda_sigmoid.sigmoid(tensors["beta"]), "as_given"
-    out = _k3ref().kda_contract(tensors, contract, **opts, threads=params.get("threads", 2))
+    out = kda_contract(tensors, contract, **opts, threads=params.get("threads", 2))
     return out["o"], out.get("final_state")
 
 
 def reference_outputs(inputs, params):
     """(o, final_state) of the recurrence in double (k3ref.kda), as the contract sees them."""
     tensors = {n: t.detach().cpu() for n, t in inputs.items() if n in _INPUTS and t is not None}
-    from .. import kda_options
-
-    out = _k3ref().kda(tensors, **kda_options(params), threads=params.get("threads", 2))
+    out = kda(tensors, **kda_options(params), threads=params.get("threads", 2))
     return out["o"], out.get("final_state")
 
 

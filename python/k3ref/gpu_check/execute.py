@@ -13,6 +13,7 @@ import traceback
 from . import selection
 from .collection import mutant_outcome, outcome
 from .protocol import CheckResult, Test
+from .registry import tier
 
 
 def _error(adapter, check, case, what, e):
@@ -36,9 +37,7 @@ class Executor:
     def adapter(self, name):
         if self._adapters is None:
             if self.scale is not None:  # as the scale tier's plan selected them
-                from .scale import select_kernels
-
-                adapters, self.requested = select_kernels(self.opts, self.conftest_objects)
+                adapters, self.requested = tier("scale").select_kernels(self.opts, self.conftest_objects)
             else:
                 adapters, self.requested, _ = selection.select_adapters(self.opts, self.conftest_objects)
             self._adapters = {a.name: a for a in adapters}
@@ -148,10 +147,8 @@ class Executor:
     def run_reference(self, entry):
         """The scale tier's reference_vs_goldens test: the reference the tier computes with, on
         the goldens (not a selected adapter: scale.reference_adapter of the device)."""
-        from . import scale
-
         try:
-            res = scale.reference_vs_goldens(self.device, self.opts.goldens)[0]
+            res = tier("scale").reference_vs_goldens(self.device, self.opts.goldens)[0]
         except (KeyboardInterrupt, GeneratorExit):
             raise
         except BaseException as e:
@@ -163,8 +160,7 @@ class Executor:
         case test passes whatever the case found (its result says whether the case caught
         it); its `caught` test runs nothing here: the controller judges it from the results of
         the mutant's cases, which may come from several workers (pytest_plugin)."""
-        from . import scale
-
+        scale = tier("scale")
         if entry["check"] == "caught":
             return "pass", "judged from the results of its cases", []
         res = self._not_run(a, entry["check"], entry["case"])

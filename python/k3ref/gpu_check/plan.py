@@ -79,6 +79,7 @@ def make(opts, conftest_objects=(), progress=print):
     the cache directory); the plan names the adapters it compiles for and how many units each
     (speed.warmup_pending), and their tests come last, so the checks of the other kernels can
     run while it compiles (docs/gpu_check.md)."""
+    from .. import goldens
     from . import collection, selection, shapes, warmup
 
     if opts.tier == "scale":
@@ -91,7 +92,7 @@ def make(opts, conftest_objects=(), progress=print):
     except ValueError as e:
         raise UsageError(str(e)) from e
     device = device_of(opts)
-    shape_plan = shapes.build(tests, suite)
+    shape_plan = shapes.build(tests, suite, goldens.load_case)
     tests = shapes.order(tests, shape_plan)
     speed = {"cache_dir": os.environ.get(warmup.CACHE_VARIABLE), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
              "shape_plan": shape_plan.summary(), "autotune_configs": opts.autotune_configs}
@@ -142,8 +143,9 @@ def make_scale(opts, conftest_objects=()):
     `MUTANT-scale-caught`, last in its group, fails when none did (the controller judges it
     from their results: pytest_plugin). No warm-up: each kernel compiles its shapes in its
     first case. The limits ($K3REF_SCALE_LIMITS) go into the plan, for the workers."""
-    from . import scale, selection
+    from . import registry, selection
 
+    scale = registry.tier("scale")
     if opts.checks:
         raise UsageError("--checks: the scale tier has no checks to pick; --cases picks its cases "
                                    f"({', '.join(scale.CASES)})")

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+from .._data import FORMAT_NAMES
+from ..kernel_domains import domain_of
+
 
 # The checkout paths of the kernels, as the environment variables the adapters read.
 KERNEL_PATHS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla package"),
@@ -132,6 +135,15 @@ def shapes_of(inputs):
     return dict(B=B, T=T, H=H, K=K, HV=v.shape[2], V=v.shape[3])
 
 
+def input_dtype_of(inputs: dict) -> str | None:
+    """The format name ("bf16") of a case's q, for the input_dtypes key; None without q."""
+    q = inputs.get("q") if inputs else None
+    if q is None:
+        return None
+    name = str(q.dtype)
+    return FORMAT_NAMES.get(name.removeprefix("torch."), name)
+
+
 def outside_domain(why):
     """The reason a report gives a case outside the kernel's domain (not a failure): None stays None."""
     return None if why is None else f"n/a (outside the kernel's domain: {why})"
@@ -205,9 +217,7 @@ class Adapter:
     def domain_reason(self, op, params, shapes=None, input_dtype=None):
         """None, or why a case (operator `op`, or None: not checked; golden params; shapes as
         shapes_of gives them) is outside the kernel's declared `domain`."""
-        from .. import kernel_domains
-
-        domain = kernel_domains.domain_of(self.domain, self.name)
+        domain = domain_of(self.domain, self.name)
         return domain.outside(op, params, shapes, input_dtype) if domain is not None else None
 
     def suite_ops(self):

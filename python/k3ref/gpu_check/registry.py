@@ -170,6 +170,10 @@ TEST_KERNELS = "k3ref.gpu_check.adapters:torch_test_kernels"
 SCALE_KERNELS = "k3ref.gpu_check.adapters:scale_kernels"
 SCALE_REFERENCE_CUDA = "k3ref.gpu_check.adapters:LibReferenceAdapter"
 SCALE_REFERENCE_HOST = "k3ref.gpu_check.adapters:HostReferenceAdapter"
+# The tiers beside the default one, by their --k3ref-tier name, resolved as the built-in
+# adapters are (never imported here): a tier's module stands on the checks and the adapters,
+# which the planner, the executor and the reports that run it need not stand on.
+TIERS = {"scale": "k3ref.gpu_check.scale"}
 
 
 def builtin_adapters():
@@ -188,3 +192,9 @@ def kernel_by_name(name, extra=()):
         if a.name == name:
             return a
     raise ValueError(f"no kernel named '{name}'; known: {', '.join(dict.fromkeys(a.name for a in known))}")
+
+
+def tier(name):
+    """The module of tier `name` (scale: scale.py), which plans its kernels and cases, runs a
+    case and keeps the tier's record."""
+    return import_module_of(TIERS[name])

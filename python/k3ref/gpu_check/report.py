@@ -378,13 +378,13 @@ def scale_from_pytest(plan, reports, wanted, seconds):
     of a --k3ref-tier scale run, from pytest's reports of the tests in `wanted` (node ids): the
     rows of the reference's and the kernels' cases (a mutant's `caught` test is its verdict
     in the summary)."""
-    from . import scale
+    from .registry import tier
 
     rows, _, _ = test_rows(plan, reports, wanted)
     results = [r for t, _, _, rs in rows if t.check != "caught" for r in rs]
     kinds = {name: facts["kind"] for name, facts in plan["adapters"].items()}
     s = plan["scale"]
-    return scale.state(results, kinds, set(plan["requested"]), s["limits"], plan["device"], s.get("gpu"), seconds)
+    return tier("scale").state(results, kinds, set(plan["requested"]), s["limits"], plan["device"], s.get("gpu"), seconds)
 
 
 def write_scale(directory, result):

@@ -24,11 +24,24 @@ def csv_list(text):
     return [s for s in text.split(",") if s] if text else None
 
 
-def load_suite(goldens, adapters):
+def load_suite(directory, ops):
+    """The golden cases of `directory` whose operator is in `ops`, read by k3ref.goldens: the
+    cases its MANIFEST.json lists, or every *.safetensors file of a directory without one."""
+    from .. import goldens
+
+    directory = Path(directory)
+    if (directory / "MANIFEST.json").is_file():
+        return goldens.load_suite(directory, ops=tuple(ops))
+    cases = [goldens.load_case(p) for p in sorted(directory.glob("*.safetensors"))]
+    return [c for c in cases if c.op in ops]
+
+
+def suite_of(goldens, adapters):
+    """The cases of directory `goldens` that the adapters' checks read."""
     ops = sorted({op for a in adapters for op in a.suite_ops()})
     if not Path(goldens).is_dir():
         raise UsageError(f"--goldens {goldens}: not a directory")
-    return collection.load_suite(goldens, ops) if ops else []
+    return load_suite(goldens, ops) if ops else []
 
 
 def device_of(opts):
@@ -58,7 +71,7 @@ def select_adapters(opts, conftest_objects=(), goldens_option="--k3ref-goldens")
             requested |= set(opts.only)
         if opts.no_mutants:
             adapters = [a for a in adapters if a.kind != "mutant" or a.name in requested]
-        suite = load_suite(opts.goldens or default_goldens(goldens_option), adapters)
+        suite = suite_of(opts.goldens or default_goldens(goldens_option), adapters)
         collection.validate(adapters, suite, checks=opts.checks, cases=opts.cases)
     except collection.SelectorError as e:
         raise UsageError(str(e)) from e

@@ -229,9 +229,9 @@ class BuiltinDomain:
     def __get__(self, obj, owner):
         if obj is None:
             return self
-        from .. import kernel_domains
+        from .. import kernel_domains_file
 
-        return kernel_domains.builtin(obj.name)
+        return kernel_domains_file.builtin(obj.name)
 
 
 def import_engine_module(full, root, needs, option, packages=(), shims=None):

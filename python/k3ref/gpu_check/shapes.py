@@ -303,7 +303,7 @@ class Plan:
         }
 
 
-def _runs_of(test, config, cases):
+def _runs_of(test, config, cases, load_case):
     """[(params, shapes, recipe)] of the kernel runs a KDA test makes. A backward test runs its
     gradient golden forward and backward: its recipe says `backward`, and its group is the
     forward's with ("backward", True) (the backward kernels autotune on the same keys)."""
@@ -312,9 +312,9 @@ def _runs_of(test, config, cases):
             return []
         case = cases.get(test.case_path)
         if case is None:
-            from .. import goldens
-
-            case = cases[test.case_path] = goldens.load_case(test.case_path)
+            if load_case is None:
+                raise LookupError(f"shapes.build: test {test.id}: its case {test.case_path} is not in the suite")
+            case = cases[test.case_path] = load_case(test.case_path)
         if test.check == "backward":
             shapes = {k: case.params[k] for k in ("B", "T", "H", "HV", "K", "V")}
             return [(case.params, shapes, {"golden": test.case_path, "backward": True})]
@@ -336,9 +336,11 @@ def _tests_of(tests):
             yield t
 
 
-def build(tests, suite=()):
+def build(tests, suite=(), load_case=None):
     """The plan of a collection (collection.collect's list, after choose_all); `before`
-    counts the shapes the first supported configs of problems.CONFIGS would compile."""
+    counts the shapes the first supported configs of problems.CONFIGS would compile.
+    load_case: reads a golden case by path that `suite` lacks (an adapter may check cases of
+    its own; k3ref.goldens.load_case), given by the front end that holds the golden reader."""
     plan = Plan()
     adapters = []
     for t in _tests_of(tests):
@@ -367,7 +369,7 @@ def build(tests, suite=()):
                 else:
                     record.untracked.setdefault(a.name, []).append((t.id, t.check, t.case_path))
                 continue
-            for params, shapes, recipe in _runs_of(t, configs.get(a.name), cases):
+            for params, shapes, recipe in _runs_of(t, configs.get(a.name), cases, load_case):
                 group = group_of(a, params, shapes) + ((("backward", True),) if recipe.get("backward") else ())
                 key = (a.name, group, int_classes(params, shapes))
                 if record is None:
