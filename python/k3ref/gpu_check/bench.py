@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from . import checks, lib, metrics, references
+from . import lib, metrics, references
+from .problems import token_range
 from .protocol import bits
 
 
@@ -148,8 +149,8 @@ def reference_agreement(T=300, H=2, K=128, V=128):
     o_t, f_t = references.kda({k: v.cpu() for k, v in inputs.items()}, params)
     o_t, f_t = o_t.to(o.device), f_t.to(o.device)
     m = metrics.compare(o.cpu(), o_t.cpu(), torch.float64)
-    first = checks.token_range(inputs, 0, 131)
-    second = checks.token_range(inputs, 131, None)
+    first = token_range(inputs, 0, 131)
+    second = token_range(inputs, 131, None)
     o1, f1 = lib.kda_forward(first, params, precision=0)
     second["initial_state"] = f1
     o2, f2 = lib.kda_forward(second, params, precision=0)
