@@ -58,6 +58,24 @@ __device__ Acc gate_value(const k3gc_kda_args& a, int64_t hv, int64_t i, Acc raw
   return gate_with_amp(a, amp, hv, i, raw);
 }
 
+// Beta from its raw input, as the options say.
+template <typename Acc>
+__device__ Acc beta_value(const k3gc_kda_args& a, Acc raw) {
+  if (a.beta_mode == K3GC_BETA_SIGMOID) return sigmoid(raw);
+  if (a.beta_mode == K3GC_BETA_TWO_SIGMOID) return Acc(2) * sigmoid(raw);
+  return raw;
+}
+
+// The L2 norm's factor from a row's sum of squares.
+template <typename Acc> __device__ Acc inverse_norm(Acc sum_sq) { return Acc(1) / Math<Acc>::sqrt_(sum_sq + Acc(1e-6)); }
+
+// The index of state element (i, j) of (sequence n, value head hv) in a's state layout.
+__device__ __forceinline__ int64_t state_index(const k3gc_kda_args& a, int64_t n, int64_t hv, int64_t i, int64_t j) {
+  const int64_t K = a.K, V = a.V;
+  return ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) * (a.state_v_first ? K : V) +
+         (a.state_v_first ? i : j);
+}
+
 template <typename Acc, int TT>
 struct Tile {
   Acc q[TT][kMaxDim], k[TT][kMaxDim], d[TT][kMaxDim], v[TT][kMaxDim], b[TT];
@@ -114,9 +132,7 @@ __global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel
     const int64_t i = s + kSlices * r;
     S[r] = Acc(0);
     if (use_init && column && i < K) {
-      const int64_t idx = ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) *
-                              (a.state_v_first ? K : V) + (a.state_v_first ? i : j);
-      S[r] = Acc(load_as_double(a.initial_state, a.state_dtype, idx));
+      S[r] = Acc(load_as_double(a.initial_state, a.state_dtype, state_index(a, n, hv, i, j)));
     }
   }
 
@@ -167,9 +183,7 @@ __global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel
     if (tid < TT) {
       Acc bv = 0;
       if (tid < rows) {
-        bv = Acc(load_as_double(a.beta, a.input_dtype, flat<MUT>((t0 + tid + read_shift) * a.HV + hv)));
-        if (a.beta_mode == K3GC_BETA_SIGMOID) bv = sigmoid(bv);
-        if (a.beta_mode == K3GC_BETA_TWO_SIGMOID) bv = Acc(2) * sigmoid(bv);
+        bv = beta_value(a, Acc(load_as_double(a.beta, a.input_dtype, flat<MUT>((t0 + tid + read_shift) * a.HV + hv))));
         if (tid >= count) bv *= Acc(0);
       }
       tile.b[tid] = bv;
@@ -206,7 +220,7 @@ __global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel
           sq += __shfl_xor_sync(0xffffffffu, sq, off);
           sk += __shfl_xor_sync(0xffffffffu, sk, off);
         }
-        const Acc fq = Acc(1) / Math<Acc>::sqrt_(sq + Acc(1e-6)), fk = Acc(1) / Math<Acc>::sqrt_(sk + Acc(1e-6));
+        const Acc fq = inverse_norm(sq), fk = inverse_norm(sk);
         for (int64_t i = lane; i < k_read; i += 32) {
           tile.q[tt][i] *= fq;
           tile.k[tt][i] *= fk;
@@ -259,9 +273,7 @@ __global__ void __launch_bounds__(SL * CB, (SL * CB >= 1024 ? 1 : 2)) kda_kernel
     for (int r = 0; r < kRows; ++r) {
       const int64_t i = s + kSlices * r;
       if (i < K) {
-        const int64_t idx = ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) *
-                                (a.state_v_first ? K : V) + (a.state_v_first ? i : j);
-        store_from_double(a.final_state, a.state_dtype, idx, double(S[r]));
+        store_from_double(a.final_state, a.state_dtype, state_index(a, n, hv, i, j), double(S[r]));
       }
     }
   }
@@ -387,7 +399,7 @@ __global__ void __launch_bounds__(256) kda_fp64_prepare(k3gc_kda_args a, Workspa
         sq += __shfl_xor_sync(0xffffffffu, sq, off);
         sk += __shfl_xor_sync(0xffffffffu, sk, off);
       }
-      const double fq = 1.0 / Math<double>::sqrt_(sq + double(1e-6)), fk = 1.0 / Math<double>::sqrt_(sk + double(1e-6));
+      const double fq = inverse_norm(sq), fk = inverse_norm(sk);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         if (lane + 32 * c < K) {
@@ -419,10 +431,7 @@ __global__ void __launch_bounds__(256) kda_fp64_prepare(k3gc_kda_args a, Workspa
   }
   write_rows(w.d + vitem * kMaxDim, w.v + vitem * kMaxDim);
   if (lane == 0) {
-    double bv = load_as_double(a.beta, DT, t * a.HV + hv);
-    if (a.beta_mode == K3GC_BETA_SIGMOID) bv = sigmoid(bv);
-    if (a.beta_mode == K3GC_BETA_TWO_SIGMOID) bv = 2.0 * sigmoid(bv);
-    w.b[hv * w.tokens + tok] = bv;
+    w.b[hv * w.tokens + tok] = beta_value(a, load_as_double(a.beta, DT, t * a.HV + hv));
   }
 }
 
@@ -453,13 +462,6 @@ __device__ __forceinline__ double pair_sum(double (&x0)[kNV], double (&x1)[kNV],
 #pragma unroll
   for (int off = kP / 4; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off * kLaneStep);
   return sum;
-}
-
-// The index of state element (i, j) of (sequence n, value head hv) in a's state layout.
-__device__ __forceinline__ int64_t state_index(const k3gc_kda_args& a, int64_t n, int64_t hv, int64_t i, int64_t j) {
-  const int64_t K = a.K, V = a.V;
-  return ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) * (a.state_v_first ? K : V) +
-         (a.state_v_first ? i : j);
 }
 
 // The sequences [n_lo, n_lo + gridDim / (HV * column blocks)) over the window's tokens
