@@ -60,7 +60,7 @@ scale_pass() {  # $1 = cold | warm: every kernel in its own process; the goldens
   local first=1
   for k in $KERNELS; do
     local cases=""
-    [ $first = 1 ] || cases="--cases ragged_tail,long_sequence,packed_documents,many_sequences,index_limit"
+    [ $first = 1 ] || cases="--cases ragged_tail,long_sequence,packed_documents,many_sequences,index_limit,gradients"
     first=0
     local limit=$(( $(left) - 40 ))
     [ "$limit" -gt "$KERNEL_TIMEOUT" ] && limit=$KERNEL_TIMEOUT

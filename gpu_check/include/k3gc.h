@@ -106,6 +106,30 @@ typedef struct {
  * `stream`, and refuses one that decreases or leaves [0, T]. Any other value is an error. */
 int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mutation, void* stream);
 
+/* The gradients of the fp64 reference (k3gc_kda_backward), every one fp64 and of its input's
+ * shape: dq, dk [B,T,H,K]; dv [B,T,HV,V]; dg [B,T,HV,K] (of g as given: the raw gate input
+ * when gate != LOG_DECAY); dbeta [B,T,HV] (of beta as given); d_initial_state in the state
+ * layout ([N,HV,K,V] or [N,HV,V,K]); dA_log [HV] and ddt_bias [HV*K] when the forward has
+ * A_log and dt_bias. An output left NULL is not written (dq..dbeta are needed when T > 0).
+ * d_o [B,T,HV,V] of d_o_dtype; d_final_state (state layout, d_final_state_dtype) or NULL for 0. */
+typedef struct {
+  const void* d_o;
+  int d_o_dtype;
+  const void* d_final_state;
+  int d_final_state_dtype;
+  double *dq, *dk, *dv, *dg, *dbeta, *d_initial_state, *dA_log, *ddt_bias;
+} k3gc_kda_grads;
+
+/* KDA backward in fp64: the gradients of the forward of precision 0 for `args` (its o and
+ * final_state are not read) given the outputs' gradients. One plain definition, deterministic
+ * (every sum in a fixed order; no atomics), tested against the 256-bit gradient goldens and
+ * PyTorch's autograd of the fp64 recurrence (tests/gpu_check/test_fp64_backward.py). Per
+ * (sequence, value head) it runs the recurrence forward once, keeping the state at every 64th
+ * token, then backward 64 tokens at a time from the state recomputed there. Device memory,
+ * taken on `stream` for the call: (2 H + 4 HV) * 128 + 3 HV doubles per token, and 128 KiB per
+ * kept state of a batch of (sequence, head) pairs sized to about 8 GiB. */
+int k3gc_kda_backward(const k3gc_kda_args* args, const k3gc_kda_grads* grads, void* stream);
+
 /* The code of a name: kind "format" (the policy table's fp64, fp32, bf16, fp16: a k3gc_dtype),
  * "gate" (log_decay, softplus, lower_bound) or "beta" (as_given, sigmoid, two_sigmoid);
  * -1 for a name or kind it does not know. */

@@ -37,6 +37,17 @@ __device__ __forceinline__ void store_from_double(void* p, int dtype, int64_t i,
   }
 }
 
+// Device memory taken on a stream (cudaMallocAsync), freed on it when this goes out of scope,
+// on every return path of a host function.
+struct StreamBuffer {
+  void* p = nullptr;
+  cudaStream_t s;
+  explicit StreamBuffer(cudaStream_t stream) : s(stream) {}
+  StreamBuffer(const StreamBuffer&) = delete;
+  StreamBuffer& operator=(const StreamBuffer&) = delete;
+  ~StreamBuffer() { if (p) (void)cudaFreeAsync(p, s); }
+};
+
 inline bool valid_dtype(int dtype) { return dtype >= K3GC_F64 && dtype <= K3GC_F16; }
 
 }  // namespace k3gc

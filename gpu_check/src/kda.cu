@@ -12,76 +12,20 @@
 
 #include <cuda_pipeline.h>
 
-#include "common.cuh"
+#include "kda_common.cuh"
 
 namespace k3gc {
 namespace {
 
-constexpr int kMaxDim = 128;
 constexpr int kChunk = 16;  // the chunk size the chunk-related mutants think in
 constexpr int64_t kGridLimit = 65535;  // a grid's y and z extent: where the grid mutant caps its pairs
 constexpr int64_t kLongT = 4096;       // where the bf16-state mutant's "long-sequence path" starts
-
-template <typename Acc> struct Math;
-template <> struct Math<double> {
-  static __device__ double exp_(double x) { return ::exp(x); }
-  static __device__ double log1p_(double x) { return ::log1p(x); }
-  static __device__ double sqrt_(double x) { return ::sqrt(x); }
-};
-template <> struct Math<float> {
-  static __device__ float exp_(float x) { return ::expf(x); }
-  static __device__ float log1p_(float x) { return ::log1pf(x); }
-  static __device__ float sqrt_(float x) { return ::sqrtf(x); }
-};
-
-template <typename Acc> __device__ Acc softplus(Acc x) {
-  using M = Math<Acc>;
-  return x > Acc(0) ? x + M::log1p_(M::exp_(-x)) : M::log1p_(M::exp_(x));
-}
-template <typename Acc> __device__ Acc sigmoid(Acc x) { return Acc(1) / (Acc(1) + Math<Acc>::exp_(-x)); }
-
-// The log decay of one gate element, from the raw input as the options say, with amp =
-// exp(A_log[hv]) given (1 without A_log): a kernel may compute it once per head.
-template <typename Acc>
-__device__ Acc gate_with_amp(const k3gc_kda_args& a, Acc amp, int64_t hv, int64_t i, Acc raw) {
-  if (a.gate == K3GC_GATE_LOG_DECAY) return raw;
-  const Acc bias = a.dt_bias ? Acc(a.dt_bias[hv * a.K + i]) : Acc(0);
-  const Acc x = raw + bias;
-  if (a.gate == K3GC_GATE_SOFTPLUS) return -amp * softplus(x);
-  const Acc y = a.A_log ? amp * x : x;
-  return Acc(a.lower_bound) * sigmoid(y);
-}
-
-template <typename Acc>
-__device__ Acc gate_value(const k3gc_kda_args& a, int64_t hv, int64_t i, Acc raw) {
-  const Acc amp = (a.gate != K3GC_GATE_LOG_DECAY && a.A_log) ? Math<Acc>::exp_(Acc(a.A_log[hv])) : Acc(1);
-  return gate_with_amp(a, amp, hv, i, raw);
-}
-
-// Beta from its raw input, as the options say.
-template <typename Acc>
-__device__ Acc beta_value(const k3gc_kda_args& a, Acc raw) {
-  if (a.beta_mode == K3GC_BETA_SIGMOID) return sigmoid(raw);
-  if (a.beta_mode == K3GC_BETA_TWO_SIGMOID) return Acc(2) * sigmoid(raw);
-  return raw;
-}
-
-// The L2 norm's factor from a row's sum of squares.
-template <typename Acc> __device__ Acc inverse_norm(Acc sum_sq) { return Acc(1) / Math<Acc>::sqrt_(sum_sq + Acc(1e-6)); }
-
-// The index of state element (i, j) of (sequence n, value head hv) in a's state layout.
-__device__ __forceinline__ int64_t state_index(const k3gc_kda_args& a, int64_t n, int64_t hv, int64_t i, int64_t j) {
-  const int64_t K = a.K, V = a.V;
-  return ((n * a.HV + hv) * (a.state_v_first ? V : K) + (a.state_v_first ? j : i)) * (a.state_v_first ? K : V) +
-         (a.state_v_first ? i : j);
-}
 
 template <typename Acc, int TT>
 struct Tile {
   Acc q[TT][kMaxDim], k[TT][kMaxDim], d[TT][kMaxDim], v[TT][kMaxDim], b[TT];
 };
 
-__device__ __forceinline__ int64_t imin(int64_t x, int64_t y) { return x < y ? x : y; }
 
 // A flat offset into a token tensor as the kernel computes it: the int32-wrap mutant keeps 31
 // bits (a wrap to the tensor's start rather than a negative offset, so that it reads and writes
@@ -616,30 +560,10 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 }
 
-// Frees what it holds on the stream when it goes out of scope (every return path of launch_fast).
-struct StreamBuffer {
-  void* p = nullptr;
-  cudaStream_t s;
-  explicit StreamBuffer(cudaStream_t stream) : s(stream) {}
-  ~StreamBuffer() { if (p) (void)cudaFreeAsync(p, s); }
-};
-
 int launch_fast(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t stream) {
   // The sequences' bounds on the host, to cut the tokens into windows at known sequences.
-  std::vector<int64_t> cu(static_cast<size_t>(n_seq) + 1);
-  if (a.cu_seqlens) {
-    if (int rc = check_cuda(cudaMemcpyAsync(cu.data(), a.cu_seqlens, cu.size() * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
-                            "k3gc_kda_forward: reading cu_seqlens"))
-      return rc;
-    if (int rc = check_cuda(cudaStreamSynchronize(stream), "k3gc_kda_forward: reading cu_seqlens")) return rc;
-    for (int64_t n = 0; n < n_seq; ++n)
-      if (cu[n + 1] < cu[n]) return fail("k3gc_kda_forward: cu_seqlens decreases at index " + std::to_string(n + 1));
-    if (cu[0] < 0 || cu[n_seq] > a.T)
-      return fail("k3gc_kda_forward: cu_seqlens must lie in [0, T = " + std::to_string(a.T) + "], got " +
-                  std::to_string(cu[0]) + " to " + std::to_string(cu[n_seq]));
-  } else {
-    for (int64_t n = 0; n <= n_seq; ++n) cu[n] = n * a.T;
-  }
+  std::vector<int64_t> cu;
+  if (int rc = sequence_bounds(a, n_seq, stream, "k3gc_kda_forward", cu)) return rc;
   const int64_t begin = cu[0], total = cu[n_seq];  // the tokens the sequences cover: [begin, total)
   const int64_t per_token = workspace_doubles_per_token(a);
   const int64_t window = total == begin ? 0 : std::max<int64_t>(kTT, std::min(total - begin, kWorkspaceBytes / 8 / per_token));
@@ -700,6 +624,41 @@ int launch_fast(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t stream) {
 }  // namespace fp64
 
 }  // namespace
+int check_kda_args(const k3gc_kda_args& a, const char* fn) {
+  const std::string f = fn;
+  if (a.K < 1 || a.K > kMaxDim || a.V < 1 || a.V > kMaxDim)
+    return fail(f + ": K and V must be in [1, 128], got K=" + std::to_string(a.K) + " V=" + std::to_string(a.V));
+  if (a.H < 1 || a.HV < a.H || a.HV % a.H != 0) return fail(f + ": HV must be a positive multiple of H");
+  if (a.cu_seqlens ? (a.B != 1 || a.N < 1) : (a.B < 1)) return fail(f + ": with cu_seqlens B must be 1 and N >= 1");
+  if (!valid_dtype(a.input_dtype) || !valid_dtype(a.output_dtype) ||
+      ((a.initial_state || a.final_state) && !valid_dtype(a.state_dtype)))
+    return fail(f + ": unknown dtype code");
+  if (a.gate < 0 || a.gate > 2 || a.beta_mode < 0 || a.beta_mode > 2) return fail(f + ": unknown gate or beta mode");
+  // T = 0: the token tensors are empty (a framework may hand NULL for them); only the states are touched
+  if (a.T > 0 && (!a.q || !a.k || !a.v || !a.g || !a.beta)) return fail(f + ": NULL input or output");
+  if (a.T < 0) return fail(f + ": T < 0");
+  return 0;
+}
+
+int sequence_bounds(const k3gc_kda_args& a, int64_t n_seq, cudaStream_t stream, const char* fn, std::vector<int64_t>& cu) {
+  const std::string f = fn;
+  cu.assign(static_cast<size_t>(n_seq) + 1, 0);
+  if (a.cu_seqlens) {
+    if (int rc = check_cuda(cudaMemcpyAsync(cu.data(), a.cu_seqlens, cu.size() * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
+                            (f + ": reading cu_seqlens").c_str()))
+      return rc;
+    if (int rc = check_cuda(cudaStreamSynchronize(stream), (f + ": reading cu_seqlens").c_str())) return rc;
+    for (int64_t n = 0; n < n_seq; ++n)
+      if (cu[n + 1] < cu[n]) return fail(f + ": cu_seqlens decreases at index " + std::to_string(n + 1));
+    if (cu[0] < 0 || cu[n_seq] > a.T)
+      return fail(f + ": cu_seqlens must lie in [0, T = " + std::to_string(a.T) + "], got " + std::to_string(cu[0]) +
+                  " to " + std::to_string(cu[n_seq]));
+  } else {
+    for (int64_t n = 0; n <= n_seq; ++n) cu[n] = n * a.T;
+  }
+  return 0;
+}
+
 }  // namespace k3gc
 
 extern "C" const char* k3gc_mutation_name(int mutation) { return k3gc_mutation_name_of(mutation); }
@@ -708,17 +667,8 @@ extern "C" int k3gc_kda_forward(const k3gc_kda_args* args, int precision, int mu
   using namespace k3gc;
   if (!args) return fail("k3gc_kda_forward: args is NULL");
   const k3gc_kda_args& a = *args;
-  if (a.K < 1 || a.K > kMaxDim || a.V < 1 || a.V > kMaxDim)
-    return fail("k3gc_kda_forward: K and V must be in [1, 128], got K=" + std::to_string(a.K) + " V=" + std::to_string(a.V));
-  if (a.H < 1 || a.HV < a.H || a.HV % a.H != 0) return fail("k3gc_kda_forward: HV must be a positive multiple of H");
-  if (a.cu_seqlens ? (a.B != 1 || a.N < 1) : (a.B < 1)) return fail("k3gc_kda_forward: with cu_seqlens B must be 1 and N >= 1");
-  if (!valid_dtype(a.input_dtype) || !valid_dtype(a.output_dtype) ||
-      ((a.initial_state || a.final_state) && !valid_dtype(a.state_dtype)))
-    return fail("k3gc_kda_forward: unknown dtype code");
-  if (a.gate < 0 || a.gate > 2 || a.beta_mode < 0 || a.beta_mode > 2) return fail("k3gc_kda_forward: unknown gate or beta mode");
-  // T = 0: the token tensors are empty (a framework may hand NULL for them); only the states are touched
-  if (a.T > 0 && (!a.q || !a.k || !a.v || !a.g || !a.beta || !a.o)) return fail("k3gc_kda_forward: NULL input or output");
-  if (a.T < 0) return fail("k3gc_kda_forward: T < 0");
+  if (int rc = check_kda_args(a, "k3gc_kda_forward")) return rc;
+  if (a.T > 0 && !a.o) return fail("k3gc_kda_forward: NULL input or output");
   const int64_t n_seq = a.cu_seqlens ? a.N : a.B;
   if (n_seq * a.HV == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream_ptr);

@@ -5,11 +5,13 @@
 // not: only opening a library needs one.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "core.h"
 #include "k3gc.h"
@@ -25,12 +27,16 @@ namespace {
   X(qk_l2norm) X(scale) X(B) X(T) X(H) X(HV) X(K) X(V) X(cu_seqlens) X(N) X(initial_state)            \
   X(final_state) X(state_dtype) X(state_v_first) X(o) X(output_dtype)
 
+// The fields of k3gc_kda_grads.
+#define K3GC_GRADS_FIELDS(X) \
+  X(d_o) X(d_o_dtype) X(d_final_state) X(d_final_state_dtype) X(dq) X(dk) X(dv) X(dg) X(dbeta) X(d_initial_state) X(dA_log) X(ddt_bias)
+
 #define K3GC_STATS_FIELDS(X)                                                                       \
   X(count) X(err_sq) X(ref_sq) X(floor_sq) X(max_abs) X(max_abs_index) X(max_ulp) X(max_ulp_index) \
   X(candidate_nan) X(candidate_inf) X(reference_nan) X(reference_inf) X(first_nonfinite_mismatch)  \
   X(first_offending)
 
-template <class Field> void assign(Field& field, const py::handle& value, const char* name) {
+template <class Field> void assign(Field& field, const py::handle& value, const char* fn, const char* name) {
   try {
     if constexpr (std::is_pointer_v<Field>) {
       field = value.is_none() ? nullptr : reinterpret_cast<Field>(value.cast<std::uintptr_t>());
@@ -40,10 +46,30 @@ template <class Field> void assign(Field& field, const py::handle& value, const 
       field = static_cast<Field>(value.cast<std::int64_t>());
     }
   } catch (const py::cast_error&) {
-    throw py::type_error(std::string("k3gc kda_forward: argument ") + name + " is " +
+    throw py::type_error(std::string("k3gc ") + fn + ": argument " + name + " is " +
                          std::string(py::str(value.get_type().attr("__name__"))) + ", not a number");
   }
 }
+
+// A struct from a dict that names each of its fields (visit(s, f) calls f(field, name) for
+// each): a missing field or a key that names none is a ValueError.
+template <class Struct, class Visit> Struct filled(const py::dict& values, const char* fn, Visit visit) {
+  Struct s{};
+  std::vector<std::string> names;
+  visit(s, [&](auto& field, const char* name) {
+    if (!values.contains(name)) throw py::value_error(std::string("k3gc ") + fn + ": no argument " + name);
+    assign(field, values[name], fn, name);
+    names.emplace_back(name);
+  });
+  for (const auto& item : values) {
+    const std::string key = py::str(item.first);
+    if (std::find(names.begin(), names.end(), key) == names.end())
+      throw py::value_error(std::string("k3gc ") + fn + ": unknown argument " + key);
+  }
+  return s;
+}
+
+#define K3GC_VISIT(field) f(s.field, #field);
 
 template <class F> F symbol(void* handle, const std::string& path, const char* name) {
   void* f = dlsym(handle, name);
@@ -55,6 +81,7 @@ struct K3gc {
   std::string path;
   decltype(&k3gc_compare) compare_fn = nullptr;
   decltype(&k3gc_kda_forward) kda_forward_fn = nullptr;
+  decltype(&k3gc_kda_backward) kda_backward_fn = nullptr;
   decltype(&k3gc_last_error) last_error_fn = nullptr;
 
   explicit K3gc(const std::string& p) : path(p) {
@@ -64,6 +91,7 @@ struct K3gc {
     if (handle == nullptr) throw std::runtime_error(dlerror());
     compare_fn = symbol<decltype(&k3gc_compare)>(handle, p, "k3gc_compare");
     kda_forward_fn = symbol<decltype(&k3gc_kda_forward)>(handle, p, "k3gc_kda_forward");
+    kda_backward_fn = symbol<decltype(&k3gc_kda_backward)>(handle, p, "k3gc_kda_backward");
     last_error_fn = symbol<decltype(&k3gc_last_error)>(handle, p, "k3gc_last_error");
     // A library built from another k3gc.h would read these codes otherwise: refused.
     const auto mutation_name = symbol<decltype(&k3gc_mutation_name)>(handle, p, "k3gc_mutation_name");
@@ -88,30 +116,24 @@ struct K3gc {
   }
 
   void kda_forward(const py::dict& values, int precision, int mutation, std::uintptr_t stream) const {
-    k3gc_kda_args a{};
-    std::size_t used = 0;
-#define K3GC_ASSIGN(field)                                                           \
-  if (!values.contains(#field)) throw py::value_error("k3gc kda_forward: no argument " #field); \
-  assign(a.field, values[#field], #field);                                                 \
-  ++used;
-    K3GC_KDA_FIELDS(K3GC_ASSIGN)
-#undef K3GC_ASSIGN
-    if (used != values.size()) {
-      for (const auto& item : values) {
-        const std::string key = py::str(item.first);
-        bool known = false;
-#define K3GC_KNOWN(field) known = known || key == #field;
-        K3GC_KDA_FIELDS(K3GC_KNOWN)
-#undef K3GC_KNOWN
-        if (!known) throw py::value_error("k3gc kda_forward: unknown argument " + key);
-      }
-    }
+    const auto a = filled<k3gc_kda_args>(values, "kda_forward", [](k3gc_kda_args& s, auto&& f) { K3GC_KDA_FIELDS(K3GC_VISIT) });
     int rc;
     {
       py::gil_scoped_release release;
       rc = kda_forward_fn(&a, precision, mutation, reinterpret_cast<void*>(stream));
     }
     check(rc, "k3gc_kda_forward");
+  }
+
+  void kda_backward(const py::dict& args, const py::dict& grads, std::uintptr_t stream) const {
+    const auto a = filled<k3gc_kda_args>(args, "kda_backward", [](k3gc_kda_args& s, auto&& f) { K3GC_KDA_FIELDS(K3GC_VISIT) });
+    const auto g = filled<k3gc_kda_grads>(grads, "kda_backward", [](k3gc_kda_grads& s, auto&& f) { K3GC_GRADS_FIELDS(K3GC_VISIT) });
+    int rc;
+    {
+      py::gil_scoped_release release;
+      rc = kda_backward_fn(&a, &g, reinterpret_cast<void*>(stream));
+    }
+    check(rc, "k3gc_kda_backward");
   }
 
   py::dict compare(std::uintptr_t candidate, int candidate_dtype, std::uintptr_t reference, int reference_dtype,
@@ -152,6 +174,7 @@ void register_k3gc(py::module_& m) {
       .def_readonly("path", &K3gc::path)
       .def("kda_forward", &K3gc::kda_forward, py::arg("args"), py::arg("precision"), py::arg("mutation"),
            py::arg("stream"))
+      .def("kda_backward", &K3gc::kda_backward, py::arg("args"), py::arg("grads"), py::arg("stream"))
       .def("compare", &K3gc::compare, py::arg("candidate"), py::arg("candidate_dtype"), py::arg("reference"),
            py::arg("reference_dtype"), py::arg("n"), py::arg("format"), py::arg("atol"), py::arg("rtol"),
            py::arg("inner"), py::arg("extent"), py::arg("window"), py::arg("window_err_sq"),

@@ -34,6 +34,9 @@ class StandIn(KdaAdapter):
         self.name = "standin" + (f".{mutation}" if mutation else "")
         self.kind = "mutant" if mutation else "kernel"
         self.domain = kernel_domains_file.builtin("torch.fp64_bf16")
+        # the correct one has a backward (autograd through the fp64 recurrence; the roundings
+        # pass gradients through): the gradients case's kernel; the mutants have none
+        self.gradients = None if mutation else "autograd"
 
     def run(self, inputs, params, out=None):
         L, m = self.limits, self.mutation

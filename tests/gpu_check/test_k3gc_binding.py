@@ -47,6 +47,15 @@ int k3gc_kda_forward(const k3gc_kda_args* a, int precision, int mutation, void* 
            a->state_dtype, a->state_v_first, (size_t)a->o, a->output_dtype, precision, mutation, (size_t)stream);
   return 1;  /* the message is the answer: returned as the call's error */
 }
+int k3gc_kda_backward(const k3gc_kda_args* a, const k3gc_kda_grads* g, void* stream) {
+  snprintf(message, sizeof message,
+           "T=%lld d_o=%zu d_o_dtype=%d d_final_state=%zu d_final_state_dtype=%d dq=%zu dk=%zu dv=%zu dg=%zu "
+           "dbeta=%zu d_initial_state=%zu dA_log=%zu ddt_bias=%zu stream=%zu",
+           (long long)a->T, (size_t)g->d_o, g->d_o_dtype, (size_t)g->d_final_state, g->d_final_state_dtype,
+           (size_t)g->dq, (size_t)g->dk, (size_t)g->dv, (size_t)g->dg, (size_t)g->dbeta, (size_t)g->d_initial_state,
+           (size_t)g->dA_log, (size_t)g->ddt_bias, (size_t)stream);
+  return 1;
+}
 const char* k3gc_last_error(void) { return message; }
 """
 
@@ -78,6 +87,24 @@ def test_every_field_reaches_the_library_as_given(tmp_path):
     expected = {k: "0" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for k, v in ARGS.items()}
     expected.update(precision="2", mutation="5", stream="4242")
     assert seen == expected
+
+
+GRADS = dict(d_o=2001, d_o_dtype=2, d_final_state=None, d_final_state_dtype=1, dq=2005, dk=2006, dv=2007,
+             dg=2008, dbeta=2009, d_initial_state=2010, dA_log=None, ddt_bias=2012)
+
+
+def test_every_gradient_field_reaches_the_library_as_given(tmp_path):
+    lib = core.K3gc(build(tmp_path, "echo", ECHO))
+    with pytest.raises(RuntimeError) as e:
+        lib.kda_backward(ARGS, GRADS, 77)
+    seen = dict(item.split("=") for item in str(e.value).split())
+    expected = {k: "0" if v is None else str(v) for k, v in GRADS.items()}
+    expected.update(T="37", stream="77")
+    assert seen == expected
+    with pytest.raises(ValueError, match="k3gc kda_backward: no argument dq"):
+        lib.kda_backward(ARGS, {k: v for k, v in GRADS.items() if k != "dq"}, 0)
+    with pytest.raises(ValueError, match="k3gc kda_backward: unknown argument dx"):
+        lib.kda_backward(ARGS, dict(GRADS, dx=1), 0)
 
 
 def test_the_comparator_s_arguments_and_sums_come_back_by_name(tmp_path):
@@ -137,3 +164,7 @@ def test_the_tree_s_build_answers_its_argument_checks(path):
         lib.kda_forward(dict(ARGS, K=200), 0, 0, 0)
     with pytest.raises(RuntimeError, match=r"^k3gc_kda_forward: the fp64 reference has no mutants$"):
         lib.kda_forward(dict(ARGS, cu_seqlens=None), 0, 3, 0)
+    with pytest.raises(RuntimeError, match=r"^k3gc_kda_backward: K and V must be in \[1, 128\], got K=200 V=64$"):
+        lib.kda_backward(dict(ARGS, K=200), GRADS, 0)
+    with pytest.raises(RuntimeError, match=r"^k3gc_kda_backward: dA_log needs A_log and ddt_bias needs dt_bias$"):
+        lib.kda_backward(dict(ARGS, dt_bias=None), GRADS, 0)

@@ -32,7 +32,7 @@ if references._module() is None:
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = scale.Limits(index=2**12, grid=64, long_T=256, window=64, H=1, HV=2, K=8, V=8, packed_T=256, doc_max=8,
-                     index_doc=40, chunk=16, sample_heads=2, contract_tokens=128, threads=2)
+                     index_doc=40, chunk=16, sample_heads=2, contract_tokens=128, threads=2, grad_T=200)
 SUITE = goldens.load_suite(ROOT / "goldens", ops=("kda.recurrent",))
 
 
@@ -85,6 +85,12 @@ def test_the_correct_kernel_passes_every_case_and_the_reference_every_golden(sma
     assert set(rows) == set(scale.CASE_FUNCTIONS)
     for case, r in rows.items():
         assert r["verdict"] == "pass", (case, r["reason"])
+        if case == "gradients":  # fp64 autograd, each gradient rounded once to its leaf's dtype: its floor
+            assert r["policy"] == "chunk" and r["ratio"] < 1, r
+            assert set(r["tensors"]) == {"dq", "dk", "dv", "dg", "dbeta", "d_initial_state", "dA_log", "ddt_bias"}
+            for name, m in r["tensors"].items():
+                assert m["figure"] <= m["floor"] * (1 + 1e-3), (name, m)
+            continue
         assert r["ratio"] == pytest.approx(1.0, rel=1e-6), (case, r["ratio"])  # the recurrence rounded once: the floor
     ref = _rows(small_run, "k3ref.double")["reference_vs_goldens"]
     in_domain = [c for c in SUITE if HostReferenceAdapter().case_unsupported(c) is None]
@@ -112,14 +118,16 @@ def test_the_tier_is_one_pytest_test_per_kernel_and_case_and_its_hook_writes_sca
            + [f"standin.{m}-scale-caught" for m in scale.lib.SCALE_MUTANTS])
     # every test passed: the correct kernel's cases, the reference's, each mutant's cases (a
     # case that catches a mutant does not fail the run) and each mutant's `caught`
-    assert outcomes == {i: "passed" for i in ids}, outcomes
+    # but the mutants' gradients case: they have no backward (n/a, a skip)
+    assert outcomes == {i: "skipped" if i.endswith("-gradients-scale") and i.startswith("standin.") else "passed"
+                        for i in ids}, outcomes
     assert data["tier"] == "scale" and data["limits"] == asdict(SMALL) and data["device"] == "cpu"
     assert [(d["kernel"], d["case"]) for d in data["results"]] == (
         [("k3ref.double", "reference_vs_goldens")] + [(k, c) for k in STANDINS for c in cases])
     assert data["summary"]["verdict"] == "PASS" and data["summary"]["failures"] == []
     assert data["wall_s"] > 0
     for d in data["results"]:
-        if d["case"] != "reference_vs_goldens":
+        if d["case"] != "reference_vs_goldens" and d["verdict"] != "skip":
             assert d["tensors"] and "figure" in d and "bound" in d and d["seconds"] > 0, d  # per tensor, the worst
     assert scale.table(data["results"]).splitlines()[1].startswith("k3ref.double")
     assert "k3ref scale tier" in r.stdout and scale.table(data["results"]).splitlines()[0] in r.stdout
@@ -256,7 +264,8 @@ def test_the_fla_adapter_runs_the_tier_with_its_contract():
     for case, r in rows.items():
         assert r.status == "pass", (case, r.reason)
         assert r.extra["H"] == 1 and r.extra["HV"] == 4
-        assert all(m["multiple"] == 2.0 for m in r.metrics.values())  # fla-chunk-contract: m = 2 for o and states
+        if case != "gradients":  # judged by its backward policy's bounds, not a multiple
+            assert all(m["multiple"] == 2.0 for m in r.metrics.values())  # fla-chunk-contract: m = 2 for o and states
 
 
 def test_limits_from_text():

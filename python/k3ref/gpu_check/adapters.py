@@ -313,8 +313,8 @@ class LibReferenceAdapter(KdaAdapter):
     kind = "reference"
     policy = "rel-rms:1e-12"
     policy_reason = "fp64 arithmetic against 256-bit goldens: error of order 1e-15"
-    contract = "CUDA; fp64 recurrence, fp64 output"
-    checks = ("golden",)
+    contract = "CUDA; fp64 recurrence, fp64 output; fp64 backward"
+    forward_checks = ("golden",)
     output_dtype = torch.float64
     state_dtype = torch.float64
     accepts_out = True
@@ -327,6 +327,13 @@ class LibReferenceAdapter(KdaAdapter):
     def run(self, inputs, params, out=None):
         return lib.kda_forward(inputs, params, precision=0, output_dtype=torch.float64, state_dtype=torch.float64,
                                out=out)
+
+    # Its backward (k3gc_kda_backward, fp64) on the gradient goldens: the scale tier's gradient
+    # reference judged as its forward is, against the 256-bit goldens.
+    backward_policy = "rel-rms:1e-12"
+
+    def run_backward(self, inputs, params, d_o, d_final_state):
+        return lib.kda_backward(inputs, params, d_o, d_final_state)
 
 
 class HostReferenceAdapter(KdaAdapter):

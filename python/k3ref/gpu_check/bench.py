@@ -6,6 +6,7 @@ instead.
 
 python3 -m k3ref.gpu_check.bench [--elements N] [--tokens T] [--chunk C] [--plain-tokens P] [--no-comparator]
 python3 -m k3ref.gpu_check.bench --roofline [--heads H] [--json OUT] [--measurement OUT]
+python3 -m k3ref.gpu_check.bench --backward T [--heads H]   # the fp64 backward's time on T tokens
 
 The roofline: for FLA's chunk_kda and fused_recurrent_kda and FlashKDA at K = V = 128, prefill
 of T in ROOFLINE_PREFILL_T tokens and decode of ROOFLINE_DECODE_BATCH sequences of one token,
@@ -279,6 +280,29 @@ def roofline_measurement(res, command):
         commands=[command], notes=["peaks and times: CUDA events, median of warm calls (3 untimed calls first)"])
 
 
+def backward_reference(tokens, H=96, K=128, V=128):
+    """The fp64 backward (lib.kda_backward) on one sequence of `tokens` tokens at the K3 shape:
+    its time (CUDA events around the call, allocation included) and its peak device memory."""
+    params = k3_params()
+    A_log, dt_bias = _k3_gate_inputs(H, K)
+    inputs = k3_inputs(tokens, H, K, V, 1000)
+    inputs.update(A_log=A_log, dt_bias=dt_bias, initial_state=torch.zeros(1, H, K, V, dtype=torch.float64, device="cuda"))
+    d_o = k3_inputs(tokens, H, K, V, 1001)["v"]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    grads = lib.kda_backward(inputs, params, d_o)
+    b.record()
+    b.synchronize()
+    seconds = a.elapsed_time(b) / 1e3
+    return {"tokens": tokens, "heads": H, "K": K, "V": V, "seconds": seconds,
+            "token_heads_per_second": tokens * H / seconds,
+            "peak_torch_bytes_above_inputs": torch.cuda.max_memory_allocated() - base,
+            "finite": all(bool(g.isfinite().all()) for g in grads.values())}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--elements", type=int, default=1 << 31)
@@ -289,6 +313,8 @@ def main(argv=None):
     ap.add_argument("--no-comparator", action="store_true", help="skip the comparator's throughput")
     ap.add_argument("--roofline", action="store_true", help="the roofline table of the KDA kernels only")
     ap.add_argument("--heads", type=int, default=96)
+    ap.add_argument("--backward", type=int, default=0, metavar="T",
+                    help="time only the fp64 backward on one sequence of T tokens at --heads heads")
     ap.add_argument("--json", help="--roofline: write the rows and peaks as JSON here")
     ap.add_argument("--measurement", help="--roofline: write a measurements/ file here")
     args = ap.parse_args(argv)
@@ -307,6 +333,10 @@ def main(argv=None):
         print(roofline_table(res))
         return
     assert lib.available(), lib.load_error()
+    if args.backward:
+        backward_reference(min(args.backward, 256), args.heads)  # CUDA's and the library's first-call costs
+        print(json.dumps(backward_reference(args.backward, args.heads)), flush=True)
+        return
     res = {"device": torch.cuda.get_device_name()}
     res["reference_agreement"] = reference_agreement()
     print(json.dumps(res), flush=True)

@@ -106,14 +106,9 @@ def compare(candidate, reference, fmt, atol=0.0, rtol=0.0, window_shape=None):
     return out
 
 
-def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.float64, state_dtype=None, out=None):
-    """Runs the library's KDA forward. inputs: q, k, v, g, beta (one dtype), optional A_log, dt_bias,
-    initial_state, cu_seqlens (CUDA tensors); params: golden params (gate, lower_bound, beta, qk_l2norm,
-    scale, state_layout). precision 0: the fp64 reference (its plain kernel, the definition);
-    1: the fp32 kernel (mutation = its mistake); 2: the fp64 reference's fast form, bit for bit
-    precision 0's results, what long references run (k3gc.h). The state defaults to fp64 for 0 and 2, fp32 for 1.
-    Returns (o, final_state)."""
-    assert available(), _error
+def _kda_args(inputs, params, precision, output_dtype=None, state_dtype=None, out=None):
+    """k3gc_kda_args for the library's forward and backward from (inputs, params), with the
+    forward's outputs allocated: (args, o, final_state)."""
     q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -130,7 +125,7 @@ def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.floa
     dt = q.dtype
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.dtype != dt:
-            raise ValueError(f"kda_forward: {name} is {t.dtype}, q is {dt}")
+            raise ValueError(f"kda: {name} is {t.dtype}, q is {dt}")
     A_log = inputs.get("A_log")
     dt_bias = inputs.get("dt_bias")
     A_log = A_log.float().contiguous() if A_log is not None else None
@@ -138,12 +133,58 @@ def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.floa
     scale = params.get("scale")
     for t in (q, k, v, g, beta):
         assert t.is_contiguous() and t.is_cuda
-    _lib.kda_forward(dict(
+    args = dict(
         q=_ptr(q), k=_ptr(k), v=_ptr(v), g=_ptr(g), beta=_ptr(beta), input_dtype=_code("format", dt),
         A_log=_ptr(A_log), dt_bias=_ptr(dt_bias), gate=_code("gate", params.get("gate", "log_decay")),
         lower_bound=float(params.get("lower_bound") or 0.0), beta_mode=_code("beta", params.get("beta", "as_given")),
         qk_l2norm=int(bool(params.get("qk_l2norm"))), scale=float(scale if scale is not None else K ** -0.5),
         B=B, T=T, H=H, HV=HV, K=K, V=V, cu_seqlens=_ptr(cu), N=N, initial_state=_ptr(h0), final_state=_ptr(final),
         state_dtype=_code("format", state_dtype), state_v_first=int(v_first), o=_ptr(o),
-        output_dtype=_code("format", o.dtype)), precision, mutation, _stream())
+        output_dtype=_code("format", o.dtype))
+    # the tensors the pointers point into stay alive with the call
+    return args, o, final, (h0, A_log, dt_bias)
+
+
+def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.float64, state_dtype=None, out=None):
+    """Runs the library's KDA forward. inputs: q, k, v, g, beta (one dtype), optional A_log, dt_bias,
+    initial_state, cu_seqlens (CUDA tensors); params: golden params (gate, lower_bound, beta, qk_l2norm,
+    scale, state_layout). precision 0: the fp64 reference (its plain kernel, the definition);
+    1: the fp32 kernel (mutation = its mistake); 2: the fp64 reference's fast form, bit for bit
+    precision 0's results, what long references run (k3gc.h). The state defaults to fp64 for 0 and 2, fp32 for 1.
+    Returns (o, final_state)."""
+    assert available(), _error
+    args, o, final, _keep = _kda_args(inputs, params, precision, output_dtype, state_dtype, out)
+    _lib.kda_forward(args, precision, mutation, _stream())
     return o, final
+
+
+def kda_backward(inputs, params, d_o, d_final_state=None):
+    """The fp64 reference's gradients (k3gc_kda_backward) of the forward of precision 0 on
+    (inputs, params), as kda_forward takes them, given d_o [B,T,HV,V] and d_final_state (the
+    state layout; None: zero): a dict of fp64 tensors named as the backward check names them
+    (dq, dk, dv, dg, dbeta, d_initial_state, and dA_log, ddt_bias where the inputs have A_log
+    and dt_bias), each of its input's shape."""
+    assert available(), _error
+    args, _o, _final, _keep = _kda_args(inputs, params, 0, torch.float64)
+    q, v = inputs["q"], inputs["v"]
+    dev, f64 = q.device, torch.float64
+    N, HV, K, V = args["N"], args["HV"], args["K"], args["V"]
+    state_shape = (N, HV, V, K) if args["state_v_first"] else (N, HV, K, V)
+    grads = {"dq": torch.empty(q.shape, dtype=f64, device=dev), "dk": torch.empty(q.shape, dtype=f64, device=dev),
+             "dv": torch.empty(v.shape, dtype=f64, device=dev),
+             "dg": torch.empty(inputs["g"].shape, dtype=f64, device=dev),
+             "dbeta": torch.empty(inputs["beta"].shape, dtype=f64, device=dev),
+             "d_initial_state": torch.empty(state_shape, dtype=f64, device=dev)}
+    if inputs.get("A_log") is not None:
+        grads["dA_log"] = torch.empty(inputs["A_log"].shape, dtype=f64, device=dev)
+    if inputs.get("dt_bias") is not None:
+        grads["ddt_bias"] = torch.empty(inputs["dt_bias"].shape, dtype=f64, device=dev)
+    d_o = d_o.to(dev).contiguous()
+    if d_final_state is not None:
+        d_final_state = d_final_state.to(dev).reshape(state_shape).contiguous()
+    _lib.kda_backward(args, dict(
+        d_o=_ptr(d_o), d_o_dtype=_code("format", d_o.dtype), d_final_state=_ptr(d_final_state),
+        d_final_state_dtype=_code("format", d_final_state.dtype if d_final_state is not None else f64),
+        **{name: _ptr(grads.get(name)) for name in
+           ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state", "dA_log", "ddt_bias")}), _stream())
+    return grads

@@ -53,3 +53,27 @@ def kda(inputs, params, device="cpu"):
     """(o, final_state) of the reference, float64 on the CPU."""
     o, f, _ = compute_reference(inputs, params, device)
     return o, f
+
+
+def module_gradients(inputs, params, d_o, d_final_state=None):
+    """The gradients (dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias) of the forward
+    on (inputs, params) for the cotangents, float64 on the CPU, from k3ref.kda_backward (the
+    adjoint recurrence in double)."""
+    k3ref = _module()
+    if k3ref is None:
+        raise ReferenceUnavailable("no KDA gradient reference: k3ref._core is not importable")
+    cot = {"d_o": d_o.cpu()}
+    if d_final_state is not None:
+        cot["d_final_state"] = d_final_state.cpu()
+    return k3ref.kda_backward({n: t.detach().cpu() for n, t in inputs.items()}, cot, **k3ref.kda_options(params),
+                              threads=2)
+
+
+def gradients(inputs, params, d_o, d_final_state=None, device="cpu"):
+    """The reference gradients in float64 on `device`: libk3gc's fp64 backward on a CUDA device,
+    else k3ref.kda_backward in double (module_gradients)."""
+    if str(device).startswith("cuda"):
+        if not lib.available():
+            raise ReferenceUnavailable("the gradient reference on a GPU is libk3gc's fp64 backward: " + lib.load_error())
+        return lib.kda_backward({n: t.detach() for n, t in inputs.items()}, params, d_o, d_final_state)
+    return module_gradients(inputs, params, d_o, d_final_state)

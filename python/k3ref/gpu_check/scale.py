@@ -18,7 +18,12 @@ query heads, or 64 over 64 for a kernel without GVA):
 - many_sequences: N * HV > 65,535 (sequence, head) pairs, more than a grid's y or z extent;
 - index_limit: v, g and o past 2^31 elements (documents of 4,000 tokens); only the documents
   that straddle element 2^31, the one before it, the last one and the first one (where wrapped
-  offsets land) are judged, against the recurrence of those documents alone.
+  offsets land) are judged, against the recurrence of those documents alone;
+- gradients: a kernel with a backward, on 16,384 tokens in three documents (one long, one of a
+  token, one of 64) with an initial state (K-first) and cotangents of o and the final state:
+  dq, dk, dv, dg, dbeta, d_initial_state, dA_log and ddt_bias against libk3gc's fp64 backward
+  (k3ref.kda_backward in double on a CPU), each judged by the one judge under the kernel's
+  backward policy (the policy table's kda.backward rules).
 
 Every verdict is the kernel's contract (docs/contracts.md): rel RMS <= m x max(bf16 floor,
 the contract's own rel RMS), per window where there are windows, m the multiple of its policy
@@ -62,6 +67,7 @@ class Limits:
     sample_heads: int = 2        # value heads the contract is evaluated on
     contract_tokens: int = 8192  # of one long sequence: the CPU contract's cost (0.8 ms a token and head)
     threads: int = 0             # CPU threads for the contract (0: all)
+    grad_T: int = 16384          # the gradients case's tokens
 
 
 FULL = Limits()
@@ -83,7 +89,8 @@ def limits_from(text, base=FULL):
     return replace(base, **changes)
 # In this order (each one pytest test, run in a worker process that a crash or a CUDA error ends
 # and pytest-xdist replaces: the cases after it still run).
-CASES = ("reference_vs_goldens", "ragged_tail", "long_sequence", "packed_documents", "many_sequences", "index_limit")
+CASES = ("reference_vs_goldens", "ragged_tail", "long_sequence", "packed_documents", "many_sequences", "index_limit",
+         "gradients")
 # Raw gate inputs of the lower-bound gate, -5 sigmoid(exp(A_log)(x + dt_bias)) with A_log and
 # dt_bias in [-0.5, 0.5]: decays from exp(-3.47) to 1 - 5.7e-4, so that the slowest channels
 # remember about 1,750 tokens (an e-fold), and a correct kernel's error is stationary past the
@@ -416,9 +423,47 @@ def case_index_limit(adapter, H, HV, L, device, seed=15):
         "o_elements": o.numel(), "limit": L.index, "H": H, "HV": HV})
 
 
+def case_gradients(adapter, H, HV, L, device, seed=16):
+    """The kernel's backward against the reference gradients (module docstring)."""
+    from .. import policy
+    from . import backward, references
+
+    T = L.grad_T
+    cu = [0, T - 65, T - 64, T]
+    inputs, params = make_inputs(T, H, HV, L, seed, device, cu_seqlens=cu)
+    params = dict(params, state_layout="k_first")
+    inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).contiguous()  # [N, HV, K, V]
+    s = shapes_of(inputs)
+    why = adapter.backward_unsupported(params, s) if adapter.has_backward() else "the kernel has no backward"
+    if why:
+        return CheckResult(adapter.name, "scale", "gradients", "skip", f"n/a ({why})")
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    d_o = _uniform(gen, (1, T, HV, L.V), -1, 1, device)
+    d_final = torch.rand(inputs["initial_state"].shape, generator=gen, device=device).mul_(2).sub_(1)
+    leaves = {n: (t if n == "cu_seqlens" else t.detach().clone().requires_grad_(True)) for n, t in inputs.items()}
+    grads = adapter.run_backward(leaves, params, d_o, d_final)
+    if adapter.device_sync:
+        torch.cuda.synchronize()
+    want = references.gradients(inputs, params, d_o, d_final, device)
+    names = [g for g in backward.GRADIENTS if g in want]
+    missing = [g for g in names if g not in grads]
+    v = policy.judge({g: want[g] for g in names}, {g: grads[g].detach().reshape(want[g].shape) for g in names if g in grads},
+                     "kda.backward", adapter.backward_policy, tensors=names, cu_seqlens=cu, state_layout="k_first")
+    verdicts = [TensorVerdict(r.tensor, r.passed, r.rel_rms, r.floor, 0.0, 1.0, r.bound,
+                              r.rel_rms / r.bound if r.bound > 0 else math.inf, r.candidate_nan + r.candidate_inf,
+                              reason=f"{r.tensor}: rel RMS {r.rel_rms:.3e} {'<=' if r.passed else '>'} {r.bound:g} "
+                                     f"({adapter.backward_policy}; {r.ratio:.3g}x its bf16 floor)")
+                for r in v.results]
+    res = _verdict(adapter, "gradients", verdicts, extra={"T": T, "H": H, "HV": HV, "documents": len(cu) - 1,
+                                                          "policy": adapter.backward_policy})
+    if missing:
+        res.status, res.reason = "fail", f"no gradient for {', '.join(missing)}; " + res.reason
+    return res
+
+
 CASE_FUNCTIONS = {"ragged_tail": case_ragged_tail, "long_sequence": case_long_sequence,
                   "packed_documents": case_packed_documents, "many_sequences": case_many_sequences,
-                  "index_limit": case_index_limit}
+                  "index_limit": case_index_limit, "gradients": case_gradients}
 assert tuple(CASE_FUNCTIONS) == CASES[1:]  # the order they run in
 
 
