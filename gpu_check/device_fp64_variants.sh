@@ -2,7 +2,8 @@
 # Layout variants of the fp64 reference's fast form (precision 2), timed and checked bit for bit
 # against the plain kernel (precision 0, the definition): the same kda.cu built with another
 # number of threads per column P (K3GC_FP64_THREADS_PER_COLUMN; the tree's build is P = 8) and
-# any further definitions an experiment adds to it. P changes who computes which element, not
+# any further definitions: K3GC_FP64_TOKENS_PER_TILE (8), K3GC_FP64_MIN_BLOCKS (the launch bound's
+# blocks per SM, 3), or what an experiment adds. P changes who computes which element, not
 # its IEEE operations or their order, so every variant must give the plain kernel's bits.
 # Each row: sha256 of o and the final state on 8,192 tokens x 96 heads (K3's options) from the
 # fast form and from the plain kernel of the same library, and the fast form's kernel time over
@@ -23,7 +24,7 @@ for v in $VARIANTS; do
   IFS=: read -r P DEFS <<< "$v"; N=p${P}${DEFS:+_${DEFS//[,=]/_}}
   ( ${NVCC:-nvcc} -O3 -std=c++17 --fmad=false -shared -Xcompiler -fPIC -gencode=arch=compute_90,code=sm_90 \
       -Igpu_check/include -I$S -DK3GC_FP64_THREADS_PER_COLUMN=$P ${DEFS:+$(printf -- ' -D%s' ${DEFS//,/ })} -Xptxas -v \
-      -o "$OUT/lib_$N.so" $S/errors.cu $S/compare.cu $S/kda.cu > "$OUT/build_$N.txt" 2>&1
+      -o "$OUT/lib_$N.so" $S/errors.cu $S/compare.cu $S/kda.cu $S/kda_backward.cu > "$OUT/build_$N.txt" 2>&1
     echo "nvcc rc $?" >> "$OUT/build_$N.txt" ) &
 done
 wait

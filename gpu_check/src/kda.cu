@@ -278,7 +278,13 @@ constexpr int kP = K3GC_FP64_THREADS_PER_COLUMN;  // threads per column
 constexpr int kC = 2;                             // columns per thread (pair_sum takes two)
 constexpr int kThreads = 128;
 constexpr int kCB = kThreads / kP * kC;  // columns per block
-constexpr int kTT = 8;                   // tokens per tile
+#ifndef K3GC_FP64_TOKENS_PER_TILE
+#define K3GC_FP64_TOKENS_PER_TILE 8
+#endif
+#ifndef K3GC_FP64_MIN_BLOCKS
+#define K3GC_FP64_MIN_BLOCKS 3
+#endif
+constexpr int kTT = K3GC_FP64_TOKENS_PER_TILE;  // tokens per tile (a build option, as P)
 constexpr int kNV = 16 / kP;             // slices per thread
 constexpr int kR = kMaxDim / kP;         // rows per thread
 constexpr int kStride = kR + 2;          // a thread's row block in shared memory, padded (16 B banks)
@@ -330,28 +336,7 @@ __global__ void __launch_bounds__(256) kda_fp64_prepare(k3gc_kda_args a, Workspa
       qv[c] = i < K ? load_as_double(a.q, DT, (t * a.H + h) * K + i) : 0.0;
       kv[c] = i < K ? load_as_double(a.k, DT, (t * a.H + h) * K + i) : 0.0;
     }
-    if (a.qk_l2norm) {
-      double sq = 0, sk = 0;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        if (lane + 32 * c < K) {
-          sq += qv[c] * qv[c];
-          sk += kv[c] * kv[c];
-        }
-      }
-      for (int off = 16; off > 0; off /= 2) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, off);
-        sk += __shfl_xor_sync(0xffffffffu, sk, off);
-      }
-      const double fq = inverse_norm(sq), fk = inverse_norm(sk);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        if (lane + 32 * c < K) {
-          qv[c] *= fq;
-          kv[c] *= fk;
-        }
-      }
-    }
+    if (a.qk_l2norm) l2_normalize(qv, kv, lane, K);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       row[0][ws_pos(lane + 32 * c)] = qv[c];
@@ -412,7 +397,7 @@ __device__ __forceinline__ double pair_sum(double (&x0)[kNV], double (&x1)[kNV],
 // [w.c0, w.c0 + w.tokens): their state from the initial state (or 0) where they begin in the
 // window, else from carry_in; to the final state where they end in it, else to carry_out
 // (each [HV, 128, 128] fp64).
-__global__ void __launch_bounds__(kThreads, 3)
+__global__ void __launch_bounds__(kThreads, K3GC_FP64_MIN_BLOCKS)
     kda_fp64_window(k3gc_kda_args a, Workspace w, int64_t n_lo, const double* carry_in, double* carry_out) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Tile64* const buf = reinterpret_cast<Tile64*>(smem_raw);  // [2]

@@ -62,24 +62,7 @@ __global__ void __launch_bounds__(256) stage_rows(k3gc_kda_args a, Staged st, in
       qv[c] = i < K ? load_as_double(a.q, a.input_dtype, (t * a.H + h) * K + i) : 0.0;
       kv[c] = i < K ? load_as_double(a.k, a.input_dtype, (t * a.H + h) * K + i) : 0.0;
     }
-    if (a.qk_l2norm) {
-      double sq = 0, sk = 0;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        sq += qv[c] * qv[c];
-        sk += kv[c] * kv[c];
-      }
-      for (int off = 16; off > 0; off /= 2) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, off);
-        sk += __shfl_xor_sync(0xffffffffu, sk, off);
-      }
-      const double fq = inverse_norm(sq), fk = inverse_norm(sk);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        qv[c] *= fq;
-        kv[c] *= fk;
-      }
-    }
+    if (a.qk_l2norm) l2_normalize(qv, kv, lane, K);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       st.q[item * kMaxDim + lane + 32 * c] = qv[c];
@@ -139,6 +122,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto drow = [&](int64_t t) { return st.d + ((t - st.t_begin) * a.HV + hv) * kMaxDim; };
   auto beta = [&](int64_t t) { return st.b[(t - st.t_begin) * a.HV + hv]; };
   auto v_of = [&](int64_t t) { return j < V ? load_as_double(a.v, a.input_dtype, (t * a.HV + hv) * V + j) : 0.0; };
+  // Thread (j, s)'s rows of a state of (n, hv) in the args' layout, 0 where there is none.
+  auto load_state = [&](double (&x)[kRows], const void* state, int dtype) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      x[r] = (state && row(r) < K && j < V) ? load_as_double(state, dtype, state_index(a, n, hv, row(r), j)) : 0.0;
+  };
   auto column_sum = [](double x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
@@ -157,11 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Forward: the state before each chunk, kept.
   {
     double S[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      S[r] = (a.initial_state && row(r) < K && j < V)
-                 ? load_as_double(a.initial_state, a.state_dtype, state_index(a, n, hv, row(r), j))
-                 : 0.0;
+    load_state(S, a.initial_state, a.state_dtype);
     for (int64_t c = 0; c < n_chunks; ++c) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) kept_b[c * kState + at(r)] = S[r];
@@ -182,11 +167,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   double dS[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-    dS[r] = (g.d_final_state && row(r) < K && j < V)
-                ? load_as_double(g.d_final_state, g.d_final_state_dtype, state_index(a, n, hv, row(r), j))
-                : 0.0;
+  load_state(dS, g.d_final_state, g.d_final_state_dtype);
   const double scale = a.scale;
   for (int64_t c = n_chunks - 1; c >= 0; --c) {
     const int64_t t0 = bos + c * kChunk, t1 = imin(t0 + kChunk, eos);

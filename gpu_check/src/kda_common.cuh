@@ -70,6 +70,32 @@ __device__ Acc beta_value(const k3gc_kda_args& a, Acc raw) {
 // The L2 norm's factor from a row's sum of squares.
 template <typename Acc> __device__ Acc inverse_norm(Acc sum_sq) { return Acc(1) / Math<Acc>::sqrt_(sum_sq + Acc(1e-6)); }
 
+// The L2 norm of one (token, head)'s q and k over a warp, lane l holding rows l + 32c (c < 4;
+// rows >= K hold 0 and stay out of the sums): each row times inverse_norm of its sum of
+// squares, the lanes' sums added by xor shuffles.
+__device__ __forceinline__ void l2_normalize(double (&qv)[4], double (&kv)[4], int lane, int64_t K) {
+  double sq = 0, sk = 0;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    if (lane + 32 * c < K) {
+      sq += qv[c] * qv[c];
+      sk += kv[c] * kv[c];
+    }
+  }
+  for (int off = 16; off > 0; off /= 2) {
+    sq += __shfl_xor_sync(0xffffffffu, sq, off);
+    sk += __shfl_xor_sync(0xffffffffu, sk, off);
+  }
+  const double fq = inverse_norm(sq), fk = inverse_norm(sk);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    if (lane + 32 * c < K) {
+      qv[c] *= fq;
+      kv[c] *= fk;
+    }
+  }
+}
+
 // The index of state element (i, j) of (sequence n, value head hv) in a's state layout.
 __device__ __forceinline__ int64_t state_index(const k3gc_kda_args& a, int64_t n, int64_t hv, int64_t i, int64_t j) {
   const int64_t K = a.K, V = a.V;
