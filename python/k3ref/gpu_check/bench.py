@@ -207,14 +207,12 @@ def _roofline_case(adapter, chunk, mode, size, H, K=128, V=128, reps=10):
 def roofline(H=96, reps=10, on_row=None):
     """Rows of the roofline table (a failing kernel or shape is a row with its error);
     on_row(result so far) after each row, so a run cut short keeps what it measured."""
-    from .adapters import FlaAdapter, FlashKdaAdapter
+    from . import registry
     peaks = device_peaks()
     rows = []
-    made = {"fla.chunk_kda": lambda: FlaAdapter("chunk_kda"), "fla.fused_recurrent_kda": lambda: FlaAdapter("fused_recurrent_kda"),
-            "flashkda.fwd": FlashKdaAdapter}
     for name, chunk in ROOFLINE_KERNELS.items():
         try:
-            adapter = made[name]()
+            adapter = registry.kernel_by_name(name)  # the built-in adapter of that name, as prop --kernel finds it
             adapter.load()
         except Exception as e:
             rows.append({"kernel": name, "error": f"not loaded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})

@@ -141,10 +141,9 @@ class TokenSpeedKdaPoolDecodeAdapter(TokenSpeedAdapter):
             lower_bound=lb)
 
     def load(self):
-        from .adapters import FlaAdapter
-
         super().load()
-        load_fla(env_path("K3REF_FLA_PATH", FlaAdapter.fla_path))  # kda_recurrent_decode (prefill) is FLA's
+        # kda_recurrent_decode (prefill) is FLA's
+        load_fla(env_path("K3REF_FLA_PATH", TokenSpeedKdaPoolDecodeAdapter.fla_path))
 
     def prefill(self, inputs, params, initial_state):
         A_log, bias, lb = self._gate(inputs, params)
@@ -218,10 +217,8 @@ class TokenSpeedKdaChunkPrefillAdapter(ChunkPrefill, TokenSpeedAdapter):
     contract = "Triton (FLA chunk_kda); chunks of 64, bf16 tensor-core products, fp32 final state"
 
     def load(self):
-        from .adapters import FlaAdapter
-
         super().load()
-        load_fla(env_path("K3REF_FLA_PATH", FlaAdapter.fla_path))
+        load_fla(env_path("K3REF_FLA_PATH", TokenSpeedKdaChunkPrefillAdapter.fla_path))
 
     scale_reason = "kda_chunk_prefill takes no scale: FLA's chunk_kda applies K^-1/2"
 
