@@ -409,7 +409,7 @@ int launch(const k3gc_kda_args& a, const k3gc_kda_grads& g, int64_t n_seq, cudaS
     finish<<<row_blocks, 256, 0, stream>>>(a, g, st, rg, g.dA_log ? dA_part : nullptr, tokens);
     if (int rc = check_cuda(cudaGetLastError(), "k3gc_kda_backward: finish launch")) return rc;
     if (g.dA_log) sum_rows<<<static_cast<unsigned>(a.HV), 256, 0, stream>>>(dA_part, tokens, a.HV, g.dA_log);
-    if (g.ddt_bias)
+    if (g.ddt_bias && a.gate != K3GC_GATE_LOG_DECAY)  // the log-decay gate takes no bias: its gradient stays 0
       sum_rows<<<static_cast<unsigned>(a.HV * a.K), 256, 0, stream>>>(g.dg + t_begin * a.HV * a.K, tokens, a.HV * a.K,
                                                                        g.ddt_bias);
     if (int rc = check_cuda(cudaGetLastError(), "k3gc_kda_backward: sum_rows launch")) return rc;

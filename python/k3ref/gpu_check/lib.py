@@ -106,9 +106,10 @@ def compare(candidate, reference, fmt, atol=0.0, rtol=0.0, window_shape=None):
     return out
 
 
-def _kda_args(inputs, params, precision, output_dtype=None, state_dtype=None, out=None):
+def _kda_args(inputs, params, precision, output_dtype=None, state_dtype=None, out=None, outputs=True):
     """k3gc_kda_args for the library's forward and backward from (inputs, params), with the
-    forward's outputs allocated: (args, o, final_state)."""
+    forward's outputs allocated unless `outputs` is False (the backward reads none):
+    (args, o, final_state, the tensors the pointers need alive)."""
     q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -120,8 +121,8 @@ def _kda_args(inputs, params, precision, output_dtype=None, state_dtype=None, ou
     state_shape = (N, HV, V, K) if v_first else (N, HV, K, V)
     if h0 is not None:
         h0 = h0.to(state_dtype).contiguous()
-    final = torch.empty(state_shape, dtype=state_dtype, device=q.device)
-    o = out if out is not None else torch.empty((B, T, HV, V), dtype=output_dtype, device=q.device)
+    final = torch.empty(state_shape, dtype=state_dtype, device=q.device) if outputs else None
+    o = out if out is not None or not outputs else torch.empty((B, T, HV, V), dtype=output_dtype, device=q.device)
     dt = q.dtype
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.dtype != dt:
@@ -140,7 +141,7 @@ def _kda_args(inputs, params, precision, output_dtype=None, state_dtype=None, ou
         qk_l2norm=int(bool(params.get("qk_l2norm"))), scale=float(scale if scale is not None else K ** -0.5),
         B=B, T=T, H=H, HV=HV, K=K, V=V, cu_seqlens=_ptr(cu), N=N, initial_state=_ptr(h0), final_state=_ptr(final),
         state_dtype=_code("format", state_dtype), state_v_first=int(v_first), o=_ptr(o),
-        output_dtype=_code("format", o.dtype))
+        output_dtype=_code("format", o.dtype if o is not None else torch.float64))
     # the tensors the pointers point into stay alive with the call
     return args, o, final, (h0, A_log, dt_bias)
 
@@ -165,7 +166,7 @@ def kda_backward(inputs, params, d_o, d_final_state=None):
     (dq, dk, dv, dg, dbeta, d_initial_state, and dA_log, ddt_bias where the inputs have A_log
     and dt_bias), each of its input's shape."""
     assert available(), _error
-    args, _o, _final, _keep = _kda_args(inputs, params, 0, torch.float64)
+    args, _o, _final, _keep = _kda_args(inputs, params, 0, outputs=False)
     q, v = inputs["q"], inputs["v"]
     dev, f64 = q.device, torch.float64
     N, HV, K, V = args["N"], args["HV"], args["K"], args["V"]
