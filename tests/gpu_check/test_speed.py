@@ -548,14 +548,14 @@ class TestWarmup:
 
     @staticmethod
     def warm_up_with(run_selected, pending, tmp_path, monkeypatch):
-        """The plan's warm-up (plan._warm_up_of) over a stand-in scheduler, and its status file."""
-        from k3ref.gpu_check import plan
+        """The plan's warm-up (run._warm_up_of) over a stand-in scheduler, and its status file."""
+        from k3ref.gpu_check import run
 
         monkeypatch.setenv(warmup.CACHE_VARIABLE, str(tmp_path))
         monkeypatch.setattr(warmup, "run_selected", run_selected)
         speed, lines = {"warmup_pending": dict(pending)}, []
-        warm_up = plan._warm_up_of(([], []), plan.RunOptions(), "cpu", speed, lines.append)
-        return plan, warm_up, tmp_path / "warmup_status.json", speed, lines
+        warm_up = run._warm_up_of(([], []), run.RunOptions(), "cpu", speed, lines.append)
+        return run, warm_up, tmp_path / "warmup_status.json", speed, lines
 
     def test_checks_of_an_adapter_start_when_its_own_units_are_done(self, tmp_path, monkeypatch):
         import threading
@@ -569,13 +569,13 @@ class TestWarmup:
             return {"groups": [], "wall_s": 0.0, "totals": {"compile_s": 0.0, "autotune_s": 0.0}, "jobs": 1,
                     "errors": 0}
 
-        plan, warm_up, status, speed, _ = self.warm_up_with(run_selected, {"triton.kernel": 2}, tmp_path, monkeypatch)
+        run, warm_up, status, speed, _ = self.warm_up_with(run_selected, {"triton.kernel": 2}, tmp_path, monkeypatch)
         compiler = threading.Thread(target=warm_up, args=(status,))
         compiler.start()
         # nothing of its own to compile: returns at once, while the other kernel's units are pending
-        waited, why = plan.wait_for_warmup(status, "aot.kernel", 10)
+        waited, why = run.wait_for_warmup(status, "aot.kernel", 10)
         assert why == "its units are compiled" and waited < 5
-        waiter = threading.Thread(target=plan.wait_for_warmup, args=(status, "triton.kernel", 20))
+        waiter = threading.Thread(target=run.wait_for_warmup, args=(status, "triton.kernel", 20))
         waiter.start()
         waiter.join(0.5)
         assert waiter.is_alive(), "the Triton adapter's checks did not wait for its warm-up"
@@ -590,13 +590,13 @@ class TestWarmup:
         def run_selected(*args, **kw):
             raise RuntimeError("scheduler broke")
 
-        plan, warm_up, status, speed, lines = self.warm_up_with(run_selected, {"triton.kernel": 1}, tmp_path,
-                                                                 monkeypatch)
+        run, warm_up, status, speed, lines = self.warm_up_with(run_selected, {"triton.kernel": 1}, tmp_path,
+                                                                monkeypatch)
         rec = warm_up(status)
         assert rec["errors"] == 1 and speed["warmup"] is rec
         assert "scheduler broke" in rec["groups"][0]["reason"]
         assert "warm-up: 1 groups" in lines[-1]
-        assert plan.wait_for_warmup(status, "triton.kernel", 10)[1] == "the warm-up ended"  # released, not left waiting
+        assert run.wait_for_warmup(status, "triton.kernel", 10)[1] == "the warm-up ended"  # released, not left waiting
         assert json.loads(status.read_text())["record"]["errors"] == 1
         assert json.loads((tmp_path / "warmup.json").read_text())["errors"] == 1
 

@@ -7,9 +7,9 @@ section 9; docs/verify-your-kernel.md for your own kernel's CI).
 Modules: `protocol` (the adapter protocol, CheckResult, the run configuration RunOptions),
 `adapters` (the built-in KDA adapters), `upstream` (loading the upstream
 projects' kernels: checkout paths, FLA's import and version line), `registry` (entry points, --adapter specs, conftest
-lists; the built-ins by spec; the tiers by name), `selection` (the adapters and goldens a run selects),
-`collection` (the tests: adapter x case x check, known limitations, verdicts), `plan` (the
-run's adapters, tests and warm-up, decided once), `execute` (one test in the worker that holds its kernel),
+lists; the built-ins by spec; the tiers by name), `collection` (the tests: adapter x case x check,
+known limitations, verdicts), `run` (a run: the adapters and goldens it selects, its plan of
+tests and warm-up, decided once, and one test executed in the worker that holds its kernel),
 `checks` (golden and metamorphic KDA checks), `problems` (the
 problems of the checks without a golden: configurations, inputs by seed, token slices), `attnres_check`, `qb_check`, `serving_check`
 (the other families), `metrics` (error metrics, on the GPU through libk3gc when available),
@@ -19,5 +19,5 @@ problems of the checks without a golden: configurations, inputs by seed, token s
 (comparator and reference speed), `warmup` (the cache directory and the warm-up's workers),
 `cli` (the `run` front end of the pytest plugin, `prop`, `warmup`). The runner is the pytest plugin, k3ref.pytest_plugin.
 """
-__all__ = ["protocol", "adapters", "upstream", "registry", "selection", "collection", "plan", "execute", "checks", "problems", "attnres_check", "qb_check", "serving_check",
+__all__ = ["protocol", "adapters", "upstream", "registry", "collection", "run", "checks", "problems", "attnres_check", "qb_check", "serving_check",
            "metrics", "lib", "references", "torch_model", "timing", "report", "prop", "backward", "cp_check", "bench", "warmup", "cli"]

@@ -121,10 +121,10 @@ def warmup_command(args):
     """`warmup`: exit 0 when every group warmed up (or was skipped: kernel not here), 1 when
     a worker erred (the cache may be incomplete; the run would report the checks' errors)."""
     from .. import goldens
-    from . import collection, selection, shapes, warmup
+    from . import collection, run, shapes, warmup
     from .protocol import RunOptions
 
-    csv = selection.csv_list
+    csv = run.csv_list
     for flag, value in (("--warmup-shards", args.warmup_shards), ("--jobs", args.jobs)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
@@ -132,7 +132,7 @@ def warmup_command(args):
     opts = RunOptions(adapters=tuple(args.adapter), builtin=not args.no_builtin, only=csv(args.only),
                       no_mutants=args.no_mutants, checks=csv(args.checks), cases=csv(args.cases), goldens=args.goldens,
                       device=args.device)
-    adapters, _, suite = selection.select_adapters(opts, goldens_option="--goldens")  # as the run selects them
+    adapters, _, suite = run.select_adapters(opts, goldens_option="--goldens")  # as the run selects them
     tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, backward=args.backward)
     plan = shapes.build(tests, suite, goldens.load_case)
     s = plan.summary()
