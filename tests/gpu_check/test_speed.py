@@ -106,7 +106,7 @@ class TestPlan:
         plan = shapes.build(tests, suite)
         assert plan.untracked == {a.name: [(f"{a.name}-g_plain_shape-backward_like", "backward_like", None)]}
         assert plan.distinct() == 3 + 1  # the three goldens' shapes and the unmodelled check
-        units = warmup.units(plan, [a])
+        units = shapes.units(plan, [a])
         assert ([u[2] for u in units if dict(u[1]).get("test")]) == [[{"check": "backward_like", "case_path": None}]]
         assert len(units) == 3 + 1  # 3 golden groups, 1 test
 
@@ -129,7 +129,7 @@ class TestPlan:
         assert plan.untracked == {}
         backward_groups = {g for (_, g) in plan.groups() if dict(g).get("backward")}
         assert len(backward_groups) == 2 and len(plan.groups()) == 3 + 2
-        units = [u for u in warmup.units(plan, [a]) if warmup.is_backward(u[1])]
+        units = [u for u in shapes.units(plan, [a]) if warmup.is_backward(u[1])]
         assert sorted(len(u[2]) for u in units) == [1, 2]
         assert all(r == {"golden": c.path, "backward": True} for u in units for r in u[2]
                    for c in back if r["golden"] == c.path)
@@ -454,11 +454,11 @@ class TestWarmup:
             g = dict(s.group)
             s.recipe = {"config": dict(problems.CONFIGS[0], H=g["H"], HV=g["HV"], K=g["K"], V=g["V"]),
                         "T": 20, "cu_seqlens": None}
-        rec = warmup.run(plan, [a], "cpu", jobs=2)
+        rec = warmup.run_units(shapes.units(plan, [a]), "cpu", jobs=2)
         # The same units again into the same cache directory: recorded as finished, so no
         # worker starts; a unit of another shape is not taken as warm.
         warmup.write_record(rec, cache)
-        again = warmup.run(plan, [a], "cpu", jobs=2, warm=warmup.warm_keys(cache))
+        again = warmup.run_units(shapes.units(plan, [a]), "cpu", jobs=2, warm=warmup.warm_keys(cache))
         other_group = next(iter(plan.groups()))[1]
         other = warmup.unit_key(a.name, other_group, [{"T": 21}])
         assert rec["errors"] == 0, json.dumps(rec["groups"])[:2000]

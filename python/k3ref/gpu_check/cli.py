@@ -144,10 +144,10 @@ def warmup_command(args):
     if args.plan:
         print(json.dumps(s["shapes"]))
         return 0
-    record = warmup.run(plan, adapters, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
-                        shards=args.warmup_shards,
-                        progress=lambda line: print(line, flush=True),
-                        warm=warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
+    record = warmup.run_units(shapes.units(plan, adapters), args.device, jobs=args.jobs, timeout=args.warmup_timeout,
+                              shards=args.warmup_shards,
+                              progress=lambda line: print(line, flush=True),
+                              warm=warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
     record["shape_plan"] = s
     warmup.write_record(record, os.environ.get(warmup.CACHE_VARIABLE))
     print(warmup.table(record))

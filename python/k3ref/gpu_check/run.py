@@ -201,7 +201,7 @@ def make(opts, conftest_objects=(), progress=print):
              f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of problems.CONFIGS)")
     warm_up = None
     if opts.warmup and shape_plan.shapes:
-        selected = warmup.select(warmup.units(shape_plan, adapters), device,
+        selected = warmup.select(shapes.units(shape_plan, adapters), device,
                                  warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
         pending = {}
         for unit in selected[0]:
