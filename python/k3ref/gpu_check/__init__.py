@@ -17,9 +17,9 @@ problems of the checks without a golden: configurations, inputs by seed, token s
 (import, Triton compile, autotune and check time), `report` (HTML and JSON from pytest's results), `prop`
 (property tests), `backward` (gradients), `cp_check` (context parallelism over P ranks), `bench`
 (comparator and reference speed), `warmup` (the cache directory and the warm-up's scheduler),
-`warmup_worker` (a warm-up worker process),
+`warmup_worker` (a warm-up worker process), `warmup_command` (the `warmup` command, in a child),
 `cli` (the `run` front end of the pytest plugin, `prop`, `warmup`). The runner is the pytest plugin, k3ref.pytest_plugin.
 """
 __all__ = ["protocol", "adapters", "upstream", "registry", "collection", "run", "checks", "problems", "attnres_check", "qb_check", "serving_check",
            "metrics", "lib", "references", "torch_model", "timing", "report", "prop", "backward", "cp_check", "bench", "warmup", "warmup_worker",
-           "cli"]
+           "warmup_command", "cli"]
