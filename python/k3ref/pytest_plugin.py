@@ -157,7 +157,7 @@ def _plan_in_child(config, opts, path):
     """Runs the planning child; returns (plan, child) or raises UsageError (one line). The
     child writes the plan, says so (READY) and then runs the warm-up: this process goes on
     with the plan while it compiles, and `child` (a _PlanningChild) is collected at the end."""
-    from k3ref.gpu_check import plan as run_plan
+    from k3ref.gpu_check import run as run_plan
 
     # The child imports what this process would: this package first, then this process's path.
     package_root = str(Path(__file__).resolve().parents[1])
@@ -261,7 +261,7 @@ def pytest_cmdline_main(config):
     """Before pytest-xdist reads -n: the plan, made in a child, and the workers it needs."""
     role = _role(config)
     if role in ("isolated", "in_process", "planner"):
-        from k3ref.gpu_check import plan as run_plan
+        from k3ref.gpu_check import run as run_plan
 
         opts = run_plan.options_of(config)
         if opts.report and Path(opts.report).exists() and not Path(opts.report).is_dir():
@@ -431,14 +431,14 @@ def pytest_collection_modifyitems(session, config, items):
     role = _role(config)
     if role is None:
         return
-    from k3ref.gpu_check import plan as run_plan
+    from k3ref.gpu_check import run as run_plan
     from k3ref.gpu_check import protocol
 
     state = config.stash[STATE]
     if role == "worker":
         plan = run_plan.read(config.workerinput["k3ref_plan"])
         state["plan_speed"] = plan.get("speed")
-        from k3ref.gpu_check.execute import Executor
+        from k3ref.gpu_check.run import Executor
 
         state["executor"] = Executor(run_plan.options_of(config), _conftest_specs(config), scale=plan.get("scale"))
     elif role == "isolated":
@@ -463,7 +463,7 @@ def pytest_collection_modifyitems(session, config, items):
             warm_up()
         config.stash[PLAN] = plan
         if role == "in_process":
-            from k3ref.gpu_check.execute import Executor
+            from k3ref.gpu_check.run import Executor
 
             state["executor"] = Executor(state["opts"], _conftest_specs(config), scale=plan.get("scale"))
     for e in plan["tests"]:
@@ -500,7 +500,7 @@ def pytest_runtest_protocol(item, nextitem):
         if (speed.get("warmup_pending") or {}).get(key) and speed.get("warmup_status") and \
                 key not in state.setdefault("warmed", set()):
             # Before the time limit starts: its shapes are being compiled by the warm-up.
-            from k3ref.gpu_check.plan import wait_for_warmup
+            from k3ref.gpu_check.run import wait_for_warmup
 
             waited, why = wait_for_warmup(speed["warmup_status"], key, opts.warmup_timeout)
             state["warmed"].add(key)

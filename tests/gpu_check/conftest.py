@@ -60,7 +60,7 @@ def child_env():
     return _child_env
 
 
-# What a run sets in its own process's environment (plan.apply_environment, warmup.configure_cache).
+# What a run sets in its own process's environment (run.apply_environment, warmup.configure_cache).
 RUN_ENVIRONMENT = ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "K3REF_CACHE_DIR", "K3REF_AUTOTUNE_CONFIGS",
                    "K3REF_FLA_PATH", "K3REF_FLASHKDA_PATH", "K3REF_LIGER_PATH", "K3REF_TORCHTITAN_PATH", "K3GC_LIB")
 

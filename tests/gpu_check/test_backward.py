@@ -65,12 +65,12 @@ def test_the_scoring_fails_a_wrong_gradient_and_a_nan():
 
 # ---------------------------------------------------------------- the backward check of the matrix
 
-from k3ref.gpu_check import adapters, collection, selection  # noqa: E402
+from k3ref.gpu_check import adapters, collection, run  # noqa: E402
 from k3ref.gpu_check.protocol import NotSupported  # noqa: E402
 
 
 def _backward_results(adapter):
-    suite = selection.load_suite(ROOT / "goldens", adapter.suite_ops())
+    suite = run.load_suite(ROOT / "goldens", adapter.suite_ops())
     out = {}
     for case_id, case, why in adapter.cases("backward", suite):
         out[case_id] = why if why else adapter.run_check("backward", case, "cpu")
@@ -154,7 +154,7 @@ def test_a_raising_backward_is_an_error_and_notsupported_is_not_applicable():
 
 
 def test_the_matrix_collects_backward_tests_for_the_fla_kernels():
-    suite = selection.load_suite(ROOT / "goldens", ("kda.recurrent", "kda.backward"))
+    suite = run.load_suite(ROOT / "goldens", ("kda.recurrent", "kda.backward"))
     for mode, count in (("default", len(collection.DEFAULT_BACKWARD_GOLDENS)), ("all", len(CASES))):
         tests = collection.collect([adapters.FlaAdapter("chunk_kda"), adapters.FlashKdaAdapter()], suite, backward=mode)
         backward_tests = [t for t in tests if t.check == "backward"]
@@ -164,7 +164,7 @@ def test_the_matrix_collects_backward_tests_for_the_fla_kernels():
 
 def test_the_default_tier_runs_the_backward_on_its_four_goldens_and_all_runs_every_one():
     a = adapters.TorchKernelAdapter()
-    suite = selection.load_suite(ROOT / "goldens", a.suite_ops())
+    suite = run.load_suite(ROOT / "goldens", a.suite_ops())
 
     def backward_cases(mode):
         return sorted(t.case for t in collection.collect([a], suite, backward=mode) if t.check == "backward")

@@ -834,7 +834,7 @@ class TestRegistry:
             assert a.requires_cuda
 
     def test_the_kernel_paths_are_options(self):
-        from k3ref.gpu_check.plan import KERNEL_PATHS
+        from k3ref.gpu_check.protocol import KERNEL_PATHS
 
         envs = {env for _, env, _ in KERNEL_PATHS}
         assert {"K3REF_VLLM_PATH", "K3REF_TOKENSPEED_PATH"} <= envs

@@ -112,3 +112,33 @@ def test_prop_with_a_kernel_that_exits_0_is_no_pass(tmp_path):
                           cwd=str(ROOT))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "recorded no verdict" in proc.stderr
+
+
+def warmup(tmp_path, *extra, env=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), **(env or {}))
+    cmd = [sys.executable, "-m", "k3ref.gpu_check", "warmup", "--no-builtin", "--adapter", f"{HOSTILE}:adapters",
+           "--goldens", str(ROOT / "goldens"), "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+
+
+def test_warmup_plans_in_a_child_whose_output_and_exit_code_are_the_commands(tmp_path):
+    """`warmup` loads the adapters (adapter code) in a child: its output and exit code pass
+    through, a usage error included."""
+    proc = warmup(tmp_path, "--only", "hostile.none", "--cases", "kda_t1", "--plan")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.startswith("shape plan: ") and proc.stdout.splitlines()[-1] == "[]", proc.stdout
+    assert str(tmp_path / "cache") in proc.stdout
+    proc = warmup(tmp_path, "--jobs", "0")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == ["python3 -m k3ref.gpu_check warmup: error: --jobs 0: must be at least 1"]
+
+
+@pytest.mark.parametrize("misdeed,expect", [("exit", "ended with exit 0 but recorded no verdict"),
+                                            ("kill", "ended with signal SIGKILL and recorded no verdict")])
+def test_warmup_with_adapter_code_that_ends_its_child_fails(tmp_path, misdeed, expect):
+    """Adapter code that ends the warm-up's child while it is imported (os._exit(0), a kill)
+    fails the command with one line: no exit 0 without the command's own."""
+    proc = warmup(tmp_path, "--plan", env={"K3REF_HOSTILE_IMPORT": misdeed})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and expect in lines[0], proc.stderr

@@ -106,7 +106,7 @@ class TestPlan:
         plan = shapes.build(tests, suite)
         assert plan.untracked == {a.name: [(f"{a.name}-g_plain_shape-backward_like", "backward_like", None)]}
         assert plan.distinct() == 3 + 1  # the three goldens' shapes and the unmodelled check
-        units = warmup.units(plan, [a])
+        units = shapes.units(plan, [a])
         assert ([u[2] for u in units if dict(u[1]).get("test")]) == [[{"check": "backward_like", "case_path": None}]]
         assert len(units) == 3 + 1  # 3 golden groups, 1 test
 
@@ -129,7 +129,7 @@ class TestPlan:
         assert plan.untracked == {}
         backward_groups = {g for (_, g) in plan.groups() if dict(g).get("backward")}
         assert len(backward_groups) == 2 and len(plan.groups()) == 3 + 2
-        units = [u for u in warmup.units(plan, [a]) if warmup.is_backward(u[1])]
+        units = [u for u in shapes.units(plan, [a]) if warmup.is_backward(u[1])]
         assert sorted(len(u[2]) for u in units) == [1, 2]
         assert all(r == {"golden": c.path, "backward": True} for u in units for r in u[2]
                    for c in back if r["golden"] == c.path)
@@ -454,11 +454,11 @@ class TestWarmup:
             g = dict(s.group)
             s.recipe = {"config": dict(problems.CONFIGS[0], H=g["H"], HV=g["HV"], K=g["K"], V=g["V"]),
                         "T": 20, "cu_seqlens": None}
-        rec = warmup.run(plan, [a], "cpu", jobs=2)
+        rec = warmup.run_units(shapes.units(plan, [a]), "cpu", jobs=2)
         # The same units again into the same cache directory: recorded as finished, so no
         # worker starts; a unit of another shape is not taken as warm.
         warmup.write_record(rec, cache)
-        again = warmup.run(plan, [a], "cpu", jobs=2, warm=warmup.warm_keys(cache))
+        again = warmup.run_units(shapes.units(plan, [a]), "cpu", jobs=2, warm=warmup.warm_keys(cache))
         other_group = next(iter(plan.groups()))[1]
         other = warmup.unit_key(a.name, other_group, [{"T": 21}])
         assert rec["errors"] == 0, json.dumps(rec["groups"])[:2000]
@@ -548,14 +548,14 @@ class TestWarmup:
 
     @staticmethod
     def warm_up_with(run_selected, pending, tmp_path, monkeypatch):
-        """The plan's warm-up (plan._warm_up_of) over a stand-in scheduler, and its status file."""
-        from k3ref.gpu_check import plan
+        """The plan's warm-up (run._warm_up_of) over a stand-in scheduler, and its status file."""
+        from k3ref.gpu_check import run
 
         monkeypatch.setenv(warmup.CACHE_VARIABLE, str(tmp_path))
         monkeypatch.setattr(warmup, "run_selected", run_selected)
         speed, lines = {"warmup_pending": dict(pending)}, []
-        warm_up = plan._warm_up_of(([], []), plan.RunOptions(), "cpu", speed, lines.append)
-        return plan, warm_up, tmp_path / "warmup_status.json", speed, lines
+        warm_up = run._warm_up_of(([], []), run.RunOptions(), "cpu", speed, lines.append)
+        return run, warm_up, tmp_path / "warmup_status.json", speed, lines
 
     def test_checks_of_an_adapter_start_when_its_own_units_are_done(self, tmp_path, monkeypatch):
         import threading
@@ -569,13 +569,13 @@ class TestWarmup:
             return {"groups": [], "wall_s": 0.0, "totals": {"compile_s": 0.0, "autotune_s": 0.0}, "jobs": 1,
                     "errors": 0}
 
-        plan, warm_up, status, speed, _ = self.warm_up_with(run_selected, {"triton.kernel": 2}, tmp_path, monkeypatch)
+        run, warm_up, status, speed, _ = self.warm_up_with(run_selected, {"triton.kernel": 2}, tmp_path, monkeypatch)
         compiler = threading.Thread(target=warm_up, args=(status,))
         compiler.start()
         # nothing of its own to compile: returns at once, while the other kernel's units are pending
-        waited, why = plan.wait_for_warmup(status, "aot.kernel", 10)
+        waited, why = run.wait_for_warmup(status, "aot.kernel", 10)
         assert why == "its units are compiled" and waited < 5
-        waiter = threading.Thread(target=plan.wait_for_warmup, args=(status, "triton.kernel", 20))
+        waiter = threading.Thread(target=run.wait_for_warmup, args=(status, "triton.kernel", 20))
         waiter.start()
         waiter.join(0.5)
         assert waiter.is_alive(), "the Triton adapter's checks did not wait for its warm-up"
@@ -590,13 +590,13 @@ class TestWarmup:
         def run_selected(*args, **kw):
             raise RuntimeError("scheduler broke")
 
-        plan, warm_up, status, speed, lines = self.warm_up_with(run_selected, {"triton.kernel": 1}, tmp_path,
-                                                                 monkeypatch)
+        run, warm_up, status, speed, lines = self.warm_up_with(run_selected, {"triton.kernel": 1}, tmp_path,
+                                                                monkeypatch)
         rec = warm_up(status)
         assert rec["errors"] == 1 and speed["warmup"] is rec
         assert "scheduler broke" in rec["groups"][0]["reason"]
         assert "warm-up: 1 groups" in lines[-1]
-        assert plan.wait_for_warmup(status, "triton.kernel", 10)[1] == "the warm-up ended"  # released, not left waiting
+        assert run.wait_for_warmup(status, "triton.kernel", 10)[1] == "the warm-up ended"  # released, not left waiting
         assert json.loads(status.read_text())["record"]["errors"] == 1
         assert json.loads((tmp_path / "warmup.json").read_text())["errors"] == 1
 

@@ -34,9 +34,9 @@ KERNELS = textwrap.dedent(f"""\
             super().__init__()
             self.name = "overlap.compiled"
         def run(self, inputs, params, out=None):
-            # the warm-up's worker process runs k3ref.gpu_check.warmup --serve
-            if "k3ref.gpu_check.warmup" in " ".join(sys.argv) or sys.modules["__main__"].__spec__ and \\
-                    sys.modules["__main__"].__spec__.name == "k3ref.gpu_check.warmup":
+            # the warm-up's worker process runs k3ref.gpu_check.warmup_worker --serve
+            if "k3ref.gpu_check.warmup_worker" in " ".join(sys.argv) or sys.modules["__main__"].__spec__ and \\
+                    sys.modules["__main__"].__spec__.name == "k3ref.gpu_check.warmup_worker":
                 log("warmup start")
                 time.sleep({WARMUP_SECONDS})
                 log("warmup end")

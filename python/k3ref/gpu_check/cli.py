@@ -8,10 +8,10 @@ vouched for, 1 when not (a failed check, a known limitation that now passes, a m
 caught or not run, a kernel asked for that is not available, no check executed, a test
 without a result, a report that could not be written), 2 on a usage error (one line).
 `run --tier scale` is the same front end with `--k3ref-tier scale` (its record: OUT/scale.json).
-`prop` and `warmup` are commands of their own.
+`prop` and `warmup` are commands of their own; each runs in a child process (in_child), since
+each runs adapter code.
 """
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -117,45 +117,6 @@ def warmup_parser(sub, kernel_options):
     return w
 
 
-def warmup_command(args):
-    """`warmup`: exit 0 when every group warmed up (or was skipped: kernel not here), 1 when
-    a worker erred (the cache may be incomplete; the run would report the checks' errors)."""
-    from .. import goldens
-    from . import collection, selection, shapes, warmup
-    from .protocol import RunOptions
-
-    csv = selection.csv_list
-    for flag, value in (("--warmup-shards", args.warmup_shards), ("--jobs", args.jobs)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} {value}: must be at least 1")
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    opts = RunOptions(adapters=tuple(args.adapter), builtin=not args.no_builtin, only=csv(args.only),
-                      no_mutants=args.no_mutants, checks=csv(args.checks), cases=csv(args.cases), goldens=args.goldens,
-                      device=args.device)
-    adapters, _, suite = selection.select_adapters(opts, goldens_option="--goldens")  # as the run selects them
-    tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, backward=args.backward)
-    plan = shapes.build(tests, suite, goldens.load_case)
-    s = plan.summary()
-    print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
-          f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of problems.CONFIGS); "
-          f"cache {os.environ.get(warmup.CACHE_VARIABLE)}", flush=True)
-    for a, b in s["by_adapter"].items():
-        print(f"  {a}: {b['groups']} groups, {b['shapes']} shapes; metamorphic: {s['metamorphic_configs'].get(a, '-')}")
-    if args.plan:
-        print(json.dumps(s["shapes"]))
-        return 0
-    record = warmup.run(plan, adapters, args.device, jobs=args.jobs, timeout=args.warmup_timeout,
-                        shards=args.warmup_shards,
-                        progress=lambda line: print(line, flush=True),
-                        warm=warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
-    record["shape_plan"] = s
-    warmup.write_record(record, os.environ.get(warmup.CACHE_VARIABLE))
-    print(warmup.table(record))
-    print(json.dumps({"groups": len(record["groups"]), "wall_s": round(record["wall_s"], 1),
-                      **{k: round(v, 1) for k, v in record["totals"].items()}, "errors": record["errors"]}))
-    return 1 if record["errors"] else 0
-
-
 def prop_options(p):
     p.add_argument("--outside-share", type=float, default=0.004,
                    help="share of draws outside the compiled shape buckets (default 0.004; 1: no buckets; kernels "
@@ -237,22 +198,28 @@ def run_command(args):
     return EXIT_CODES.get(rc, 1)
 
 
-PROP_VERDICT_VARIABLE = "K3REF_PROP_VERDICT"
+# The commands that run adapter code (`prop`: the kernel; `warmup`: the adapters' modules, loaded
+# to plan the warm-up) run it in a child, python3 -m MODULE: the module's main(args), through
+# command_child.
+CHILDREN = {"prop": "k3ref.gpu_check.prop", "warmup": "k3ref.gpu_check.warmup_command"}
+VERDICT_VARIABLE = "K3REF_COMMAND_VERDICT"
 
 
-def prop_in_child(argv):
-    """`prop` runs the kernel, adapter code, in a child: its exit code stands only with the
-    verdict the child writes as `prop` returns, so an exit 0 of adapter code (os._exit) is no
-    pass. The child's output is passed through line by line."""
+def in_child(cmd, argv):
+    """Runs command `cmd` (argv: its whole command line) in its child (CHILDREN): its output is
+    passed through line by line and its exit code is returned as it is, but it stands only with
+    the verdict the child writes as the command returns (command_child). A child that ends
+    without one (adapter code that calls os._exit, a crash) fails the command with one line:
+    an exit 0 of adapter code is no pass."""
     import subprocess
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="k3ref_prop_") as d:
+    with tempfile.TemporaryDirectory(prefix=f"k3ref_{cmd}_") as d:
         verdict = Path(d) / "verdict"
-        env = dict(os.environ, **{PROP_VERDICT_VARIABLE: str(verdict)})
+        env = dict(os.environ, **{VERDICT_VARIABLE: str(verdict)})
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([package_root] + [p for p in sys.path if p and os.path.isdir(p)]))
-        proc = subprocess.Popen([sys.executable, "-m", "k3ref.gpu_check.prop", *argv], env=env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", CHILDREN[cmd], *argv], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, errors="replace")
         def drain():
             for line in proc.stderr:
@@ -268,31 +235,37 @@ def prop_in_child(argv):
         proc.wait()
         t.join()
         written = verdict.read_text().strip() if verdict.is_file() else None
-    if proc.returncode == 0 and written != "0":
-        print("python3 -m k3ref.gpu_check prop: FAIL: the run ended with exit 0 but recorded no verdict (adapter code ended the "
-              "process?): nothing is vouched for", file=sys.stderr)
+    rc = proc.returncode
+    if rc == 0 and written != "0":
+        print(f"python3 -m k3ref.gpu_check {cmd}: FAIL: the run ended with exit 0 but recorded no verdict (adapter code "
+              f"ended the process?): nothing is vouched for", file=sys.stderr)
         return 1
-    return proc.returncode
+    if written is None:
+        import signal
+
+        how = f"exit {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
+        print(f"python3 -m k3ref.gpu_check {cmd}: FAIL: the run ended with {how} and recorded no verdict (a crash?)",
+              file=sys.stderr)
+        return rc if rc > 0 else 1
+    return rc
 
 
 def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
     try:
-        if args.cmd == "warmup":
-            apply_kernel_options(args)
-            return warmup_command(args)
-        if args.cmd == "prop":
-            return prop_in_child(argv if argv is not None else sys.argv[1:])
+        if args.cmd in CHILDREN:
+            return in_child(args.cmd, argv if argv is not None else sys.argv[1:])
         return run_command(args)
     except (UsageError, AdapterSpecError) as e:
         print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 
 
-def prop_child(run, argv=None):
-    """The child that `prop` starts (`python3 -m k3ref.gpu_check.prop prop ...`): `run` (prop.main)
-    on the options parsed here, its exit code written where the parent reads the verdict."""
+def command_child(run, argv=None):
+    """The child that `prop` or `warmup` starts (`python3 -m MODULE CMD ...`, in_child): `run`
+    (MODULE's main) on the options parsed here, its exit code written where the parent reads
+    the verdict."""
     ap = parser()
     args = ap.parse_args(argv)
     try:
@@ -300,8 +273,8 @@ def prop_child(run, argv=None):
         rc = run(args)
     except (UsageError, AdapterSpecError) as e:
         print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
-    Path(os.environ[PROP_VERDICT_VARIABLE]).write_text(str(rc))  # reached only by returning
+        rc = 2
+    Path(os.environ[VERDICT_VARIABLE]).write_text(str(rc))  # reached only by returning
     return rc
 
 

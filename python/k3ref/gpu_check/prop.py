@@ -411,7 +411,7 @@ def main(args):
     return 1
 
 
-if __name__ == "__main__":  # the child of the `prop` command (cli.prop_in_child)
+if __name__ == "__main__":  # the child of the `prop` command (cli.in_child)
     from . import cli
 
-    sys.exit(cli.prop_child(main))
+    sys.exit(cli.command_child(main))

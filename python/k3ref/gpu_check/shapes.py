@@ -15,11 +15,11 @@ So a compiled *shape* here is (adapter, group, integer classes), where the *grou
 autotune keys and constexpr arguments see (for a KDA kernel: H, HV, K, V, varlen, state
 layout and the gate / beta / norm options the adapter turns into kernel flags) and the
 integer classes are those of T, B, the number of sequences and the number of 64-token
-chunks. The group is the unit of warm-up (warmup.py runs the units on a pool of worker processes).
+chunks. The group is the unit of warm-up (`units`; warmup.py runs them on a pool of worker processes).
 
 What a kernel specialises on is read from its decorators where the library exposes them
 (`autotuner_info`: Triton's Autotuner.keys and .configs, JITFunction.params and their
-is_constexpr / do_not_specialize; warmup.py records them per group) and declared per adapter
+is_constexpr / do_not_specialize; the warm-up's workers record them per group) and declared per adapter
 where it does not (`Adapter.shape_key(params, shapes)`, else the KDA default `kda_group`,
 which covers every autotune key FLA's KDA kernels use: `uncovered_keys` names any that a
 kernel reports and the default does not model). The plan is a model; the compilations it
@@ -260,7 +260,7 @@ class Shape:
     adapter: str
     group: tuple
     classes: tuple
-    recipe: dict           # how warm-up builds inputs of this shape (warmup.inputs_of)
+    recipe: dict           # how warm-up builds inputs of this shape (warmup_worker.inputs_of)
     tests: list = field(default_factory=list)
 
 
@@ -386,6 +386,24 @@ def build(tests, suite=(), load_case=None):
     fill(before, old_configs, None)
     plan.before = len(before)
     return plan
+
+
+def units(plan, adapters):
+    """The warm-up's units of shape plan `plan` (warmup.run_units): [(adapter, group, recipes)],
+    one per shape group of an adapter declared to be compiled by Triton (compiler_of; an
+    adapter of unknown build is planned, counted, but not warmed up: declare
+    `compiler = "triton"` on it)."""
+    by_name = {a.name: a for a in adapters if compiler_of(a) == "triton"}  # declared only
+    out = []
+    for (name, group), shapes in plan.groups().items():
+        a = by_name.get(name)
+        if a is not None:
+            out.append((a, group, [s.recipe for s in shapes]))
+    for name, tests in plan.untracked.items():
+        a = by_name.get(name)
+        for test_id, check, case_path in tests if a is not None else ():
+            out.append((a, (("test", test_id),), [{"check": check, "case_path": case_path}]))
+    return out
 
 
 def order(tests, plan):

@@ -13,11 +13,12 @@ record is DIR/warmup.json. TRITON_CACHE_AUTOTUNING=1 (unless set) extends the au
 every autotuner.
 
 The warm-up takes the shape plan (shapes.py): one unit per shape group of the kernels compiled
-at run time (Triton). `--jobs` worker processes (default: the CPU count) each take the next
-unit when free, costliest first (cost_estimate), and keep their imports from one unit to the
-next (torch and FLA cost ~20 s a process on a busy machine: paid per worker, not per unit).
-A unit loads the adapter and runs the kernel on inputs of each of the group's shapes (the golden case itself, or the inputs the metamorphic check builds), so Triton
-compiles and autotunes them into the cache; its results are discarded, only the time is kept:
+at run time (Triton; shapes.units). `--jobs` worker processes (default: the CPU count,
+warmup_worker.py) each take the next unit when free, costliest first (cost_estimate), and keep
+their imports from one unit to the next (torch and FLA cost ~20 s a process on a busy machine:
+paid per worker, not per unit). This module is the scheduler; the kernels run in the workers.
+A unit loads the adapter and runs the kernel on inputs of each of the group's shapes (the
+golden case itself, or the inputs the metamorphic check builds), so Triton compiles and autotunes them into the cache; its results are discarded, only the time is kept:
 per group wall, compile and autotune seconds (timing.py's hooks), the number of
 compilations and configurations benchmarked, the autotuned kernels the calls reached with
 their autotune keys and configuration counts (read from the decorators), and any error (the
@@ -29,7 +30,6 @@ configurations, then once more as their merge, which replays their timings so th
 writes the cache entry an unsharded run writes (shard_units). Every unit benchmarks a
 configuration for BENCHMARK_MS of kernel time, not Triton's longer default.
 """
-import contextlib
 import json
 import os
 import pickle
@@ -71,175 +71,13 @@ def configure_cache(path=None):
     return d
 
 
-# --------------------------------------------------------------------------- inputs of a shape
-
-def inputs_of(adapter, recipe, device):
-    """(inputs on device, params) of one planned shape (shapes.Shape.recipe)."""
-    if "golden" in recipe:
-        from .. import goldens
-
-        case = goldens.load_case(recipe["golden"])
-        inputs = {k: v.to(device) for k, v in case.inputs.items()}
-        if "initial_state" in inputs and adapter.kind != "reference":
-            inputs["initial_state"] = inputs["initial_state"].float()
-        return inputs, case.params
-    if "config" in recipe:
-        from .problems import make_problem
-
-        return make_problem(recipe["config"], recipe["T"], 0, device, cu_seqlens=recipe.get("cu_seqlens"))
-    if "check" in recipe:  # no shape model: warm-up runs the check itself (child() does)
-        return None, None
-    if "prop_case" in recipe:
-        from .drawn_case import make_inputs, params_of
-
-        case = recipe["prop_case"]
-        return {k: v.to(device) for k, v in make_inputs(case).items()}, params_of(case)
-    raise ValueError(f"unknown warm-up recipe {sorted(recipe)}")
-
-
-# --------------------------------------------------------------------------- the worker process
-
-def child(job_path, out_path):
-    """Runs one group's shapes (the job pickled at job_path); writes its record as JSON.
-    Called once per unit by a worker (serve): imports made for an earlier unit are kept, so
-    only a worker's first unit pays them (import_s); the counters are this unit's alone."""
-    with open(job_path, "rb") as f:
-        job = pickle.load(f)
-    sys.path[:] = job["sys_path"]
-    os.environ.update(job.get("env", {}))
-    t0 = time.perf_counter()
-    rec = {"started": time.time(), "shapes": len(job["recipes"]), "errors": [], "kernels": [], "pid": os.getpid()}
-    from . import autotune, timing
-
-    status = timing.install()
-    rec["timing"] = dict(status)
-    before = timing.COUNTERS.snapshot()
-    from .registry import import_module_of
-
-    for spec in job.get("modules", ()):
-        import_module_of(spec)
-    adapter = pickle.loads(job["adapter"])
-    device = job["device"]
-    if not adapter.available():
-        rec.update(status="unavailable", reason=adapter.unavailable_reason)
-    else:
-        rec["import_s"] = time.perf_counter() - t0
-        adapter.device_sync = str(device).startswith("cuda")
-        seen = {}
-        shard, replay = job.get("shard"), job.get("replay")
-        role = (autotune.sharded(*shard) if shard else autotune.replayed(replay) if replay is not None
-                else contextlib.nullcontext(None))
-        with autotune.benchmark_length(*BENCHMARK_MS), role as shard_record:
-            run_recipes(job, adapter, device, rec, seen)
-        if shard:
-            rec["timings"] = shard_record
-        elif replay is not None:
-            rec["replay"] = shard_record
-        from .shapes import autotuner_info, uncovered_keys
-
-        rec["kernels"] = [autotuner_info(u) for u in seen.values()]
-        rec["uncovered_keys"] = uncovered_keys(rec["kernels"])
-        rec["status"] = "error" if rec["errors"] else "ok"
-    rec.update({k: v - before[k] for k, v in timing.COUNTERS.snapshot().items()})
-    rec["wall_s"] = time.perf_counter() - t0
-    rec["finished"] = time.time()
-    Path(out_path).write_text(json.dumps(rec))
-    return 0
-
-
-def run_recipes(job, adapter, device, rec, seen):
-    """The kernel calls of one unit: each recipe's shape; the autotuners reached go into `seen`."""
-    from . import autotune
-
-    for recipe in job["recipes"]:
-        try:
-            with autotune.recording() as used:
-                if recipe.get("backward"):
-                    run_backward(adapter, recipe["golden"], device, rec)
-                elif "check" in recipe:
-                    from ..goldens import load_case
-
-                    case = load_case(recipe["case_path"]) if recipe.get("case_path") else None
-                    adapter.run_check(recipe["check"], case, device)
-                else:
-                    inputs, params = inputs_of(adapter, recipe, device)
-                    adapter.run(inputs, params)
-                if adapter.device_sync:
-                    import torch
-
-                    torch.cuda.synchronize()
-            for u in used:
-                seen.setdefault(id(u), u)
-        except Exception as e:  # the check of this shape will report it; the warm-up goes on
-            rec["errors"].append(f"{type(e).__name__}: {e}".splitlines()[0][:300])
-
-
-def run_backward(adapter, golden, device, rec):
-    """One gradient golden forward and backward through the adapter (backward.py), so that the
-    backward kernels compile and autotune; a version without a backward is noted, not an error."""
-    from ..goldens import load_case
-    from . import backward
-    from .protocol import NotSupported
-
-    case = load_case(golden)
-    try:
-        adapter.run_backward(backward.gradient_inputs(case, device), case.params, case.tensors["d_o"],
-                             case.tensors["d_final_state"])
-    except NotSupported as e:
-        rec.setdefault("not_applicable", []).append(str(e)[:300])
-
-
-DONE = "k3ref-warmup-done"
-
-
-def serve():
-    """A worker: runs units (a job path and an output path per line of stdin) one after the
-    other in this process and answers each with a line on the protocol stream. The imports of
-    torch and of the kernel (about 20 s for FLA on a busy machine) are paid once per worker,
-    not once per unit. Anything a kernel prints goes to stderr, so stdout carries only the
-    protocol."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    for line in sys.stdin:
-        job_path, out_path = line.rstrip("\n").split("\t")
-        try:
-            child(job_path, out_path)
-        except BaseException as e:  # this unit's error; the worker takes the next one
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            Path(out_path).write_text(json.dumps({"status": "error", "errors": [f"{type(e).__name__}: {e}"[:300]],
-                                                  "reason": f"{type(e).__name__}: {e}"[:300]}))
-        proto.write(f"{DONE}\t{out_path}\n")
-    return 0
-
-
 # --------------------------------------------------------------------------- the parent
 
-def shapes_mod():
-    from . import shapes
-
-    return shapes
-
-
-def units(plan, adapters):
-    """[(adapter, group, recipes)]: one unit per shape group of an adapter declared to be
-    compiled by Triton (shapes.compiler_of; an adapter of unknown build is planned, counted,
-    but not warmed up: declare `compiler = "triton"` on it)."""
-    by_name = {a.name: a for a in adapters if shapes_mod().compiler_of(a) == "triton"}  # declared only
-    out = []
-    for (name, group), shapes in plan.groups().items():
-        a = by_name.get(name)
-        if a is not None:
-            out.append((a, group, [s.recipe for s in shapes]))
-    for name, tests in plan.untracked.items():
-        a = by_name.get(name)
-        for test_id, check, case_path in tests if a is not None else ():
-            out.append((a, (("test", test_id),), [{"check": check, "case_path": case_path}]))
-    return out
+DONE = "k3ref-warmup-done"  # a worker's answer to a unit, on its stdout (warmup_worker.serve)
 
 
 class Worker:
-    """One warm-up worker process (serve) and the units sent to it. A unit that kills the
+    """One warm-up worker process (warmup_worker.serve) and the units sent to it. A unit that kills the
     process or outlasts the timeout is that unit's error; the next unit gets a new process."""
 
     def __init__(self, workdir):
@@ -255,7 +93,7 @@ class Worker:
         self.started += 1
         self.stderr_path = Path(self.workdir) / f"stderr_{self.started}.txt"
         with open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "k3ref.gpu_check.warmup", "--serve"], env=env,
+            self.proc = subprocess.Popen([sys.executable, "-m", "k3ref.gpu_check.warmup_worker", "--serve"], env=env,
                                          text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
         self.lines = queue.Queue()
 
@@ -374,13 +212,6 @@ def cost_estimate(unit):
     adapter, group, recipes = unit
     weight = float(getattr(adapter, "warmup_weight", 1) or 1) * (BACKWARD_WEIGHT if is_backward(group) else 1.0)
     return weight * max(1, len(recipes))
-
-
-def run(plan, adapters, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None, shards=None):
-    """Warms up every group of the plan, `jobs` worker processes at a time. Returns the
-    record: {jobs, wall_s, groups: [per group], totals}. `warm`: keys (unit_key) of units an
-    earlier warm-up finished into the same cache directory; they are not run again."""
-    return run_units(units(plan, adapters), device, jobs, timeout, progress, env, warm, shards)
 
 
 def versions():
@@ -515,7 +346,10 @@ def schedule(todo, roles=None):
 
 
 def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None, shards=None):
-    """select, then run_selected: the warm-up record of the units `work`."""
+    """Warms up the units `work` (shapes.units of a shape plan, or prop's buckets), `jobs`
+    worker processes at a time: select, then run_selected. Returns the record: {jobs, wall_s,
+    groups: [per group], totals}. `warm`: keys (unit_key) of units an earlier warm-up finished
+    into the same cache directory; they are not run again."""
     return run_selected(select(work, device, warm), device, jobs, timeout, progress, env, shards=shards)
 
 
@@ -635,8 +469,3 @@ def table(record):
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1] == "--serve":
-        sys.exit(serve())
-    print("usage: python3 -m k3ref.gpu_check warmup ... (the --serve form is internal)", file=sys.stderr)
-    sys.exit(2)

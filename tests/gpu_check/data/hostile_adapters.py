@@ -2,13 +2,17 @@
 example PyTorch kernel with one misdeed each (`adapters()`: abort, segfault, exit0 =
 os._exit(0) inside the kernel, sysexit = SystemExit inside the kernel, hang, alloc50g = a 50 GB
 allocation, nonfinite = an o of +inf), committed on the golden case kda_t100 only (T = 100, K = 64). K3REF_HOSTILE_IMPORT
-= exit | hang makes the module itself exit or hang while it is imported."""
+= exit | kill | hang makes the module itself exit (status 0), die (SIGKILL) or hang while it is
+imported."""
 import ctypes
 import os
+import signal
 import time
 
 if os.environ.get("K3REF_HOSTILE_IMPORT") == "exit":
     os._exit(0)
+if os.environ.get("K3REF_HOSTILE_IMPORT") == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
 if os.environ.get("K3REF_HOSTILE_IMPORT") == "hang":
     time.sleep(3600)
 
