@@ -26,7 +26,6 @@ struct Tile {
   Acc q[TT][kMaxDim], k[TT][kMaxDim], d[TT][kMaxDim], v[TT][kMaxDim], b[TT];
 };
 
-
 // A flat offset into a token tensor as the kernel computes it: the int32-wrap mutant keeps 31
 // bits (a wrap to the tensor's start rather than a negative offset, so that it reads and writes
 // wrong elements of the allocation instead of ending the process).

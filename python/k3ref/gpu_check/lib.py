@@ -109,7 +109,8 @@ def compare(candidate, reference, fmt, atol=0.0, rtol=0.0, window_shape=None):
 def _kda_args(inputs, params, precision, output_dtype=None, state_dtype=None, out=None, outputs=True):
     """k3gc_kda_args for the library's forward and backward from (inputs, params), with the
     forward's outputs allocated unless `outputs` is False (the backward reads none):
-    (args, o, final_state, the tensors the pointers need alive)."""
+    (args, o, final_state, the state's shape in the params' layout, the tensors the pointers
+    need alive)."""
     q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -143,7 +144,7 @@ def _kda_args(inputs, params, precision, output_dtype=None, state_dtype=None, ou
         state_dtype=_code("format", state_dtype), state_v_first=int(v_first), o=_ptr(o),
         output_dtype=_code("format", o.dtype if o is not None else torch.float64))
     # the tensors the pointers point into stay alive with the call
-    return args, o, final, (h0, A_log, dt_bias)
+    return args, o, final, state_shape, (h0, A_log, dt_bias)
 
 
 def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.float64, state_dtype=None, out=None):
@@ -154,7 +155,7 @@ def kda_forward(inputs, params, precision=0, mutation=0, output_dtype=torch.floa
     precision 0's results, what long references run (k3gc.h). The state defaults to fp64 for 0 and 2, fp32 for 1.
     Returns (o, final_state)."""
     assert available(), _error
-    args, o, final, _keep = _kda_args(inputs, params, precision, output_dtype, state_dtype, out)
+    args, o, final, _shape, _keep = _kda_args(inputs, params, precision, output_dtype, state_dtype, out)
     _lib.kda_forward(args, precision, mutation, _stream())
     return o, final
 
@@ -166,11 +167,9 @@ def kda_backward(inputs, params, d_o, d_final_state=None):
     (dq, dk, dv, dg, dbeta, d_initial_state, and dA_log, ddt_bias where the inputs have A_log
     and dt_bias), each of its input's shape."""
     assert available(), _error
-    args, _o, _final, _keep = _kda_args(inputs, params, 0, outputs=False)
+    args, _o, _final, state_shape, _keep = _kda_args(inputs, params, 0, outputs=False)
     q, v = inputs["q"], inputs["v"]
     dev, f64 = q.device, torch.float64
-    N, HV, K, V = args["N"], args["HV"], args["K"], args["V"]
-    state_shape = (N, HV, V, K) if args["state_v_first"] else (N, HV, K, V)
     grads = {"dq": torch.empty(q.shape, dtype=f64, device=dev), "dk": torch.empty(q.shape, dtype=f64, device=dev),
              "dv": torch.empty(v.shape, dtype=f64, device=dev),
              "dg": torch.empty(inputs["g"].shape, dtype=f64, device=dev),
