@@ -297,6 +297,7 @@ def pytest_cmdline_main(config):
                 shutil.rmtree(workdir, ignore_errors=True)
                 raise
             config.stash[PLAN] = plan
+            config.stash[STATE]["plan_ready"] = time.time()
             if not config.option.numprocesses:
                 config.option.numprocesses = 1
             if config.option.dist in ("no", "load"):
@@ -385,6 +386,7 @@ class K3refItem(pytest.Item):
         if log is not None:  # where this test's own output starts in the worker's log
             log.write(f"--- k3ref test {self.nodeid} ---\n".encode())
         capman = self.config.pluginmanager.getplugin("capturemanager")
+        started = time.time()
         if capman is not None and _role(self.config) == "worker":
             # Capture off while the kernel runs: what it prints as it dies goes to the log.
             with capman.global_and_fixture_disabled():
@@ -396,7 +398,9 @@ class K3refItem(pytest.Item):
         # Carried to the controller on the report (pytest_runtest_makereport), not as a user
         # property: those would be written into the JUnit file.
         self._k3ref_record = {"verdict": verdict, "reason": reason, "loaded": loaded, "recycle": recycle,
-                              "results": [result_record(r) for r in results]}
+                              "results": [result_record(r) for r in results],
+                              # the run's timeline (report.timeline): which process, when
+                              "span": [os.environ.get("PYTEST_XDIST_WORKER", "main"), started, time.time()]}
         self.user_properties.append(("k3ref_status", ",".join(r.status for r in results)))
         ratios = [r.ratio for r in results if isinstance(r.ratio, float)]
         if ratios:
@@ -591,7 +595,7 @@ def _judge_caught(state, entry, report):
     they may have run in several workers (a crash or a CUDA error ends one), so no worker
     holds them all."""
     from k3ref.gpu_check.registry import tier
-    from k3ref.gpu_check.report import _result_of
+    from k3ref.gpu_check.report import _result_of, record_of
 
     collected = state.get("collected")
     results = []
@@ -599,11 +603,11 @@ def _judge_caught(state, entry, report):
         if collected is not None and nodeid not in collected:
             continue  # deselected
         for rep in state["reports"].get(nodeid, ()):
-            record = _record_of(rep)
+            record = record_of(rep)
             if record:
                 results += [_result_of(d) for d in record["results"]]
     verdict, caught_by = tier("scale").mutant_verdict(results)
-    record = _record_of(report) or {"loaded": None, "recycle": False, "results": []}
+    record = record_of(report) or {"loaded": None, "recycle": False, "results": []}
     if verdict == "caught":
         record.update(verdict="pass", reason="caught by " + ", ".join(caught_by))
     else:
@@ -706,10 +710,11 @@ def pytest_handlecrashitem(crashitem, report, sched):
     config = _CONFIG.get("config")
     state = config.stash.get(STATE, {}) if config is not None else {}
     earlier = state.get("reports", {}).get(crashitem, [])
-    if any(_record_of(r) and _record_of(r).get("recycle") for r in earlier):
+    from k3ref.gpu_check.report import crash_excerpt, crash_reason, record_of
+
+    if any((record_of(r) or {}).get("recycle") for r in earlier):
         report.outcome, report.when, report.longrepr = "passed", "teardown", None
         return
-    from k3ref.gpu_check.report import crash_excerpt, crash_reason
 
     entry = _entries(config, state).get(crashitem) if config is not None else None
 
@@ -745,13 +750,6 @@ def pytest_handlecrashitem(crashitem, report, sched):
         report.outcome, report.when, report.longrepr = "passed", "call", None
 
 
-def _record_of(report):
-    try:
-        return json.loads(report.k3ref) if getattr(report, "k3ref", None) else None
-    except (TypeError, ValueError):
-        return None
-
-
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     role = _role(config)
@@ -766,6 +764,7 @@ def pytest_sessionfinish(session, exitstatus):
 
     seconds = time.time() - state["t0"]
     run = R.from_pytest(plan, state["reports"], state.get("collected"), seconds, crashes=state.get("crashes"))
+    run["summary"]["timeline"] = R.timeline(state["reports"], state["t0"], state.get("plan_ready"))
     state["run"] = run
     failed = not run["passed"]
     if plan.get("tier") == "scale":

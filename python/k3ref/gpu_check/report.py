@@ -305,9 +305,7 @@ def test_rows(plan, reports, wanted):
         reps = reports.get(e["nodeid"], [])
         record = None
         for rep in reps:
-            raw = getattr(rep, "k3ref", None)
-            if raw:
-                record = json.loads(raw)
+            record = record_of(rep) or record
         failed = [rep for rep in reps if rep.failed]
         skipped = [rep for rep in reps if rep.skipped and not hasattr(rep, "wasxfail")]
         xfailed = [rep for rep in reps if hasattr(rep, "wasxfail") and rep.skipped]
@@ -371,6 +369,36 @@ def from_pytest(plan, reports, collected, seconds, versions_=None, crashes=None)
                 golden_dir=plan.get("golden_dir"), versions_=versions_)
     s.update(plan.get("speed") or {})
     return {"rows": rows, "results": results, "failures": failures, "passed": passed, "summary": s}
+
+
+def timeline(reports, t0, plan_ready=None):
+    """Where a run's wall time went, from the spans its workers stamped on their records:
+    seconds from the controller's start (t0) to the plan, and per process its first test's
+    start, its last test's end, its tests and the seconds inside them (busy)."""
+    workers = {}
+    for reps in reports.values():
+        for rep in reps:
+            span = (record_of(rep) or {}).get("span")
+            if not span:
+                continue
+            name, start, end = span
+            w = workers.setdefault(name, {"first_start_s": start - t0, "last_end_s": end - t0, "tests": 0,
+                                          "busy_s": 0.0})
+            w["first_start_s"], w["last_end_s"] = min(w["first_start_s"], start - t0), max(w["last_end_s"], end - t0)
+            w["tests"] += 1
+            w["busy_s"] += end - start
+    return {"plan_ready_s": None if plan_ready is None else plan_ready - t0,
+            "last_end_s": max((w["last_end_s"] for w in workers.values()), default=None),
+            "workers": {k: {x: round(v, 3) if isinstance(v, float) else v for x, v in w.items()}
+                        for k, w in sorted(workers.items())}}
+
+
+def record_of(rep):
+    """The worker's record a test's report carries (None: none, or unreadable)."""
+    try:
+        return json.loads(rep.k3ref) if getattr(rep, "k3ref", None) else None
+    except (TypeError, ValueError):
+        return None
 
 
 def scale_from_pytest(plan, reports, wanted, seconds):

@@ -184,7 +184,10 @@ def make(opts, conftest_objects=(), progress=print):
 
     if opts.tier == "scale":
         return make_scale(opts, conftest_objects), None
+    t0 = time.perf_counter()
+    phases = {}  # the planning's seconds, by step (the report's timeline)
     adapters, requested, suite = select_adapters(opts, conftest_objects)
+    phases["select_s"] = time.perf_counter() - t0
     try:
         limitations = collection.load_limitations(opts.known_limitations)
         tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, limitations=limitations,
@@ -192,9 +195,11 @@ def make(opts, conftest_objects=(), progress=print):
     except ValueError as e:
         raise UsageError(str(e)) from e
     device = device_of(opts)
+    phases["collect_s"] = time.perf_counter() - t0 - sum(phases.values())
     shape_plan = shapes.build(tests, suite, goldens.load_case)
     tests = shapes.order(tests, shape_plan)
-    speed = {"cache_dir": os.environ.get(warmup.CACHE_VARIABLE), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+    phases["shape_plan_s"] = time.perf_counter() - t0 - sum(phases.values())
+    speed = {"planning_phases": phases, "cache_dir": os.environ.get(warmup.CACHE_VARIABLE), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
              "shape_plan": shape_plan.summary(), "autotune_configs": opts.autotune_configs}
     s = speed["shape_plan"]
     progress(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
@@ -212,6 +217,7 @@ def make(opts, conftest_objects=(), progress=print):
         if not pending:  # nothing to compile: the record of the warm units, at once
             warm_up()
             warm_up = None
+        phases["warm_keys_s"] = time.perf_counter() - t0 - sum(phases.values())
         # stable: the shape order within each part
         tests.sort(key=lambda t: warmup.pending_key(t.adapter.name, t.check == "backward") in pending)
     groups = {a.name: group_of(a) for a in adapters}
