@@ -640,14 +640,16 @@ _CONFIG = {}
 def pytest_sessionstart(session):
     _CONFIG["config"] = session.config
     if _role(session.config) in ("isolated", "in_process"):
-        xml = _junit(session.config)
-        if xml is not None:  # what the verdict depends on, for a CI that keeps only the XML
-            from k3ref.gpu_check.report import versions
+        # What the verdict depends on (report.versions: it imports torch and asks the driver), for
+        # the report and the JUnit file: found beside the run, read at its end.
+        from concurrent.futures import ThreadPoolExecutor
 
-            state = session.config.stash[STATE]
-            state["versions"] = versions(state["opts"].goldens)
-            for key, value in state["versions"].items():
-                xml.add_global_property(f"k3ref.{key}", str(value))
+        from k3ref.gpu_check.report import versions
+
+        state = session.config.stash[STATE]
+        pool = ThreadPoolExecutor(1, thread_name_prefix="k3ref-versions")
+        state["versions"] = pool.submit(versions, state["opts"].goldens)
+        pool.shutdown(wait=False)
 
 
 def _junit(config):
@@ -750,12 +752,22 @@ def pytest_handlecrashitem(crashitem, report, sched):
         report.outcome, report.when, report.longrepr = "passed", "call", None
 
 
+@pytest.hookimpl(tryfirst=True)  # before the JUnit writer's: the versions go into its file
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     role = _role(config)
     if role not in ("isolated", "in_process"):
         return
     state = config.stash[STATE]
+    if "versions" in state:
+        try:
+            state["versions"] = state["versions"].result()
+        except Exception as e:  # the report says so; the verdict stands on the checks
+            state["versions"] = {"error": f"versions not found: {type(e).__name__}: {e}".splitlines()[0]}
+        xml = _junit(config)
+        if xml is not None:  # for a CI that keeps only the XML
+            for key, value in state["versions"].items():
+                xml.add_global_property(f"k3ref.{key}", str(value))
     plan = config.stash.get(PLAN, None)
     _collect_warmup(state, plan, stop=bool(session.shouldstop or session.shouldfail or config.getoption("collectonly")))
     if plan is None or config.getoption("collectonly"):
@@ -763,7 +775,8 @@ def pytest_sessionfinish(session, exitstatus):
     from k3ref.gpu_check import report as R
 
     seconds = time.time() - state["t0"]
-    run = R.from_pytest(plan, state["reports"], state.get("collected"), seconds, crashes=state.get("crashes"))
+    run = R.from_pytest(plan, state["reports"], state.get("collected"), seconds, versions_=state.get("versions"),
+                        crashes=state.get("crashes"))
     run["summary"]["timeline"] = R.timeline(state["reports"], state["t0"], state.get("plan_ready"))
     state["run"] = run
     failed = not run["passed"]

@@ -14,8 +14,6 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from .._data import FORMAT_NAMES
 from ..kernel_domains import domain_of
 
@@ -33,16 +31,33 @@ KERNEL_PATHS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla packag
                 ("lib", "K3GC_LIB", "path of libk3gc.so (default: build*/gpu_check/)"))
 
 
+# This module is imported by the plugin's controller, which imports no torch (its start-up is
+# the run's): torch is imported where a tensor or a device is met.
+
 # A float format's bits as the integers of its width: bitwise comparison, where -0.0 differs
 # from 0.0 and a NaN's payload counts.
-BITS_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
-           torch.float16: torch.int16}
+BITS_OF = {"float64": "int64", "float32": "int32", "bfloat16": "int16", "float16": "int16"}
 
 
 def bits(t):
     """t's elements as the integers of their bits (the float formats; other dtypes as they are)."""
+    import torch
+
     t = t.contiguous()
-    return t.view(BITS_OF[t.dtype]) if t.dtype in BITS_OF else t
+    name = str(t.dtype).removeprefix("torch.")
+    return t.view(getattr(torch, BITS_OF[name])) if name in BITS_OF else t
+
+
+class TorchDtype:
+    """A class attribute naming a torch dtype, which reads as the dtype (torch imported then)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        import torch
+
+        return getattr(torch, self.name)
 
 
 class NotSupported(Exception):
@@ -163,8 +178,8 @@ class Adapter:
     policy = "recurrent"
     policy_reason = ""
     contract = ""
-    output_dtype = torch.bfloat16   # the format of the outputs (o): their rounding floor
-    state_dtype = torch.float32     # the format of the state it returns and takes back (final, initial)
+    output_dtype = TorchDtype("bfloat16")  # the format of the outputs (o): their rounding floor
+    state_dtype = TorchDtype("float32")    # the format of the state it returns and takes back (final, initial)
     requires_cuda = False  # True: reported unavailable without a CUDA device, without loading it
     # What the kernel accepts, in the schema of policy/kernel_domains.json (k3ref.kernel_domains,
     # docs/kernel-domains.md): a dict or a KernelDomain; None accepts everything.
@@ -210,6 +225,8 @@ class Adapter:
         if self.requires_cuda:
             if not str(device).startswith("cuda"):
                 return f"needs a CUDA device; the run is on {device}"
+            import torch
+
             if not torch.cuda.is_available():
                 return "no CUDA device"
         return None
