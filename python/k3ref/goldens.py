@@ -299,6 +299,11 @@ def load_case(name_or_path: str | os.PathLike[str], directory_: str | os.PathLik
             listed = next((c for c in m["cases"] if c["name"] == name_or_path), None)
             if listed is None:
                 raise FileNotFoundError(f"k3ref.goldens: no case {name_or_path!r} in {d / 'MANIFEST.json'}")
+    return _read_case(p, listed, reader)
+
+
+def _read_case(p: Path, listed: Mapping[str, Any] | None, reader: str) -> GoldenCase:
+    """The case in file p, checked against its manifest entry `listed` (None: not checked)."""
     if not p.is_file():
         raise FileNotFoundError(f"k3ref.goldens: no golden file {p}")
     if listed is not None and sha256_of_file(p) != listed["sha256"]:
@@ -340,7 +345,11 @@ def load_suite(directory_: str | os.PathLike[str] | None = None, ops: Container[
     directory without MANIFEST.json (e.g. failures written by k3ref.gpu_check prop): every
     .safetensors file, by file name."""
     d = directory(directory_)
-    if (d / "MANIFEST.json").exists():
-        return [load_case(n, d, reader=reader) for n in case_names(d, ops)]
+    m = manifest(d)  # read once for the whole suite
+    if m is not None:
+        cases = [c for c in m["cases"] if ops is None or c.get("op") in ops]
+        for c in cases:
+            check_case_name(c["name"])
+        return [_read_case(d / f"{c['name']}.safetensors", c, reader) for c in cases]
     cases = [load_case(p, reader=reader) for p in sorted(d.glob("*.safetensors"))]
     return [c for c in cases if ops is None or c.op in ops]
