@@ -483,8 +483,18 @@ def pytest_collection_finish(session):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     state = node.config.stash.get(STATE, None)
-    if state is not None and state.get("collected") is None:
+    if state is None:
+        return
+    state.setdefault("marks", {})[f"collected {node.gateway.id}"] = time.time()  # the timeline's
+    if state.get("collected") is None:
         state["collected"] = [i for i in ids if i.startswith("k3ref/")]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    state = node.config.stash.get(STATE, None)
+    if state is not None:
+        state.setdefault("marks", {})[f"down {node.gateway.id}"] = time.time()
 
 
 # --------------------------------------------------------------------------- running
@@ -647,6 +657,7 @@ def pytest_sessionstart(session):
         from k3ref.gpu_check.report import versions
 
         state = session.config.stash[STATE]
+        state.setdefault("marks", {})["session start"] = time.time()
         pool = ThreadPoolExecutor(1, thread_name_prefix="k3ref-versions")
         state["versions"] = pool.submit(versions, state["opts"].goldens)
         pool.shutdown(wait=False)
@@ -759,6 +770,7 @@ def pytest_sessionfinish(session, exitstatus):
     if role not in ("isolated", "in_process"):
         return
     state = config.stash[STATE]
+    state.setdefault("marks", {})["session finish"] = time.time()
     if "versions" in state:
         try:
             state["versions"] = state["versions"].result()
@@ -777,7 +789,7 @@ def pytest_sessionfinish(session, exitstatus):
     seconds = time.time() - state["t0"]
     run = R.from_pytest(plan, state["reports"], state.get("collected"), seconds, versions_=state.get("versions"),
                         crashes=state.get("crashes"))
-    run["summary"]["timeline"] = R.timeline(state["reports"], state["t0"], state.get("plan_ready"))
+    run["summary"]["timeline"] = R.timeline(state["reports"], state["t0"], state.get("plan_ready"), state.get("marks"))
     state["run"] = run
     failed = not run["passed"]
     if plan.get("tier") == "scale":

@@ -371,10 +371,12 @@ def from_pytest(plan, reports, collected, seconds, versions_=None, crashes=None)
     return {"rows": rows, "results": results, "failures": failures, "passed": passed, "summary": s}
 
 
-def timeline(reports, t0, plan_ready=None):
+def timeline(reports, t0, plan_ready=None, marks=None):
     """Where a run's wall time went, from the spans its workers stamped on their records:
     seconds from the controller's start (t0) to the plan, and per process its first test's
-    start, its last test's end, its tests and the seconds inside them (busy)."""
+    start, its last test's end, its tests and the seconds inside them (busy); `marks` (name ->
+    time: the session's start and finish, each worker's end of collection and its end) as
+    seconds from t0."""
     workers = {}
     for reps in reports.values():
         for rep in reps:
@@ -388,6 +390,7 @@ def timeline(reports, t0, plan_ready=None):
             w["tests"] += 1
             w["busy_s"] += end - start
     return {"plan_ready_s": None if plan_ready is None else plan_ready - t0,
+            "marks_s": {k: round(v - t0, 3) for k, v in sorted((marks or {}).items(), key=lambda kv: kv[1])},
             "last_end_s": max((w["last_end_s"] for w in workers.values()), default=None),
             "workers": {k: {x: round(v, 3) if isinstance(v, float) else v for x, v in w.items()}
                         for k, w in sorted(workers.items())}}
