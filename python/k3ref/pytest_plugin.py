@@ -461,6 +461,11 @@ def pytest_collection_modifyitems(session, config, items):
                 plan["speed"]["warmup_status"] = str(out.with_name("warmup_status.json"))
             run_plan.write(plan, out)
             progress(READY)  # the controller starts the workers; the warm-up runs beside them
+            # What the verdict depends on (report.versions imports torch and asks the driver):
+            # found here, beside the workers, so that the controller never imports torch.
+            from k3ref.gpu_check.report import versions
+
+            protocol.write_json(versions(state["opts"].goldens), out.with_name(VERSIONS_FILE))
             if warm_up is not None:
                 warm_up(plan["speed"]["warmup_status"])
         elif warm_up is not None:
@@ -650,17 +655,7 @@ _CONFIG = {}
 def pytest_sessionstart(session):
     _CONFIG["config"] = session.config
     if _role(session.config) in ("isolated", "in_process"):
-        # What the verdict depends on (report.versions: it imports torch and asks the driver), for
-        # the report and the JUnit file: found beside the run, read at its end.
-        from concurrent.futures import ThreadPoolExecutor
-
-        from k3ref.gpu_check.report import versions
-
-        state = session.config.stash[STATE]
-        state.setdefault("marks", {})["session start"] = time.time()
-        pool = ThreadPoolExecutor(1, thread_name_prefix="k3ref-versions")
-        state["versions"] = pool.submit(versions, state["opts"].goldens)
-        pool.shutdown(wait=False)
+        session.config.stash[STATE].setdefault("marks", {})["session start"] = time.time()
 
 
 def _junit(config):
@@ -771,19 +766,15 @@ def pytest_sessionfinish(session, exitstatus):
         return
     state = config.stash[STATE]
     state.setdefault("marks", {})["session finish"] = time.time()
-    if "versions" in state:
-        try:
-            state["versions"] = state["versions"].result()
-        except Exception as e:  # the report says so; the verdict stands on the checks
-            state["versions"] = {"error": f"versions not found: {type(e).__name__}: {e}".splitlines()[0]}
-        xml = _junit(config)
-        if xml is not None:  # for a CI that keeps only the XML
-            for key, value in state["versions"].items():
-                xml.add_global_property(f"k3ref.{key}", str(value))
     plan = config.stash.get(PLAN, None)
     _collect_warmup(state, plan, stop=bool(session.shouldstop or session.shouldfail or config.getoption("collectonly")))
     if plan is None or config.getoption("collectonly"):
         return
+    state["versions"] = _versions(state)
+    xml = _junit(config)
+    if xml is not None:  # what the verdict depends on, for a CI that keeps only the XML
+        for key, value in state["versions"].items():
+            xml.add_global_property(f"k3ref.{key}", str(value))
     from k3ref.gpu_check import report as R
 
     seconds = time.time() - state["t0"]
@@ -826,6 +817,23 @@ def pytest_sessionfinish(session, exitstatus):
                 os.environ[variable] = before
 
         shutil.rmtree(workdir, ignore_errors=True) if not os.environ.get("K3REF_DEBUG_KEEP") else None
+
+
+VERSIONS_FILE = "versions.json"  # the planning child's, beside the plan
+
+
+def _versions(state):
+    """report.versions of the run: the planning child's file, else found here (a run without
+    a planning child, or one whose child did not get that far)."""
+    from k3ref.gpu_check.report import versions
+
+    path = state["workdir"] / VERSIONS_FILE if state.get("workdir") else None
+    if path is not None:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    return versions(state["opts"].goldens)
 
 
 def _collect_warmup(state, plan, stop):

@@ -325,7 +325,7 @@ def fresh_modules():
     for name in list(sys.modules):
         if name.split(".")[0] in ("vllm", "tokenspeed_kernel", "sglang"):
             del sys.modules[name]
-    if "triton" not in sys.modules:
+    if "triton.language" not in sys.modules:  # (another module's stand-in may hold "triton" alone)
         triton = types.ModuleType("triton")
         triton.language = types.ModuleType("triton.language")
         sys.modules["triton"], sys.modules["triton.language"] = triton, triton.language

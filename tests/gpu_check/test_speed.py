@@ -324,6 +324,24 @@ class TestBuckets:
                             for c in inside))
         assert any(c["g_range"] in ((-8.0, -5.0), (-12.0, 0.0), (20.0, 30.0)) for c in inside)
 
+    def test_seeded_buckets_are_new_supported_and_the_seed_s(self):
+        kernel = adapters.TorchKernelAdapter()
+        buckets = shapes.prop_buckets(kernel, {})
+        seeded = shapes.seeded_buckets(kernel, {}, buckets, 16, seed=5)
+        # 16 more, none a coverage bucket nor another's twin, the same for the same seed only
+        assert len(seeded) == 16
+        assert not any(b in buckets for b in seeded)
+        assert all(seeded.count(b) == 1 for b in seeded)
+        assert shapes.seeded_buckets(kernel, {}, buckets, 16, seed=5) == seeded
+        assert shapes.seeded_buckets(kernel, {}, buckets, 16, seed=6) != seeded
+        # FlashKDA's fixed values hold in them too
+        from k3ref.gpu_check import prop
+
+        fixed = prop.FIXED["flashkda.fwd"]
+        flash = adapters.FlashKdaAdapter()
+        seeded = shapes.seeded_buckets(flash, fixed, shapes.prop_buckets(flash, fixed), 4, seed=5)
+        assert all(x["K"] == x["V"] == 128 and x["gate"] == "lower_bound" and x["group"] == 1 for x in seeded)
+
     def test_the_default_share_is_the_share_drawn(self):
         # 0.02 of 1500 draws: 30 +- 5.4 outside (1.8 % measured with seed 7). A draw of
         # integers(0, 999) gave 4.4 % on an H200 run: Hypothesis favours a range's ends.
@@ -613,7 +631,8 @@ class TestCommandLine:
 
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             ap.parse_args(["run", "--autotune-configs", "some"])
-        assert ap.parse_args(["prop", "--kernel", "x"]).outside_share == 0.004
+        prop_args = ap.parse_args(["prop", "--kernel", "x"])
+        assert (prop_args.outside_share, prop_args.seeded_shapes) == (0.0, 16)
         saved = os.environ.pop(warmup.CACHE_VARIABLE, None)
         try:
             assert warmup.cache_dir() == Path("~/.cache/k3ref").expanduser()
@@ -662,3 +681,6 @@ class TestCommandLine:
         r = gpu_check_here("prop", "--kernel", "torch.fp64_bf16", "--outside-share", "1.5", "--cache-dir", tmp_path,
                            "--device", "cpu")
         assert r.returncode == 2, r.stdout + r.stderr
+        r = gpu_check_here("prop", "--kernel", "torch.fp64_bf16", "--seeded-shapes", "-1", "--cache-dir", tmp_path,
+                           "--device", "cpu")
+        assert r.returncode == 2 and "--seeded-shapes -1: must be at least 0" in r.stdout + r.stderr, r.stdout + r.stderr

@@ -124,7 +124,15 @@ class LigerAttnResAdapter(Adapter):
         for p in ([f"{path}/src", path] if path else []):
             if p not in sys.path:
                 sys.path.insert(0, p)
-        self._imported = importlib.import_module("liger_kernel.ops.attn_res").attn_res_forward
+        # liger_kernel.ops's __init__ imports every Liger op (12 s in a worker on the H200):
+        # attn_res is imported without it, or as usual when that fails.
+        from .upstream import import_bare
+
+        try:
+            mod = import_bare("liger_kernel.ops.attn_res", ("liger_kernel", "liger_kernel.ops"))
+        except Exception:
+            mod = importlib.import_module("liger_kernel.ops.attn_res")
+        self._imported = mod.attn_res_forward
 
     def supports(self, case):
         return case.op in self.golden_ops

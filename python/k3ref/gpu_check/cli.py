@@ -118,9 +118,13 @@ def warmup_parser(sub, kernel_options):
 
 
 def prop_options(p):
-    p.add_argument("--outside-share", type=float, default=0.004,
-                   help="share of draws outside the compiled shape buckets (default 0.004; 1: no buckets; kernels "
-                        "built ahead of time draw without buckets)")
+    p.add_argument("--outside-share", type=float, default=0.0,
+                   help="share of draws in any shape, outside the compiled buckets: each new shape compiles as it "
+                        "comes, 3-7 s for FLA on an H200 (default 0; 1: no buckets; kernels built ahead of time draw "
+                        "without buckets)")
+    p.add_argument("--seeded-shapes", type=int, default=16,
+                   help="buckets drawn from every shape prop draws with the run's seed, compiled by the warm-up beside "
+                        "the coverage buckets (default 16)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before drawing")
     p.add_argument("--jobs", type=int, default=None, help="warm-up worker processes at a time (default: CPU count)")
     p.add_argument("--warmup-timeout", type=float, default=1800.0)
@@ -140,7 +144,8 @@ def apply_kernel_options(args):
 def pytest_args(args):
     """The pytest command line of a `run`: the plugin, its options, the workers, the JUnit file."""
     out = Path(args.out)
-    a = ["-p", "k3ref.pytest_plugin", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
+    # Hypothesis's pytest plugin serves no test of a run and its end-of-run summary cost 1.6 s.
+    a = ["-p", "k3ref.pytest_plugin", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-o", "addopts=", "-q",
          "--rootdir", os.getcwd(), str(Path(__file__).resolve().parent)]
     for spec in args.adapter:
         a += ["--k3ref-adapter", spec]

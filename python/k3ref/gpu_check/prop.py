@@ -304,18 +304,21 @@ def replay(adapter, path, device):
     return judge(adapter, case.inputs, case.params, o, final, case.expected["o"], case.expected["final_state"])
 
 
-def prepare(args, adapter, fixed):
-    """(buckets, outside share, the flags that replay this choice) for `prop`: the buckets
-    (shapes.prop_buckets on the golden directory's cases), warmed up in parallel (one unit per
+def prepare(args, adapter, fixed, seed):
+    """(buckets, outside share, the flags that replay this choice) for `prop`: the coverage
+    buckets (shapes.prop_buckets on the golden directory's cases) and --seeded-shapes more
+    drawn with the run's seed (shapes.seeded_buckets), warmed up in parallel (one unit per
     bucket on the warm-up's workers) unless --no-warmup or the share is 1."""
     from . import shapes, warmup
+    from .protocol import UsageError
 
     share = float(getattr(args, "outside_share", 1.0))
     if not 0 <= share <= 1:
-        from .protocol import UsageError
-
         raise UsageError(f"--outside-share {share}: must be in [0, 1]")
-    flags = f" --outside-share {share:g}"
+    n_seeded = int(getattr(args, "seeded_shapes", 0))
+    if n_seeded < 0:
+        raise UsageError(f"--seeded-shapes {n_seeded}: must be at least 0")
+    flags = f" --outside-share {share:g} --seeded-shapes {n_seeded}"
     if share >= 1:
         return None, share, flags
     if not shapes.compiles_at_run_time(adapter):
@@ -328,9 +331,11 @@ def prepare(args, adapter, fixed):
         suite = goldens.load_suite(goldens.directory(), ops=("kda.recurrent",))
     except Exception as e:  # no golden directory here: the coverage buckets alone
         print(f"prop: golden directory not read ({type(e).__name__}); buckets without the goldens' shapes")
-    buckets = shapes.prop_buckets(adapter, fixed, suite)
-    print(f"prop: {len(buckets)} shape buckets, {share:.0%} of draws outside them "
-          f"(cache {os.environ.get(warmup.CACHE_VARIABLE)})", flush=True)
+    coverage = shapes.prop_buckets(adapter, fixed, suite)
+    buckets = coverage + shapes.seeded_buckets(adapter, fixed, coverage, n_seeded, seed)
+    print(f"prop: {len(buckets)} shape buckets ({len(coverage)} for coverage, {len(buckets) - len(coverage)} drawn "
+          f"with the seed), {share:.1%} of draws outside them (cache {os.environ.get(warmup.CACHE_VARIABLE)})",
+          flush=True)
     if buckets and not getattr(args, "no_warmup", False) and shapes.compiler_of(adapter) == "triton":
         work = [(adapter, tuple(sorted(b.items())), [{"prop_case": c} for c in shapes.bucket_cases(b, args.max_T, fixed)])
                 for b in buckets]
@@ -384,7 +389,7 @@ def main(args):
     flags = (f" --fla-path {args.fla_path}" if args.fla_path else "") + (
         f" --flashkda-path {args.flashkda_path}" if args.flashkda_path else "") + "".join(
         f" --adapter {spec}" for spec in args.adapter)
-    buckets, share, bucket_flags = prepare(args, adapter, fixed_for(adapter))  # shapes.py
+    buckets, share, bucket_flags = prepare(args, adapter, fixed_for(adapter), seed)  # shapes.py
     flags += bucket_flags
     print(f"prop: kernel {adapter.name}, {args.examples} examples, T <= {args.max_T}, seed {seed}", flush=True)
     print(f"replay the whole run: {_env_prefix()} {_interpreter()} -m k3ref.gpu_check prop "

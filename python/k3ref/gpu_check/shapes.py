@@ -467,28 +467,24 @@ def _bucket_supported(adapter, b):
     return adapter.unsupported(params, shapes) is None
 
 
-def prop_buckets(adapter, fixed, suite=()):
-    """A bounded set of shape buckets for `prop` (dicts over BUCKET_DIMS): the golden groups
-    the kernel takes, then buckets that put every value prop draws of each dimension into at
-    least one bucket (13 head sizes for K and for V, GVA groups 1-3, both layouts, varlen or
-    not, the three gates, the three beta modes, norm, initial state, A_log and dt_bias).
-    Values `fixed` pins (prop.FIXED) are respected; buckets the kernel does not support are
-    left out."""
+def _bucket_dims(fixed):
+    """Each BUCKET_DIMS dimension's values as prop.case_strategy draws them, `fixed` respected."""
     def allowed(name, values):
         if name not in fixed:
             return list(values)
         v = fixed[name]
         return list(v) if isinstance(v, list) else [v]
 
-    dims = {"H": allowed("H", [1, 2]), "group": allowed("group", [1, 2, 3]), "K": allowed("K", HEAD_SIZES),
+    return {"H": allowed("H", [1, 2]), "group": allowed("group", [1, 2, 3]), "K": allowed("K", HEAD_SIZES),
             "V": allowed("V", HEAD_SIZES), "varlen": allowed("varlen", [False, True]),
             "state_layout": allowed("state_layout", ["k_first", "v_first"]),
             "gate": allowed("gate", ["log_decay", "lower_bound", "softplus"]),
             "beta": allowed("beta", ["as_given", "sigmoid", "two_sigmoid"]),
             "qk_l2norm": allowed("qk_l2norm", [False, True]), "initial_state": allowed("initial_state", [True, False]),
             "A_log": allowed("A_log", [True, False]), "dt_bias": allowed("dt_bias", [True, False])}
-    out = []
 
+
+def _bucket_adder(adapter, out):
     def add(b):
         if b["gate"] == "log_decay":
             b["A_log"] = b["dt_bias"] = False  # the strategy draws neither for this gate
@@ -496,6 +492,21 @@ def prop_buckets(adapter, fixed, suite=()):
             b["A_log"] = True  # k3ref's softplus gate needs A_log (the strategy sets it)
         if b not in out and _bucket_supported(adapter, b):
             out.append(b)
+            return True
+        return False
+    return add
+
+
+def prop_buckets(adapter, fixed, suite=()):
+    """A bounded set of shape buckets for `prop` (dicts over BUCKET_DIMS): the golden groups
+    the kernel takes, then buckets that put every value prop draws of each dimension into at
+    least one bucket (13 head sizes for K and for V, GVA groups 1-3, both layouts, varlen or
+    not, the three gates, the three beta modes, norm, initial state, A_log and dt_bias).
+    Values `fixed` pins (prop.FIXED) are respected; buckets the kernel does not support are
+    left out."""
+    dims = _bucket_dims(fixed)
+    out = []
+    add = _bucket_adder(adapter, out)
 
     for case in suite:
         if case.op == "kda.recurrent" and adapter.case_unsupported(case) is None:
@@ -517,6 +528,24 @@ def prop_buckets(adapter, fixed, suite=()):
             b[name] = values[k % len(values)]
         add(b)
     return out
+
+
+def seeded_buckets(adapter, fixed, buckets, n, seed):
+    """n more buckets for prop beside the coverage `buckets`: each dimension drawn uniformly
+    from the values prop draws (random.Random(seed): the run's seed gives the same ones
+    again), unsupported and repeated ones drawn again (at most 50 n tries). The warm-up
+    compiles them with the others: shapes no bucket had, at no compilation while drawing."""
+    import random
+
+    rng = random.Random(f"k3ref prop outside shapes {seed}")
+    dims = _bucket_dims(fixed)
+    out = list(buckets)
+    add = _bucket_adder(adapter, out)
+    for _ in range(50 * n):
+        if len(out) - len(buckets) >= n:
+            break
+        add({name: rng.choice(values) for name, values in dims.items()})
+    return out[len(buckets):]
 
 
 def bucket_cases(b, max_T, fixed=None):
@@ -549,6 +578,11 @@ def bucketed_strategy(st, case_strategy, fixed, max_T, buckets, outside_share):
         return case_strategy(st, fixed, max_T)
     cut = round(outside_share * 1000)
 
+    def pinned_to(b):
+        pinned = dict(fixed)
+        pinned.update({k: b[k] for k in BUCKET_DIMS})
+        return pinned
+
     @st.composite
     def case(draw):
         # Hypothesis shrinks toward 0, which is inside: draws at or above 1000 - cut fall outside.
@@ -560,9 +594,7 @@ def bucketed_strategy(st, case_strategy, fixed, max_T, buckets, outside_share):
             c["bucket"] = None
             return c
         i = draw(st.integers(0, len(buckets) - 1))
-        pinned = dict(fixed)
-        pinned.update({k: buckets[i][k] for k in BUCKET_DIMS})
-        c = draw(case_strategy(st, pinned, max_T))
+        c = draw(case_strategy(st, pinned_to(buckets[i]), max_T))
         c["bucket"] = i
         return c
 

@@ -76,25 +76,40 @@ def bare_packages(root, names):
     return made
 
 
+def import_bare(module, packages, **top_attributes):
+    """Imports `module` with `packages` (its parents, outer ones first) as bare packages:
+    their __init__ files, which import every op of the library, are not run (`top_attributes`
+    are set on the outermost, e.g. its __version__). On any failure the bare packages are
+    taken back out and the exception stands (the caller imports as usual). Returns the
+    module."""
+    import importlib.util
+
+    top = packages[0]
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"no {top} package on the path")
+    root = Path(list(spec.submodule_search_locations)[0])
+    try:
+        bare_packages(root.parent, packages)
+        for key, value in top_attributes.items():
+            setattr(sys.modules[top], key, value)
+        return importlib.import_module(module)
+    except Exception:
+        for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+            del sys.modules[name]
+        raise
+
+
 def _import_fla_kda_bare():
     import importlib.util
 
     spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("no fla package on the path")
-    root = Path(list(spec.submodule_search_locations)[0])
+    root = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
     version = ""
-    for line in (root / "__init__.py").read_text(errors="replace").splitlines():
+    for line in (root / "__init__.py").read_text(errors="replace").splitlines() if root else ():
         if line.startswith("__version__"):
             version = line.partition("=")[2].strip().strip("'\"")
-    try:
-        bare_packages(root.parent, FLA_BARE_PACKAGES)
-        sys.modules["fla"].__version__ = version
-        return importlib.import_module("fla.ops.kda")
-    except Exception:
-        for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")]:
-            del sys.modules[name]
-        raise
+    return import_bare("fla.ops.kda", FLA_BARE_PACKAGES, __version__=version)
 
 
 def load_fla(path):
