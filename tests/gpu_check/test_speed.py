@@ -632,7 +632,7 @@ class TestCommandLine:
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             ap.parse_args(["run", "--autotune-configs", "some"])
         prop_args = ap.parse_args(["prop", "--kernel", "x"])
-        assert (prop_args.outside_share, prop_args.seeded_shapes) == (0.0, 16)
+        assert (prop_args.outside_share, prop_args.seeded_shapes) == (0.0, 12)
         saved = os.environ.pop(warmup.CACHE_VARIABLE, None)
         try:
             assert warmup.cache_dir() == Path("~/.cache/k3ref").expanduser()

@@ -122,9 +122,10 @@ def prop_options(p):
                    help="share of draws in any shape, outside the compiled buckets: each new shape compiles as it "
                         "comes, 3-7 s for FLA on an H200 (default 0; 1: no buckets; kernels built ahead of time draw "
                         "without buckets)")
-    p.add_argument("--seeded-shapes", type=int, default=16,
+    p.add_argument("--seeded-shapes", type=int, default=12,
                    help="buckets drawn from every shape prop draws with the run's seed, compiled by the warm-up beside "
-                        "the coverage buckets (default 16)")
+                        "the coverage buckets (default 12: with FLA chunk_kda's 20 coverage buckets, two rounds of 16 warm-up "
+                        "workers)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before drawing")
     p.add_argument("--jobs", type=int, default=None, help="warm-up worker processes at a time (default: CPU count)")
     p.add_argument("--warmup-timeout", type=float, default=1800.0)
