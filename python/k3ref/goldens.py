@@ -319,10 +319,10 @@ def _read_case(p: Path, listed: Mapping[str, Any] | None, reader: str) -> Golden
     except (KeyError, ValueError) as e:
         raise ValueError(f"{p}: metadata 'k3ref.params' / 'k3ref.policies' missing or not JSON ({e})") from None
     lists = {key: expand_outputs(meta.get(f"k3ref.{key}", "")) for key in ("inputs", "outputs", "layout")}
-    listed = lists["inputs"] + lists["outputs"] + lists["layout"]
-    if sorted(listed) != sorted(tensors):
+    named = lists["inputs"] + lists["outputs"] + lists["layout"]
+    if sorted(named) != sorted(tensors):
         raise ValueError(f"{p}: k3ref.inputs, k3ref.outputs and k3ref.layout must list every tensor exactly once "
-                         f"(listed {sorted(listed)}, file holds {sorted(tensors)})")
+                         f"(listed {sorted(named)}, file holds {sorted(tensors)})")
     return GoldenCase(name=meta.get("k3ref.case", p.stem), op=meta.get("k3ref.op", ""), path=p, params=params,
                       tensors=tensors, outputs=lists["outputs"], metadata=meta, input_names=lists["inputs"],
                       layout_names=lists["layout"], recommended_policies=policies)
