@@ -97,6 +97,14 @@ for name in ("cold", "warm"):
                 f"shapes {plan.get('distinct_compiled_shapes')} (before {plan.get('distinct_compiled_shapes_before')}) "
                 f"in {plan.get('groups')} groups | tests {s.get('tests')}, results {n_results} (474 before), "
                 f"executed {s.get('executed')} passed {s.get('passed')} failed {s.get('failed')} | verdict {s.get('verdict')}")
+    t = s.get("timeline") or {}
+    marks = t.get("marks_s") or {}
+    if marks.get("session finish") is not None:  # where the wall went (report.json's summary.timeline)
+        ends = sorted((w["last_end_s"], name) for name, w in (t.get("workers") or {}).items())
+        rows.append(f"      timeline: plan at {t.get('plan_ready_s') or 0:.1f} s, first test at "
+                    f"{min((w['first_start_s'] for w in (t.get('workers') or {}).values()), default=0):.1f} s, "
+                    f"last worker {ends[-1][1] if ends else '-'} done at {ends[-1][0] if ends else 0:.1f} s, session end at "
+                    f"{marks['session finish']:.1f} s, then {float(wall) - marks['session finish']:.1f} s to the run's end")
 if not (out / "prop.rc_wall").is_file():
     print("\n".join(["", "== device_matrix summary"] + rows))
     sys.exit(0)
