@@ -239,6 +239,19 @@ def test_reports(tmp_path, gpu_check_here):
     plots = list((out / "plots").glob("*.png"))
     assert len(plots) == 1  # the golden failure has a plot; causality has no windows
     assert f"plots/{plots[0].name}" in html
+    # Where the time went: the plan, then the session, the workers' tests inside it; every test
+    # with a result is stamped by the worker that ran it, within that worker's span.
+    t = summary["timeline"]
+    marks = t["marks_s"]
+    assert 0 < t["plan_ready_s"] <= marks["session start"] < marks["session finish"], t
+    workers = t["workers"]
+    assert sum(w["tests"] for w in workers.values()) == 2
+    for name, w in workers.items():
+        assert name.startswith("gw") and f"collected {name}" in marks, (name, marks)
+        assert marks["session start"] <= w["first_start_s"] <= w["last_end_s"] <= marks["session finish"], w
+        assert 0 <= w["busy_s"] <= w["last_end_s"] - w["first_start_s"] + 1e-3, w
+    assert t["last_end_s"] == max(w["last_end_s"] for w in workers.values())
+    assert set(summary["planning_phases"]) >= {"select_s", "collect_s", "shape_plan_s"}
 
 
 def test_reports_without_matplotlib(tmp_path, gpu_check_here, monkeypatch):
@@ -257,3 +270,15 @@ def test_reports_without_matplotlib(tmp_path, gpu_check_here, monkeypatch):
     assert html.index("<b>Plots were left out:</b> matplotlib is not importable") < html.index("kernels x checks")
     assert "plot left out: matplotlib is not importable" in html
     assert not (out / "plots").exists()
+
+
+def test_the_controller_s_modules_import_no_torch():
+    # The plugin's controller imports these (the planning child and the workers import the
+    # kernels): importing torch there cost a warm H200 run 6-10 s of its end.
+    import subprocess
+
+    code = ("import sys, k3ref.pytest_plugin, k3ref.gpu_check.run, k3ref.gpu_check.report, k3ref.gpu_check.cli; "
+            "print(sorted(m for m in ('torch', 'numpy', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]"], out.stdout

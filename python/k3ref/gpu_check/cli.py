@@ -16,8 +16,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from . import warmup
 from .protocol import KERNEL_PATHS, UsageError
 from .registry import AdapterSpecError
@@ -40,7 +38,8 @@ def parser():
     r = sub.add_parser("run", help="run the checks and write the reports")
     r.add_argument("--goldens", help="golden directory (default: $K3REF_GOLDENS, else the checkout's goldens/)")
     r.add_argument("--out", default="gpu_check_report")
-    r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    # (the front end imports no torch: the run's processes pick the device, cuda when there is one)
+    r.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     _kernel_options(r)
     run_options(r)
     r.add_argument("--no-builtin", action="store_true", help="leave out the built-in adapters and installed entry points")
@@ -77,7 +76,7 @@ def parser():
     p.add_argument("--max-T", dest="max_T", type=int, default=48, help="longest sequence drawn")
     p.add_argument("--out", default="prop_failures", help="directory for the shrunk failing case")
     p.add_argument("--replay", help="run the kernel on one golden file (a written failure) and judge it")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     _kernel_options(p)
     prop_options(p)
     warmup_parser(sub, _kernel_options)

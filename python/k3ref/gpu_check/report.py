@@ -389,9 +389,9 @@ def timeline(reports, t0, plan_ready=None, marks=None):
             w["first_start_s"], w["last_end_s"] = min(w["first_start_s"], start - t0), max(w["last_end_s"], end - t0)
             w["tests"] += 1
             w["busy_s"] += end - start
-    return {"plan_ready_s": None if plan_ready is None else plan_ready - t0,
+    return {"plan_ready_s": None if plan_ready is None else round(plan_ready - t0, 3),
             "marks_s": {k: round(v - t0, 3) for k, v in sorted((marks or {}).items(), key=lambda kv: kv[1])},
-            "last_end_s": max((w["last_end_s"] for w in workers.values()), default=None),
+            "last_end_s": max((round(w["last_end_s"], 3) for w in workers.values()), default=None),
             "workers": {k: {x: round(v, 3) if isinstance(v, float) else v for x, v in w.items()}
                         for k, w in sorted(workers.items())}}
 
