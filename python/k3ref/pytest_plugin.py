@@ -270,7 +270,8 @@ def pytest_cmdline_main(config):
             if value is not None and value < 1:
                 raise UsageError(f"k3ref: {flag} {value}: must be at least 1")
         run_plan.apply_environment(opts)
-        config.stash[STATE] = {"opts": opts, "reports": {}, "collected": None, "t0": time.time()}
+        config.stash[STATE] = {"opts": opts, "reports": {}, "collected": None, "t0": time.time(),
+                                 "marks": {}}  # the timeline's moments (report.timeline)
         if role == "planner":  # the child plans; the reports are the session's
             config.option.xmlpath = None
         if role == "isolated":
@@ -297,7 +298,7 @@ def pytest_cmdline_main(config):
                 shutil.rmtree(workdir, ignore_errors=True)
                 raise
             config.stash[PLAN] = plan
-            config.stash[STATE]["plan_ready"] = time.time()
+            config.stash[STATE]["marks"]["plan ready"] = time.time()
             if not config.option.numprocesses:
                 config.option.numprocesses = 1
             if config.option.dist in ("no", "load"):
@@ -496,7 +497,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     state = node.config.stash.get(STATE, None)
     if state is None:
         return
-    state.setdefault("marks", {})[f"collected {node.gateway.id}"] = time.time()  # the timeline's
+    state["marks"][f"collected {node.gateway.id}"] = time.time()
     if state.get("collected") is None:
         state["collected"] = [i for i in ids if i.startswith("k3ref/")]
 
@@ -505,7 +506,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 def pytest_testnodedown(node, error):
     state = node.config.stash.get(STATE, None)
     if state is not None:
-        state.setdefault("marks", {})[f"down {node.gateway.id}"] = time.time()
+        state["marks"][f"down {node.gateway.id}"] = time.time()
 
 
 # --------------------------------------------------------------------------- running
@@ -661,7 +662,7 @@ _CONFIG = {}
 def pytest_sessionstart(session):
     _CONFIG["config"] = session.config
     if _role(session.config) in ("isolated", "in_process"):
-        session.config.stash[STATE].setdefault("marks", {})["session start"] = time.time()
+        session.config.stash[STATE]["marks"]["session start"] = time.time()
 
 
 def _junit(config):
@@ -771,7 +772,7 @@ def pytest_sessionfinish(session, exitstatus):
     if role not in ("isolated", "in_process"):
         return
     state = config.stash[STATE]
-    state.setdefault("marks", {})["session finish"] = time.time()
+    state["marks"]["session finish"] = time.time()
     plan = config.stash.get(PLAN, None)
     _collect_warmup(state, plan, stop=bool(session.shouldstop or session.shouldfail or config.getoption("collectonly")))
     if plan is None or config.getoption("collectonly"):
@@ -786,7 +787,7 @@ def pytest_sessionfinish(session, exitstatus):
     seconds = time.time() - state["t0"]
     run = R.from_pytest(plan, state["reports"], state.get("collected"), seconds, versions_=state.get("versions"),
                         crashes=state.get("crashes"))
-    run["summary"]["timeline"] = R.timeline(state["reports"], state["t0"], state.get("plan_ready"), state.get("marks"))
+    run["summary"]["timeline"] = R.timeline(state["reports"], state["t0"], state["marks"])
     state["run"] = run
     failed = not run["passed"]
     if plan.get("tier") == "scale":

@@ -13,7 +13,7 @@ from k3ref.gpu_check.upstream import import_bare  # noqa: E402
 def _tree(root, ops_body):
     pkg = root / "bareling"
     (pkg / "ops").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("raise RuntimeError('the package __init__ ran')\n")
+    (pkg / "__init__.py").write_text("__version__ = '9.9'\nraise RuntimeError('the package __init__ ran')\n")
     (pkg / "ops" / "__init__.py").write_text("raise RuntimeError('the ops __init__ ran')\n")
     (pkg / "util.py").write_text("VALUE = 3\n")
     (pkg / "ops" / "helper.py").write_text("from bareling.util import VALUE\n")
@@ -30,7 +30,7 @@ def on_path(tmp_path, monkeypatch):
 
 def test_the_op_is_imported_without_the_packages_init(on_path):
     _tree(on_path, "from bareling.ops.helper import VALUE\nANSWER = VALUE * 14\n")
-    mod = import_bare("bareling.ops.thing", ("bareling", "bareling.ops"), __version__="9.9")
+    mod = import_bare("bareling.ops.thing", ("bareling", "bareling.ops"))
     assert mod.ANSWER == 42
     assert sys.modules["bareling"].__version__ == "9.9"
     assert sys.modules["bareling"].__k3ref_bare__ and sys.modules["bareling.ops"].__k3ref_bare__

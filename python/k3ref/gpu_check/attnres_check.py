@@ -25,7 +25,6 @@ The first model rounded only the normalised key: on an H200 Liger failed 4 of 7 
 2.03x-2.24x of it, every miss one slot; a CPU stand-in with Liger's arithmetic gives the same
 slots at the same ratios, and with the product's rounding modelled all are within 1.0x.
 """
-import importlib
 import os
 import sys
 import time
@@ -126,13 +125,9 @@ class LigerAttnResAdapter(Adapter):
                 sys.path.insert(0, p)
         # liger_kernel.ops's __init__ imports every Liger op (12 s in a worker on the H200):
         # attn_res is imported without it, or as usual when that fails.
-        from .upstream import import_bare
+        from .upstream import import_lean
 
-        try:
-            mod = import_bare("liger_kernel.ops.attn_res", ("liger_kernel", "liger_kernel.ops"))
-        except Exception:
-            mod = importlib.import_module("liger_kernel.ops.attn_res")
-        self._imported = mod.attn_res_forward
+        self._imported = import_lean("liger_kernel.ops.attn_res", ("liger_kernel", "liger_kernel.ops")).attn_res_forward
 
     def supports(self, case):
         return case.op in self.golden_ops

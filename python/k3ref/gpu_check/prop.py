@@ -374,8 +374,9 @@ def main(args):
         adapter = registry.kernel_by_name(args.kernel, extra=extra)
     except (AdapterSpecError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from e
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    from .run import device_of
+
+    args.device = device_of(args.device)
     if not hasattr(adapter, "run") or adapter.family != "kda":
         raise UsageError(f"--kernel {args.kernel}: prop draws KDA cases; {adapter.name} is a {adapter.family} adapter")
     adapter.device_sync = args.device.startswith("cuda")

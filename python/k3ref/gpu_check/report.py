@@ -371,12 +371,12 @@ def from_pytest(plan, reports, collected, seconds, versions_=None, crashes=None)
     return {"rows": rows, "results": results, "failures": failures, "passed": passed, "summary": s}
 
 
-def timeline(reports, t0, plan_ready=None, marks=None):
+def timeline(reports, t0, marks):
     """Where a run's wall time went, from the spans its workers stamped on their records:
-    seconds from the controller's start (t0) to the plan, and per process its first test's
-    start, its last test's end, its tests and the seconds inside them (busy); `marks` (name ->
-    time: the session's start and finish, each worker's end of collection and its end) as
-    seconds from t0."""
+    seconds from the controller's start (t0) to the plan (the mark 'plan ready'), and per
+    process its first test's start, its last test's end, its tests and the seconds inside them
+    (busy); `marks` (name -> time: the plan ready, the session's start and finish, each
+    worker's end of collection and its end) as seconds from t0."""
     workers = {}
     for reps in reports.values():
         for rep in reps:
@@ -389,8 +389,8 @@ def timeline(reports, t0, plan_ready=None, marks=None):
             w["first_start_s"], w["last_end_s"] = min(w["first_start_s"], start - t0), max(w["last_end_s"], end - t0)
             w["tests"] += 1
             w["busy_s"] += end - start
-    return {"plan_ready_s": None if plan_ready is None else round(plan_ready - t0, 3),
-            "marks_s": {k: round(v - t0, 3) for k, v in sorted((marks or {}).items(), key=lambda kv: kv[1])},
+    marks_s = {k: round(v - t0, 3) for k, v in sorted(marks.items(), key=lambda kv: kv[1])}
+    return {"plan_ready_s": marks_s.get("plan ready"), "marks_s": marks_s,
             "last_end_s": max((round(w["last_end_s"], 3) for w in workers.values()), default=None),
             "workers": {k: {x: round(v, 3) if isinstance(v, float) else v for x, v in w.items()}
                         for k, w in sorted(workers.items())}}

@@ -72,9 +72,11 @@ def suite_of(goldens, adapters):
     return load_suite(goldens, ops) if ops else []
 
 
-def device_of(opts):
-    if opts.device:
-        return opts.device
+def device_of(device):
+    """The device a run or command names, else cuda when there is one (the front end imports
+    no torch: its processes pick)."""
+    if device:
+        return device
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -186,29 +188,31 @@ def make(opts, conftest_objects=(), progress=print):
         return make_scale(opts, conftest_objects), None
     t0 = time.perf_counter()
     phases = {}  # the planning's seconds, by step (the report's timeline)
+
+    def lap(name):
+        phases[name] = time.perf_counter() - t0 - sum(phases.values())
+
     adapters, requested, suite = select_adapters(opts, conftest_objects)
-    phases["select_s"] = time.perf_counter() - t0
+    lap("select_s")
     try:
         limitations = collection.load_limitations(opts.known_limitations)
         tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, limitations=limitations,
                                    backward=opts.backward)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    device = device_of(opts)
-    phases["collect_s"] = time.perf_counter() - t0 - sum(phases.values())
+    device = device_of(opts.device)
+    lap("collect_s")
     shape_plan = shapes.build(tests, suite, goldens.load_case)
     tests = shapes.order(tests, shape_plan)
-    phases["shape_plan_s"] = time.perf_counter() - t0 - sum(phases.values())
+    lap("shape_plan_s")
     speed = {"planning_phases": phases, "cache_dir": os.environ.get(warmup.CACHE_VARIABLE), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
              "shape_plan": shape_plan.summary(), "autotune_configs": opts.autotune_configs}
-    s = speed["shape_plan"]
-    progress(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
-             f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of problems.CONFIGS)")
+    progress(shapes.plan_line(speed["shape_plan"]))
     warm_up = None
+    pending = {}
     if opts.warmup and shape_plan.shapes:
         selected = warmup.select(shapes.units(shape_plan, adapters), device,
                                  warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
-        pending = {}
         for unit in selected[0]:
             key = warmup.pending_key(unit[0].name, warmup.is_backward(unit[1]))
             pending[key] = pending.get(key, 0) + 1
@@ -217,12 +221,11 @@ def make(opts, conftest_objects=(), progress=print):
         if not pending:  # nothing to compile: the record of the warm units, at once
             warm_up()
             warm_up = None
-        phases["warm_keys_s"] = time.perf_counter() - t0 - sum(phases.values())
-        # stable: the shape order within each part
-        tests.sort(key=lambda t: warmup.pending_key(t.adapter.name, t.check == "backward") in pending)
-    # A known limitation last in its group: when it crashes its worker (FlashKDA's aborts), the
-    # replacement worker has no other test of the group left to run.
-    tests.sort(key=lambda t: bool(t.xfail))
+        lap("warm_keys_s")
+    # Stable, the shape order kept within each part: a known limitation last in its group (when
+    # it crashes its worker, FlashKDA's aborts, the replacement has no other test of the group
+    # left to run), and the tests of kernels whose shapes are still compiling after the others.
+    tests.sort(key=lambda t: (bool(t.xfail), warmup.pending_key(t.adapter.name, t.check == "backward") in pending))
     groups = {a.name: group_of(a) for a in adapters}
     entries = []
     for t in tests:
@@ -259,7 +262,7 @@ def make_scale(opts, conftest_objects=()):
     kernels, requested = scale.select_kernels(opts, conftest_objects)
     cases = scale.cases_of(opts.cases)
     limits = scale.environment_limits()
-    device = device_of(opts)
+    device = device_of(opts.device)
     ref = scale.reference_adapter(device)
     entries, facts = [], {}
 
@@ -385,7 +388,7 @@ class Executor:
         self.opts = opts
         self.scale = scale   # the plan's scale section (limits, ...) of a --k3ref-tier scale run
         self.conftest_objects = conftest_objects
-        self.device = device_of(opts)
+        self.device = device_of(opts.device)
         self._adapters = None
         self.requested = set()
         self.loaded = {}     # adapter name -> {available, reason, version, import_s, timing}

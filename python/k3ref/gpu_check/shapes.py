@@ -388,6 +388,13 @@ def build(tests, suite=(), load_case=None):
     return plan
 
 
+def plan_line(summary):
+    """One line of a shape plan's summary (ShapePlan.summary), as the run and `warmup` print it."""
+    s = summary
+    return (f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
+            f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of problems.CONFIGS)")
+
+
 def units(plan, adapters):
     """The warm-up's units of shape plan `plan` (warmup.run_units): [(adapter, group, recipes)],
     one per shape group of an adapter declared to be compiled by Triton (compiler_of; an
@@ -492,8 +499,6 @@ def _bucket_adder(adapter, out):
             b["A_log"] = True  # k3ref's softplus gate needs A_log (the strategy sets it)
         if b not in out and _bucket_supported(adapter, b):
             out.append(b)
-            return True
-        return False
     return add
 
 
@@ -537,7 +542,7 @@ def seeded_buckets(adapter, fixed, buckets, n, seed):
     compiles them with the others: shapes no bucket had, at no compilation while drawing."""
     import random
 
-    rng = random.Random(f"k3ref prop outside shapes {seed}")
+    rng = random.Random(f"k3ref prop seeded shapes {seed}")
     dims = _bucket_dims(fixed)
     out = list(buckets)
     add = _bucket_adder(adapter, out)
@@ -578,11 +583,6 @@ def bucketed_strategy(st, case_strategy, fixed, max_T, buckets, outside_share):
         return case_strategy(st, fixed, max_T)
     cut = round(outside_share * 1000)
 
-    def pinned_to(b):
-        pinned = dict(fixed)
-        pinned.update({k: b[k] for k in BUCKET_DIMS})
-        return pinned
-
     @st.composite
     def case(draw):
         # Hypothesis shrinks toward 0, which is inside: draws at or above 1000 - cut fall outside.
@@ -594,7 +594,9 @@ def bucketed_strategy(st, case_strategy, fixed, max_T, buckets, outside_share):
             c["bucket"] = None
             return c
         i = draw(st.integers(0, len(buckets) - 1))
-        c = draw(case_strategy(st, pinned_to(buckets[i]), max_T))
+        pinned = dict(fixed)
+        pinned.update({k: buckets[i][k] for k in BUCKET_DIMS})
+        c = draw(case_strategy(st, pinned, max_T))
         c["bucket"] = i
         return c
 

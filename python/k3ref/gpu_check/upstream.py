@@ -76,12 +76,11 @@ def bare_packages(root, names):
     return made
 
 
-def import_bare(module, packages, **top_attributes):
+def import_bare(module, packages):
     """Imports `module` with `packages` (its parents, outer ones first) as bare packages:
-    their __init__ files, which import every op of the library, are not run (`top_attributes`
-    are set on the outermost, e.g. its __version__). On any failure the bare packages are
-    taken back out and the exception stands (the caller imports as usual). Returns the
-    module."""
+    their __init__ files, which import every op of the library, are not run; the outermost
+    gets the __version__ its __init__ states. On any failure the bare packages are taken back
+    out and the exception stands. Returns the module."""
     import importlib.util
 
     top = packages[0]
@@ -89,10 +88,13 @@ def import_bare(module, packages, **top_attributes):
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(f"no {top} package on the path")
     root = Path(list(spec.submodule_search_locations)[0])
+    version = ""
+    for line in (root / "__init__.py").read_text(errors="replace").splitlines() if (root / "__init__.py").is_file() else ():
+        if line.startswith("__version__"):
+            version = line.partition("=")[2].strip().strip("'\"")
     try:
-        bare_packages(root.parent, packages)
-        for key, value in top_attributes.items():
-            setattr(sys.modules[top], key, value)
+        if top in bare_packages(root.parent, packages):
+            sys.modules[top].__version__ = version
         return importlib.import_module(module)
     except Exception:
         for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
@@ -100,16 +102,15 @@ def import_bare(module, packages, **top_attributes):
         raise
 
 
-def _import_fla_kda_bare():
-    import importlib.util
-
-    spec = importlib.util.find_spec("fla")
-    root = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
-    version = ""
-    for line in (root / "__init__.py").read_text(errors="replace").splitlines() if root else ():
-        if line.startswith("__version__"):
-            version = line.partition("=")[2].strip().strip("'\"")
-    return import_bare("fla.ops.kda", FLA_BARE_PACKAGES, __version__=version)
+def import_lean(module, packages):
+    """`module` imported bare (import_bare), else as usual (an op that needs its package's
+    exports); a library already imported is used as it is."""
+    if packages[0] in sys.modules:
+        return importlib.import_module(module)
+    try:
+        return import_bare(module, packages)
+    except Exception:
+        return importlib.import_module(module)
 
 
 def load_fla(path):
@@ -117,12 +118,9 @@ def load_fla(path):
     one) first on sys.path, and imports fla.ops.kda (FLA_BARE_PACKAGES)."""
     os.environ.update(FLA_DISPATCH)
     add_path(path)
-    if "fla.ops.kda" in sys.modules or os.environ.get("FLA_FULL_IMPORT") == "1" or "fla" in sys.modules:
+    if os.environ.get("FLA_FULL_IMPORT") == "1":
         return importlib.import_module("fla.ops.kda")
-    try:
-        return _import_fla_kda_bare()
-    except Exception:  # an FLA tree whose ops need its package's exports: the usual import
-        return importlib.import_module("fla.ops.kda")
+    return import_lean("fla.ops.kda", FLA_BARE_PACKAGES)
 
 
 def fla_version():

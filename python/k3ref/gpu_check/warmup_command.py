@@ -16,17 +16,15 @@ import sys
 def main(args):
     """`warmup`: exit 0 when every group warmed up (or was skipped: kernel not here), 1 when
     a worker erred (the cache may be incomplete; the run would report the checks' errors)."""
-    import torch
-
     from .. import goldens
     from . import collection, shapes, warmup
     from .protocol import RunOptions, UsageError
-    from .run import csv_list as csv, select_adapters
+    from .run import csv_list as csv, device_of, select_adapters
 
     for flag, value in (("--warmup-shards", args.warmup_shards), ("--jobs", args.jobs)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device = device_of(args.device)
     opts = RunOptions(adapters=tuple(args.adapter), builtin=not args.no_builtin, only=csv(args.only),
                       no_mutants=args.no_mutants, checks=csv(args.checks), cases=csv(args.cases), goldens=args.goldens,
                       device=args.device)
@@ -34,9 +32,7 @@ def main(args):
     tests = collection.collect(adapters, suite, checks=opts.checks, cases=opts.cases, backward=args.backward)
     plan = shapes.build(tests, suite, goldens.load_case)
     s = plan.summary()
-    print(f"shape plan: {s['distinct_compiled_shapes']} distinct compiled shapes in {s['groups']} groups "
-          f"({s['distinct_compiled_shapes_before']} with the metamorphic configs of problems.CONFIGS); "
-          f"cache {os.environ.get(warmup.CACHE_VARIABLE)}", flush=True)
+    print(f"{shapes.plan_line(s)}; cache {os.environ.get(warmup.CACHE_VARIABLE)}", flush=True)
     for a, b in s["by_adapter"].items():
         print(f"  {a}: {b['groups']} groups, {b['shapes']} shapes; metamorphic: {s['metamorphic_configs'].get(a, '-')}")
     if args.plan:
