@@ -60,7 +60,7 @@ fi
 if has prop; then
   echo "== prop --kernel ${PROP_KERNEL:-fla.chunk_kda} for $PROP_SECONDS s (buckets warm from propwarm)"
   t0=$(date +%s.%N)
-  K3REF_PROP_PROGRESS=1 timeout -s INT "$PROP_SECONDS" $PROP --examples 100000 --no-warmup \
+  timeout -s INT "$PROP_SECONDS" $PROP --examples 100000 --no-warmup --progress \
     --out "$OUT/prop_failures" ${PROP_ARGS:-} > "$OUT/prop.log" 2>&1
   echo "$? $(elapsed "$t0")" > "$OUT/prop.rc_wall"
   grep -v "^prop example" "$OUT/prop.log" | tail -5

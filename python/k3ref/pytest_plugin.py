@@ -102,8 +102,13 @@ def pytest_addoption(parser):
     add("--k3ref-cache-dir", metavar="DIR",
         help="cache directory (default: $K3REF_CACHE_DIR, else ~/.cache/k3ref): Triton's compiled kernels and "
              "autotune results in DIR/triton; save and restore DIR between CI runs")
+    add("--k3ref-scale-limits", metavar="NAME=VALUE,...",
+        help="the scale tier at smaller limits, names of k3ref.gpu_check.scale.Limits (default: $K3REF_SCALE_LIMITS, "
+             "else K3's full sizes)")
+    add("--k3ref-set", action="append", default=[], metavar="NAME=VALUE",
+        help="a setting of an adapter factory that takes `options` (options.setting(NAME)); repeatable")
     for dest, env, text in KERNEL_PATHS:
-        add("--k3ref-" + dest.replace("_", "-"), dest="k3ref_" + dest, metavar="PATH", help=f"{text} (sets ${env})")
+        add("--k3ref-" + dest.replace("_", "-"), dest="k3ref_" + dest, metavar="PATH", help=f"{text} (default: ${env})")
     add("--k3ref-plan-out", metavar="FILE", help=argparse_suppress())
 
 
@@ -261,9 +266,12 @@ def pytest_cmdline_main(config):
     """Before pytest-xdist reads -n: the plan, made in a child, and the workers it needs."""
     role = _role(config)
     if role in ("isolated", "in_process", "planner"):
-        from k3ref.gpu_check import run as run_plan
+        from k3ref.gpu_check import protocol, run as run_plan
 
-        opts = run_plan.options_of(config)
+        try:
+            opts = run_plan.options_of(config)
+        except protocol.UsageError as e:
+            raise UsageError(f"k3ref: {e}") from None
         if opts.report and Path(opts.report).exists() and not Path(opts.report).is_dir():
             raise UsageError(f"k3ref: --k3ref-report {opts.report}: exists and is not a directory")
         for flag, value in (("--k3ref-warmup-shards", opts.warmup_shards), ("--k3ref-warmup-jobs", opts.warmup_jobs)):

@@ -60,18 +60,17 @@ def child_env():
     return _child_env
 
 
-# What a run sets in its own process's environment (run.apply_environment, warmup.configure_cache).
-RUN_ENVIRONMENT = ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "K3REF_CACHE_DIR", "K3REF_AUTOTUNE_CONFIGS",
-                   "K3REF_FLA_PATH", "K3REF_FLASHKDA_PATH", "K3REF_LIGER_PATH", "K3REF_TORCHTITAN_PATH", "K3GC_LIB")
+# What a run sets in its own process's environment (run.apply_environment: Triton's own settings).
+RUN_ENVIRONMENT = ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")
 
 
 @pytest.fixture
 def gpu_check_here():
     """`python3 -m k3ref.gpu_check ARGS` in this process: a Result of its exit code, stdout and
     stderr. What the run set in this process's environment is undone after the test."""
-    from k3ref.gpu_check import autotune, cli, warmup
+    from k3ref.gpu_check import cli
 
-    keys = set(RUN_ENVIRONMENT) | {warmup.CACHE_VARIABLE, autotune.MODE_VARIABLE, "PYTEST_ADDOPTS"}
+    keys = set(RUN_ENVIRONMENT) | {"PYTEST_ADDOPTS"}
     saved = {k: os.environ.get(k) for k in keys}
     os.environ.pop("PYTEST_ADDOPTS", None)
 

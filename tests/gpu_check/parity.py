@@ -11,7 +11,7 @@ import json
 FIGURES = ("rel_rms", "floor_rel_rms", "max_abs")
 ADAPTER_SPECS = ("examples/torch_kda_adapter.py:TorchKda", "k3ref.gpu_check.adapters:torch_test_kernels",
                  "k3ref.gpu_check.cp_check:cp_adapters")
-CP_ENV = {"K3REF_CP_RANKS": "2,4", "K3REF_CP_BACKEND": "gloo", "K3REF_CP_KERNEL": "torch"}
+CP_SETTINGS = ("cp.ranks=2,4", "cp.backend=gloo", "cp.kernel=torch")  # the run's --set
 
 
 def _digits(x):

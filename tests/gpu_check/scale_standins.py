@@ -1,6 +1,6 @@
 """CPU stand-ins of libk3gc's fp32 KDA kernel and its four scale mutants, for the scale tier's
 host-side tests (test_scale.py): the PyTorch recurrence, with the mutant's mistake at the
-limits given. `tier_standins` gives them at the tier's limits ($K3REF_SCALE_LIMITS), as an
+limits given. `tier_standins` gives them at the run's limits (--k3ref-scale-limits), as an
 adapter spec for `--k3ref-tier scale` (`--k3ref-adapter scale_standins:tier_standins`); `exits`
 is a mutant that ends its process in every case (a crash of a mutant's case is a catch)."""
 import os
@@ -93,11 +93,11 @@ class StandIn(KdaAdapter):
         return buf, final
 
 
-def tier_standins():
-    """The correct stand-in and the four scale mutants' at the tier's limits."""
-    L = scale.environment_limits()
+def tier_standins(options):
+    """The correct stand-in and the four scale mutants' at the run's limits."""
+    L = scale.limits_of(options)
     return [StandIn(None, L)] + [StandIn(m, L) for m in scale.lib.SCALE_MUTANTS]
 
 
-def exiting_mutant():
-    return StandIn("exits", scale.environment_limits())
+def exiting_mutant(options):
+    return StandIn("exits", scale.limits_of(options))

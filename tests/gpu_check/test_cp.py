@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from k3ref import goldens  # noqa: E402
 from k3ref.gpu_check import cp_check as C  # noqa: E402
+from k3ref.gpu_check.protocol import RunOptions  # noqa: E402
 
 
 def _core_available():
@@ -145,7 +146,7 @@ def test_every_mutant_is_caught(P, mutation):
 
 
 def test_mutant_list_is_complete():
-    adapters = C.cp_adapters()  # default K3REF_CP_RANKS 2,4,8
+    adapters = C.cp_adapters(RunOptions())  # the default cp.ranks, 2,4,8
     names = sorted(a.name for a in adapters)
     assert len(names) == 3 * 3 + 2  # per P: the kernel, drop_trailing, wrong_rank; untransposed at P = 4, 8
     assert "mutant.cp_untransposed[P=2]" not in names
@@ -193,10 +194,11 @@ def test_a_raising_rank_is_an_error():
     assert res.status == "error" and "deliberate failure on rank 1" in res.reason
 
 
-def test_a_hanging_rank_is_an_error(monkeypatch):
-    monkeypatch.setenv("K3REF_CP_TIMEOUT", "2")
+def test_a_hanging_rank_is_an_error():
     t0 = time.time()
-    res = HangingOnRank0(2).run_check("cp_forward", _p2_golden(), "cpu")
+    hanging = HangingOnRank0(2)
+    hanging.options = RunOptions(settings=(("cp.timeout", "2"),))  # as the registry gives a run's options
+    res = hanging.run_check("cp_forward", _p2_golden(), "cpu")
     assert res.status == "error" and "did not finish within 2 s" in res.reason
     assert time.time() - t0 < 30
 

@@ -39,7 +39,9 @@ def test_verdicts_and_figures_equal_the_runner_before(tmp_path):
            "--checks", ",".join(checks), "--out", str(out)]
     for spec in parity.ADAPTER_SPECS:
         cmd += ["--adapter", spec]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), **parity.CP_ENV)
+    for setting in parity.CP_SETTINGS:
+        cmd += ["--set", setting]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     now = parity.snapshot(out)

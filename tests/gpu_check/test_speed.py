@@ -246,15 +246,14 @@ class TestDeep:
         assert TUNER.ran == [64, 16, 32, 128, 64]  # winner, then each config once
         assert len(TUNER.configs) == 4  # restored
 
-    def test_deep_mode_is_chosen_by_the_environment_through_run_check(self):
+    def test_deep_mode_is_chosen_by_the_run_s_options_through_run_check(self):
         from k3ref import goldens
+        from k3ref.gpu_check.protocol import RunOptions
 
         case = goldens.load_case(ROOT / "goldens" / "kda_t100.safetensors")
-        os.environ[autotune.MODE_VARIABLE] = "all"
-        try:
-            res = Autotuned().run_check("golden", case, "cpu")
-        finally:
-            del os.environ[autotune.MODE_VARIABLE]
+        deep = Autotuned()
+        deep.options = RunOptions(autotune_configs="all")  # as the registry gives a run's options
+        res = deep.run_check("golden", case, "cpu")
         assert len(res.extra["configs"]) == 4
         assert Autotuned().run_check("golden", case, "cpu").status == "pass"  # winner only
 
@@ -569,10 +568,9 @@ class TestWarmup:
         """The plan's warm-up (run._warm_up_of) over a stand-in scheduler, and its status file."""
         from k3ref.gpu_check import run
 
-        monkeypatch.setenv(warmup.CACHE_VARIABLE, str(tmp_path))
         monkeypatch.setattr(warmup, "run_selected", run_selected)
         speed, lines = {"warmup_pending": dict(pending)}, []
-        warm_up = run._warm_up_of(([], []), run.RunOptions(), "cpu", speed, lines.append)
+        warm_up = run._warm_up_of(([], []), run.RunOptions(cache_dir=str(tmp_path)), "cpu", speed, lines.append)
         return run, warm_up, tmp_path / "warmup_status.json", speed, lines
 
     def test_checks_of_an_adapter_start_when_its_own_units_are_done(self, tmp_path, monkeypatch):
@@ -646,7 +644,7 @@ class TestCommandLine:
 
     def test_deep_mode_reaches_the_worker_that_runs_the_check(self, tmp_path, gpu_check_here):
         # No Triton here: the worker's golden check says it found no autotuned kernel, which it
-        # only says in deep mode (K3REF_AUTOTUNE_CONFIGS=all inherited from this process).
+        # only says in deep mode (the run's options, as the worker's registry gave them).
         d = str(tmp_path)
         r = gpu_check_here("run", "--no-builtin", "--adapter", "k3ref.gpu_check.adapters:torch_test_kernels",
                            "--only", "torch.fp64_bf16", "--checks", "golden", "--cases", "kda_t1",

@@ -211,7 +211,7 @@ class StubWorker:
     def __init__(self, workdir):
         pass
 
-    def run(self, unit, device, timeout, env, index, role=None):
+    def run(self, unit, device, timeout, index, role=None):
         t0 = time.monotonic()
         time.sleep(0.02)
         rec = {"adapter": unit[0].name, "group": dict(unit[1]), "shapes": len(unit[2]), "status": "ok"}

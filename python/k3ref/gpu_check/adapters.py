@@ -28,9 +28,10 @@ Registration needs no source edit: an entry point of group `k3ref.adapters`, `--
 mypkg.mod:MyKernel` on the command line (`python3 -m k3ref.gpu_check run`, `pytest
 --k3ref-adapter`), or `k3ref_adapters = [...]` in a project's conftest.py (registry.py). The
 built-in adapters below are registered the same way (`registry.builtin_adapters`, the package's own
-entry point). Third-party kernels are found through environment variables (set by the
-command-line options of the same name): K3REF_FLA_PATH, K3REF_FLASHKDA_PATH, K3REF_LIGER_PATH,
-K3REF_TORCHTITAN_PATH, and K3GC_LIB for libk3gc.so.
+entry point). Every adapter gets the run's frozen options (`self.options`, protocol.RunOptions);
+third-party kernels are found at the paths they give (`self.path_of("fla_path")`: the
+command-line options --fla-path, ..., else K3REF_FLA_PATH, K3REF_FLASHKDA_PATH, K3REF_LIGER_PATH,
+K3REF_TORCHTITAN_PATH, and K3GC_LIB for libk3gc.so), else the installed packages.
 
 Adapters are built anew in every process that runs their checks (a pytest-xdist worker), from
 the same specs the plan read: construct one without importing its kernel (that is load()'s work).
@@ -45,7 +46,15 @@ from .protocol import input_dtype_of, outside_domain
 from .protocol import KDA_METAMORPHIC, Adapter, BrokenAdapter, CheckResult, LoadableAdapter  # noqa: F401 (the protocol's names, here as before)
 from .protocol import shapes_of as _shapes
 from .protocol import source_identity  # noqa: F401 (adapters.source_identity, as before)
-from .upstream import add_path, env_path, fla_option_kwargs, fla_version, load_fla, module_version, need_cuda
+from .upstream import add_path, fla_option_kwargs, fla_version, load_fla, module_version, need_cuda
+
+
+def _load_libk3gc(adapter):
+    """libk3gc's adapters' load(): the library at the run's path (--lib), else where lib finds it."""
+    need_cuda()
+    lib.use(adapter.path_of("lib"))
+    if not lib.available():
+        raise RuntimeError(lib.load_error())
 
 
 class KdaAdapter(Adapter):
@@ -135,9 +144,7 @@ class KdaAdapter(Adapter):
 
         self.device_sync = str(device).startswith("cuda")
         if check == "golden":
-            from . import autotune
-
-            if autotune.deep_mode():  # --autotune-configs all: once per autotune configuration
+            if self.options.autotune_configs == "all":  # deep mode: once per autotune configuration
                 return checks.golden_all_configs(self, case, device)
             return checks.golden_check(self, case, device)
         if check == "backward":
@@ -155,7 +162,6 @@ class FlaAdapter(KdaAdapter):
 
     requires_cuda = True
 
-    fla_path = None  # else $K3REF_FLA_PATH, else the installed fla
     gradients = "autograd"  # chunk_kda has FLA's backward; a version without one is n/a (backward.py)
     gva = None  # whether the loaded version takes HV > H (probe.py; None: not known yet)
     _unpicklable = ("fn",)
@@ -184,7 +190,7 @@ class FlaAdapter(KdaAdapter):
 
     def load(self):
         need_cuda()
-        self.fn = getattr(load_fla(env_path("K3REF_FLA_PATH", FlaAdapter.fla_path)), self.variant)
+        self.fn = getattr(load_fla(self.path_of("fla_path")), self.variant)
 
     def version(self):
         return fla_version()
@@ -239,12 +245,11 @@ class FlashKdaAdapter(KdaAdapter):
     contract = "CUTLASS (sm_90); chunks of 16, fp16 Neumann-series inverse, bf16 state between chunks, bf16 output"
     contract_name = "flashkda"
     accepts_out = True
-    flashkda_path = None  # else $K3REF_FLASHKDA_PATH, else the installed flash_kda
     _unpicklable = ("mod",)
 
     def load(self):
         need_cuda()
-        add_path(env_path("K3REF_FLASHKDA_PATH", FlashKdaAdapter.flashkda_path))
+        add_path(self.path_of("flashkda_path"))
         self.mod = importlib.import_module("flash_kda")
 
     def version(self):
@@ -293,10 +298,7 @@ class LibKernelAdapter(KdaAdapter):
         self.contract = "CUDA; fp32 recurrence on bf16 inputs, output rounded to bf16" + (
             "" if mutation == 0 else f", with the mistake '{self.mutation_name}'")
 
-    def load(self):
-        need_cuda()
-        if not lib.available():
-            raise RuntimeError(lib.load_error())
+    load = _load_libk3gc
 
     def run(self, inputs, params, out=None):
         return lib.kda_forward(inputs, params, precision=1, mutation=self.mutation, output_dtype=torch.bfloat16,
@@ -319,10 +321,7 @@ class LibReferenceAdapter(KdaAdapter):
     state_dtype = torch.float64
     accepts_out = True
 
-    def load(self):
-        need_cuda()
-        if not lib.available():
-            raise RuntimeError(lib.load_error())
+    load = _load_libk3gc
 
     def run(self, inputs, params, out=None):
         return lib.kda_forward(inputs, params, precision=0, output_dtype=torch.float64, state_dtype=torch.float64,

@@ -25,7 +25,6 @@ The first model rounded only the normalised key: on an H200 Liger failed 4 of 7 
 2.03x-2.24x of it, every miss one slot; a CPU stand-in with Liger's arithmetic gives the same
 slots at the same ratios, and with the product's rounding modelled all are within 1.0x.
 """
-import os
 import sys
 import time
 
@@ -97,7 +96,6 @@ class LigerAttnResAdapter(Adapter):
                      "before and after the weight, fp32 softmax and sum)")
     contract = ("Triton; fp32 RMS norm and softmax, the normalised key rounded to bf16, its product with the "
                 "bf16 weight rounded to bf16, bf16 h")
-    liger_path = None  # else $K3REF_LIGER_PATH: a checkout's root (holding src/liger_kernel) or a directory holding liger_kernel
     _unpicklable = ("_imported",)
 
     def __init__(self, forward=None, name=None):
@@ -119,7 +117,7 @@ class LigerAttnResAdapter(Adapter):
             return
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device (Liger's AttnRes is a Triton kernel)")
-        path = self.liger_path or os.environ.get("K3REF_LIGER_PATH")
+        path = self.path_of("liger_path")
         for p in ([f"{path}/src", path] if path else []):
             if p not in sys.path:
                 sys.path.insert(0, p)

@@ -14,15 +14,9 @@ applicable, as the autotuner skips it; any other error, or a verdict that fails,
 check and names the kernel and the configuration.
 """
 import contextlib
-import os
 
-MODE_VARIABLE = "K3REF_AUTOTUNE_CONFIGS"  # "all": deep mode in every process of the run
 # Exceptions Triton's autotuner catches while benchmarking (the configuration is then skipped).
 NOT_APPLICABLE = ("OutOfResources", "CompileTimeAssertionFailure", "PTXASError", "OutOfResourcesError")
-
-
-def deep_mode():
-    return os.environ.get(MODE_VARIABLE, "winner") == "all"
 
 
 def _autotuner_class():
@@ -137,10 +131,11 @@ def first_config_only():
 DRAWN = {"inside": 0, "outside": 0, "unbucketed": 0, "outside_retried_with_autotune": 0, "times": []}
 
 
-def run_drawn(run_case, adapter, case, device):
+def run_drawn(run_case, adapter, case, device, progress=False):
     """prop's run of one drawn case: a case outside the buckets (case['bucket'] is None) runs
     with first_config_only, and again with the autotuner when that configuration does not
-    compile for the shape (as the autotuner would skip it)."""
+    compile for the shape (as the autotuner would skip it). `progress`: one line per example
+    (prop --progress), for runs cut off by a time limit."""
     import time
 
     outside = "bucket" in case and case["bucket"] is None
@@ -154,7 +149,7 @@ def run_drawn(run_case, adapter, case, device):
     else:
         ok, reason, src = run_case(adapter, case, device)
     DRAWN["times"].append(time.time())
-    if os.environ.get("K3REF_PROP_PROGRESS"):  # one line per example, for runs cut off by a time limit
+    if progress:
         print(f"prop example {len(DRAWN['times'])} {'outside' if outside else 'inside'} at {DRAWN['times'][-1]:.3f}: "
               f"{'pass' if ok else 'fail'}", flush=True)
     return ok, reason, src

@@ -22,7 +22,7 @@ from .registry import AdapterSpecError
 
 def _kernel_options(p):
     for dest, env, text in KERNEL_PATHS:
-        p.add_argument("--" + dest.replace("_", "-"), dest=dest, help=f"{text} (sets ${env})")
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, help=f"{text} (default: ${env})")
     p.add_argument("--cache-dir", metavar="DIR",
                    help="cache directory (default: $K3REF_CACHE_DIR, else ~/.cache/k3ref): Triton's compiled kernels "
                         "and autotune results in DIR/triton ($TRITON_CACHE_DIR for every child); save and restore DIR "
@@ -64,6 +64,11 @@ def parser():
                         "K3's production shapes and index limits, one pytest test per kernel x scale case (the "
                         "plugin's --k3ref-tier scale; --cases names scale cases; OUT/scale.json); default: the golden "
                         "and metamorphic checks")
+    r.add_argument("--scale-limits", metavar="NAME=VALUE,...",
+                   help="the scale tier at smaller limits (the plugin's --k3ref-scale-limits; default: "
+                        "$K3REF_SCALE_LIMITS, else K3's full sizes)")
+    r.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a setting of an adapter factory that takes `options` (the plugin's --k3ref-set); repeatable")
     r.add_argument("--backward", choices=("default", "all"), default="default",
                    help="the gradient goldens of the backward check: default, four that share two backward autotune "
                         "keys; all, every gradient golden (the plugin's --k3ref-backward)")
@@ -126,19 +131,22 @@ def prop_options(p):
                         "the coverage buckets (default 12: with FLA chunk_kda's 20 coverage buckets, two rounds of 16 warm-up "
                         "workers)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before drawing")
+    p.add_argument("--progress", action="store_true", help="one line per example (a run cut off by a time limit "
+                                                           "still tells its rate)")
     p.add_argument("--jobs", type=int, default=None, help="warm-up worker processes at a time (default: CPU count)")
     p.add_argument("--warmup-timeout", type=float, default=1800.0)
 
 
-def apply_kernel_options(args):
-    """--lib and the checkout paths, as environment variables the adapters (and children) read."""
-    for dest, env, _ in KERNEL_PATHS:
-        value = getattr(args, dest, None)
-        if value:
-            os.environ[env] = str(Path(value).resolve())
-    from . import warmup
+def command_options(args):
+    """The RunOptions of a `prop` or `warmup` command (its adapters, device, kernel paths, else
+    their environment variables, and cache directory), with Triton pointed at the cache before
+    any kernel is imported."""
+    from .protocol import RunOptions, kernel_paths_of
 
-    warmup.configure_cache(getattr(args, "cache_dir", None))  # before any kernel is imported
+    opts = RunOptions(adapters=tuple(args.adapter), device=args.device, cache_dir=str(warmup.cache_dir(args.cache_dir)),
+                      kernel_paths=kernel_paths_of(vars(args)))
+    warmup.configure_cache(opts.cache_dir)
+    return opts
 
 
 def pytest_args(args):
@@ -163,11 +171,14 @@ def pytest_args(args):
               "jobs": "--k3ref-warmup-jobs", "warmup_timeout": "--k3ref-warmup-timeout",
               "warmup_shards": "--k3ref-warmup-shards",
               "autotune_configs": "--k3ref-autotune-configs", "cache_dir": "--k3ref-cache-dir",
+              "scale_limits": "--k3ref-scale-limits",
               **{dest: "--k3ref-" + dest.replace("_", "-") for dest, _, _ in KERNEL_PATHS}}
     for dest, flag in values.items():
         value = getattr(args, dest, None)
         if value is not None:
             a += [flag, str(value)]
+    for item in args.set:
+        a += ["--k3ref-set", item]
     if args.list:
         return a + ["--collect-only"] + list(args.pytest_args)
     if not args.no_isolation:
@@ -269,13 +280,12 @@ def main(argv=None):
 
 def command_child(run, argv=None):
     """The child that `prop` or `warmup` starts (`python3 -m MODULE CMD ...`, in_child): `run`
-    (MODULE's main) on the options parsed here, its exit code written where the parent reads
+    (MODULE's main) on the arguments parsed here and their RunOptions, its exit code written where the parent reads
     the verdict."""
     ap = parser()
     args = ap.parse_args(argv)
     try:
-        apply_kernel_options(args)
-        rc = run(args)
+        rc = run(args, command_options(args))
     except (UsageError, AdapterSpecError) as e:
         print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)
         rc = 2

@@ -9,7 +9,6 @@ tests as expected failures; they run strictly: a test so marked that passes is a
 until its entry is removed.
 """
 import fnmatch
-import json
 from pathlib import Path
 
 from .protocol import MutantTest, Test

@@ -36,7 +36,9 @@ A rank that raises or a launch that times out is an error of every check of that
     python3 -m k3ref.gpu_check.cp_check --ranks 2,4,8 --backend nccl --kernel fla --fla-path DIR --out report/
 
 (the same as `python3 -m k3ref.gpu_check run --no-builtin --adapter
-k3ref.gpu_check.cp_check:cp_adapters` with $K3REF_CP_RANKS, $K3REF_CP_BACKEND, $K3REF_CP_KERNEL).
+k3ref.gpu_check.cp_check:cp_adapters --set cp.ranks=2,4,8 --set cp.backend=gloo --set
+cp.kernel=torch`; `--set cp.timeout=S` bounds one launch, `--set cp.start_method=spawn|fork`
+overrides how ranks start).
 """
 import datetime
 import os
@@ -52,7 +54,7 @@ import torch
 
 from .problems import TOKEN_INPUTS
 from .protocol import Adapter, CheckResult
-from .upstream import env_path, fla_option_kwargs, fla_version, load_fla, need_cuda
+from .upstream import fla_option_kwargs, fla_version, load_fla, need_cuda
 
 FORWARD_OP = "kcp.context_parallel"
 BACKWARD_OP = "kda.backward"
@@ -60,7 +62,7 @@ FORWARD_TENSORS = ("o", "fragment_transition", "fragment_state", "entering_state
 GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta")
 PARAMETER_GRADIENTS = ("dA_log", "ddt_bias")
 INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
-LAUNCH_TIMEOUT_S = float(os.environ.get("K3REF_CP_TIMEOUT", "300"))
+LAUNCH_TIMEOUT_S = 300.0  # one launch on gloo, unless the run's cp.timeout setting says otherwise
 
 
 # --------------------------------------------------------------------------- plan
@@ -451,7 +453,6 @@ class FlaCpAdapter(TorchCpAdapter):
     # cp_uneven_tokens: T not divisible by P (FLA once dropped the trailing tokens there): every
     # token's output right, or a refusal (ValueError) on every rank; never a short output.
     checks = ("cp_forward", "cp_backward", "cp_uneven_tokens")
-    fla_path = None
     MUTATIONS = (None,)
 
     def __init__(self, ranks=2, backend="nccl"):
@@ -463,14 +464,14 @@ class FlaCpAdapter(TorchCpAdapter):
         need_cuda()
         if torch.cuda.device_count() < self.ranks:
             raise RuntimeError(f"needs {self.ranks} CUDA devices (one per rank); this host has {torch.cuda.device_count()}")
-        load_fla(env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))
+        load_fla(self.path_of("fla_path"))
         import fla.ops.cp  # noqa: F401
 
     def version(self):
         return fla_version()
 
     def rank_device(self, rank):
-        load_fla(env_path("K3REF_FLA_PATH", FlaCpAdapter.fla_path))  # a spawned rank imports fla itself
+        load_fla(self.path_of("fla_path"))  # a spawned rank imports fla itself
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
 
@@ -750,10 +751,11 @@ def launch(adapter, items, timeout=None):
     import torch.multiprocessing as mp
 
     P = adapter.ranks
-    timeout = float(os.environ.get("K3REF_CP_TIMEOUT", LAUNCH_TIMEOUT_S)) if timeout is None else timeout
+    settings = adapter.options
+    timeout = float(settings.setting("cp.timeout", LAUNCH_TIMEOUT_S)) if timeout is None else timeout
     with tempfile.TemporaryDirectory(prefix="k3ref_cp_") as outdir:
-        # fork is cheap and keeps the parent's modules; CUDA needs spawn. $K3REF_CP_START_METHOD overrides.
-        method = os.environ.get("K3REF_CP_START_METHOD") or ("spawn" if adapter.backend == "nccl" else "fork")
+        # fork is cheap and keeps the parent's modules; CUDA needs spawn. The cp.start_method setting overrides.
+        method = settings.setting("cp.start_method") or ("spawn" if adapter.backend == "nccl" else "fork")
         error = None
         t0 = time.perf_counter()
         try:
@@ -1009,26 +1011,27 @@ def run_check(adapter, check, case, device):
 
 # --------------------------------------------------------------------------- entry points
 
-def _ranks_env():
-    text = os.environ.get("K3REF_CP_RANKS", "2,4,8")
+def ranks_of(text):
+    """The rank counts of "2,4,8"; a ValueError (one line) for anything else."""
     try:
         ranks = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"K3REF_CP_RANKS={text!r}: expected comma-separated rank counts, e.g. 2,4,8") from None
+        raise ValueError(f"cp.ranks={text!r}: expected comma-separated rank counts, e.g. 2,4,8") from None
     if not ranks or any(p < 2 for p in ranks):
-        raise ValueError(f"K3REF_CP_RANKS={text!r}: every rank count must be at least 2")
+        raise ValueError(f"cp.ranks={text!r}: every rank count must be at least 2")
     return ranks
 
 
-def cp_adapters():
-    """The CP adapters of $K3REF_CP_KERNEL (torch: the PyTorch kernel and its mutants; fla:
-    FLA's chunk_kda) for each P of $K3REF_CP_RANKS over $K3REF_CP_BACKEND."""
-    kernel = os.environ.get("K3REF_CP_KERNEL", "torch")
-    backend = os.environ.get("K3REF_CP_BACKEND", "gloo" if kernel == "torch" else "nccl")
+def cp_adapters(options):
+    """The CP adapters of the run's settings: cp.kernel (torch: the PyTorch kernel and its
+    mutants; fla: FLA's chunk_kda) for each P of cp.ranks (default 2,4,8) over cp.backend
+    (default gloo for torch, nccl for fla)."""
+    kernel = options.setting("cp.kernel", "torch")
+    backend = options.setting("cp.backend", "gloo" if kernel == "torch" else "nccl")
     if kernel not in ("torch", "fla") or backend not in ("gloo", "nccl"):
-        raise ValueError(f"K3REF_CP_KERNEL={kernel!r} / K3REF_CP_BACKEND={backend!r}: expected torch|fla and gloo|nccl")
+        raise ValueError(f"cp.kernel={kernel!r} / cp.backend={backend!r}: expected torch|fla and gloo|nccl")
     out = []
-    for P in _ranks_env():
+    for P in ranks_of(options.setting("cp.ranks", "2,4,8")):
         if kernel == "fla":
             out.append(FlaCpAdapter(P, backend))
         else:
@@ -1050,29 +1053,23 @@ def main(argv=None):
     ap.add_argument("--kernel", choices=("torch", "fla"), default="torch",
                     help="torch: the PyTorch CP kernel and its mutants; fla: FLA's chunk_kda in cp mode")
     ap.add_argument("--timeout", type=float, help="seconds one launch of P ranks (every case of one adapter) may "
-                    "take (default $K3REF_CP_TIMEOUT, else 300 on gloo, 3000 on nccl: Triton compiles and autotunes "
-                    "each new shape)")
+                    "take (default 300 on gloo, 3000 on nccl: Triton compiles and autotunes each new shape)")
     args, rest = ap.parse_known_args(argv)
-    if args.timeout is None:
-        backend = args.backend or ("gloo" if args.kernel == "torch" else "nccl")
-        args.timeout = float(os.environ.get("K3REF_CP_TIMEOUT", 300 if backend == "gloo" else 3000))
-    os.environ["K3REF_CP_RANKS"] = args.ranks
-    os.environ["K3REF_CP_KERNEL"] = args.kernel
-    os.environ["K3REF_CP_BACKEND"] = args.backend or ("gloo" if args.kernel == "torch" else "nccl")
-    os.environ["K3REF_CP_TIMEOUT"] = str(args.timeout)
+    backend = args.backend or ("gloo" if args.kernel == "torch" else "nccl")
+    timeout = args.timeout if args.timeout is not None else (LAUNCH_TIMEOUT_S if backend == "gloo" else 3000.0)
     try:
-        _ranks_env()
+        ranks_of(args.ranks)
     except ValueError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
-    device = "cuda" if os.environ["K3REF_CP_BACKEND"] == "nccl" else "cpu"
     run = ["run", "--no-builtin", "--adapter", "k3ref.gpu_check.cp_check:cp_adapters", "--no-warmup"]
+    for name, value in (("ranks", args.ranks), ("kernel", args.kernel), ("backend", backend), ("timeout", timeout)):
+        run += ["--set", f"cp.{name}={value}"]
     if "--device" not in rest:
-        run += ["--device", device]
+        run += ["--device", "cuda" if backend == "nccl" else "cpu"]
     if "--check-timeout" not in rest:  # the first check of an adapter launches all of its work
-        run += ["--check-timeout", str(args.timeout + 60)]
-    # The front end in a process of its own (the checks never import a front end), with the
-    # environment above.
+        run += ["--check-timeout", str(timeout + 60)]
+    # The front end in a process of its own (the checks never import a front end).
     return subprocess.call([sys.executable, "-m", "k3ref.gpu_check"] + run + rest)
 
 

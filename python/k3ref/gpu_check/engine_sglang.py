@@ -28,7 +28,7 @@ import torch
 
 from .serving_check import (GDN_POOL_OPS, POOL_OPS, BuiltinDomain, PolicyBound, ServingAdapter, engine_version,
                             import_engine_module, scalar_gate)
-from .upstream import env_path, need_cuda
+from .upstream import need_cuda
 
 FLA = "sglang/srt/layers/attention/fla"
 MODULE = "fused_sigmoid_gating_recurrent"
@@ -67,7 +67,6 @@ class SglangGatingAdapter(ServingAdapter):
     KDA's softplus gating and beta's sigmoid in kernel, o in bf16, an fp32 V-first pool."""
 
     requires_cuda = True
-    sglang_path = None  # else $K3REF_SGLANG_PATH, else the installed sglang
     _unpicklable = ("mod",)
     domain = BuiltinDomain()  # policy/kernel_domains.json
     policy = "sglang-recurrent"
@@ -105,7 +104,7 @@ class SglangGatingAdapter(ServingAdapter):
 
     def load(self):
         need_cuda()
-        self.mod = load_module(env_path("K3REF_SGLANG_PATH", SglangGatingAdapter.sglang_path))
+        self.mod = load_module(self.path_of("sglang_path"))
 
     def version(self):
         return engine_version("sglang", self.mod) if getattr(self, "mod", None) is not None else ""

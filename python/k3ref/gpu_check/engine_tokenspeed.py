@@ -37,7 +37,7 @@ import torch
 
 from .serving_check import (GDN_POOL_OPS, POOL_OPS, VARLEN_OPS, BuiltinDomain, ChunkPrefill, PolicyBound,
                             ServingAdapter, engine_version, import_engine_module, scalar_gate)
-from .upstream import env_path, load_fla, need_cuda
+from .upstream import load_fla, need_cuda
 
 PKG = "tokenspeed_kernel"
 NEEDS = ("a directory holding the tokenspeed_kernel package (DIR/tokenspeed_kernel or "
@@ -87,7 +87,6 @@ K3_PARAMS = dict(gate="lower_bound", gate_base="e", beta="sigmoid", qk_l2norm=Tr
 
 class TokenSpeedAdapter(ServingAdapter):
     requires_cuda = True
-    tokenspeed_path = None  # else $K3REF_TOKENSPEED_PATH, else the installed tokenspeed_kernel
     module = ""
     _unpicklable = ("mod",)
     problem_params = K3_PARAMS
@@ -99,7 +98,7 @@ class TokenSpeedAdapter(ServingAdapter):
 
     def load(self):
         need_cuda()
-        self.mod = load_module(self.module, env_path("K3REF_TOKENSPEED_PATH", TokenSpeedAdapter.tokenspeed_path))
+        self.mod = load_module(self.module, self.path_of("tokenspeed_path"))
 
     def version(self):
         return engine_version("tokenspeed", self.mod) if getattr(self, "mod", None) is not None else ""
@@ -127,7 +126,6 @@ class TokenSpeedKdaPoolDecodeAdapter(TokenSpeedAdapter):
     # prefill is kda_recurrent_decode (FLA's fused_recurrent_kda), decode TokenSpeed's own pool
     # kernel: a split is judged against the fp64 single shot, not bit for bit.
     split_bitwise = False
-    fla_path = None
     policy_reason = "fp32 recurrence on bf16 inputs, FLA's fused recurrent arithmetic"
     contract = "Triton; fp32 state and arithmetic on bf16 inputs, gate and beta sigmoid in kernel, o in bf16, fp32 pool"
 
@@ -143,7 +141,7 @@ class TokenSpeedKdaPoolDecodeAdapter(TokenSpeedAdapter):
     def load(self):
         super().load()
         # kda_recurrent_decode (prefill) is FLA's
-        load_fla(env_path("K3REF_FLA_PATH", TokenSpeedKdaPoolDecodeAdapter.fla_path))
+        load_fla(self.path_of("fla_path"))
 
     def prefill(self, inputs, params, initial_state):
         A_log, bias, lb = self._gate(inputs, params)
@@ -206,7 +204,6 @@ class TokenSpeedKdaChunkPrefillAdapter(ChunkPrefill, TokenSpeedAdapter):
     decode_partner = TokenSpeedKdaPoolDecodeAdapter
     layouts = ("k_first",)
     layout_reason = "kda_chunk_prefill takes and returns [N, HV, K, V] states, the pool decode's page layout"
-    fla_path = None
     warmup_weight = 100  # chunk_kda autotunes (warmup.cost_estimate)
     varlen_shape = dict(H=1, HV=2, K=16, V=32)
     problem_shape = varlen_shape  # decode_after_prefill
@@ -218,7 +215,7 @@ class TokenSpeedKdaChunkPrefillAdapter(ChunkPrefill, TokenSpeedAdapter):
 
     def load(self):
         super().load()
-        load_fla(env_path("K3REF_FLA_PATH", TokenSpeedKdaChunkPrefillAdapter.fla_path))
+        load_fla(self.path_of("fla_path"))
 
     scale_reason = "kda_chunk_prefill takes no scale: FLA's chunk_kda applies K^-1/2"
 

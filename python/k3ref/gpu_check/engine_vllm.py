@@ -60,7 +60,7 @@ import torch
 
 from .serving_check import (GDN_POOL_OPS, POOL_OPS, REPLAY_OPS, VARLEN_OPS, BuiltinDomain, ChunkPrefill, PolicyBound,
                             ServingAdapter, ServingModes, engine_version, import_engine_module, scalar_gate)
-from .upstream import env_path, need_cuda
+from .upstream import need_cuda
 
 OPS = "vllm/model_executor/layers/fla/ops"
 NEEDS = (f"a directory holding {OPS}/ (fused_recurrent.py, op.py; fused_recurrent_replayssm.py and "
@@ -158,14 +158,13 @@ def load_kda_ops(path=None):
 
 class VllmAdapter(ServingAdapter):
     requires_cuda = True
-    vllm_path = None  # else $K3REF_VLLM_PATH, else the installed vllm
     module = ""
     _unpicklable = ("mod",)
     domain = BuiltinDomain()  # policy/kernel_domains.json
 
     def load(self):
         need_cuda()
-        self.mod = load_ops(self.module, env_path("K3REF_VLLM_PATH", VllmAdapter.vllm_path))
+        self.mod = load_ops(self.module, self.path_of("vllm_path"))
 
     def version(self):
         return engine_version("vllm", self.mod) if getattr(self, "mod", None) is not None else ""
@@ -308,7 +307,7 @@ class VllmKdaAdapter(VllmAdapter):
 
     def load(self):
         need_cuda()
-        self.mod = load_kda_ops(env_path("K3REF_VLLM_PATH", VllmAdapter.vllm_path))
+        self.mod = load_kda_ops(self.path_of("vllm_path"))
 
     @staticmethod
     def gate_of(params):

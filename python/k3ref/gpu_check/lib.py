@@ -1,7 +1,7 @@
 """libk3gc.so (gpu_check/include/k3gc.h) through k3ref._core's binding (K3gc), which opens the
 library at run time and types its calls by the header: this module holds no copy of its
-structs or codes. Found through $K3GC_LIB, an explicit load(path), or the build directories
-of the source tree (build*/gpu_check/)."""
+structs or codes. Found at the run's path (use(path): --lib, $K3GC_LIB for a run), an
+explicit load(path), $K3GC_LIB, or the build directories of the source tree (build*/gpu_check/)."""
 import glob
 import os
 from pathlib import Path
@@ -26,12 +26,22 @@ def __getattr__(name):
 
 _lib = None
 _error = "not loaded yet"
+_path = None  # the run's path of the library (use), tried first
+
+
+def use(path):
+    """Makes `path` the library this process loads (the run's --lib; None changes nothing). A
+    library already loaded from another path is loaded again from this one."""
+    global _lib, _path
+    if path and path != _path:
+        _path, _lib = str(path), None
 
 
 def _candidates():
-    env = os.environ.get("K3GC_LIB")
-    if env:
-        yield env
+    # $K3GC_LIB serves the library's direct users (a script, a test); a run's path comes by use().
+    for given in (_path, os.environ.get("K3GC_LIB")):
+        if given:
+            yield given
     root = Path(__file__).resolve().parents[3]
     for p in sorted(glob.glob(str(root / "build*" / "gpu_check" / "libk3gc.so"))):
         yield p

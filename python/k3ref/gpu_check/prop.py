@@ -244,7 +244,7 @@ def judge(adapter, inputs, params, o, final, ref_o, ref_f):
 
 
 def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failures", device="cpu", log=print,
-                 buckets=None, outside_share=1.0):
+                 buckets=None, outside_share=1.0, progress=False):
     """Runs the property; returns a dict: passed, examples run, seed, and on failure the
     shrunk case, the reason, the golden file and the replay command."""
     from hypothesis import HealthCheck, given, settings, strategies as st
@@ -269,7 +269,7 @@ def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failu
 
         assume(adapter.unsupported(params_of(case), shapes) is None)
         state["examples"] += 1
-        ok, reason, src = autotune.run_drawn(run_case, adapter, case, device)  # shapes.py's buckets
+        ok, reason, src = autotune.run_drawn(run_case, adapter, case, device, progress)  # shapes.py's buckets
         state["sources"].add(src)
         if not ok:
             state["failure"] = (case, reason)  # Hypothesis replays the shrunk case last
@@ -334,7 +334,7 @@ def prepare(args, adapter, fixed, seed):
     coverage = shapes.prop_buckets(adapter, fixed, suite)
     buckets = coverage + shapes.seeded_buckets(adapter, fixed, coverage, n_seeded, seed)
     print(f"prop: {len(buckets)} shape buckets ({len(coverage)} for coverage, {len(buckets) - len(coverage)} drawn "
-          f"with the seed), {share:.1%} of draws outside them (cache {os.environ.get(warmup.CACHE_VARIABLE)})",
+          f"with the seed), {share:.1%} of draws outside them (cache {adapter.options.cache_dir})",
           flush=True)
     if buckets and not getattr(args, "no_warmup", False) and shapes.compiler_of(adapter) == "triton":
         work = [(adapter, tuple(sorted(b.items())), [{"prop_case": c} for c in shapes.bucket_cases(b, args.max_T, fixed)])
@@ -343,7 +343,7 @@ def prepare(args, adapter, fixed, seed):
                            progress=lambda line: print(line, flush=True))
         print(warmup.table(record), flush=True)
         warmup.write_record(dict(record, prop_buckets=buckets),
-                            Path(os.environ.get(warmup.CACHE_VARIABLE) or ".") / "prop")
+                            Path(adapter.options.cache_dir or ".") / "prop")
     return buckets, share, flags
 
 
@@ -363,15 +363,17 @@ def rate(seconds, examples):
             f"{DRAWN['unbucketed']}")
 
 
-def main(args):
+def main(args, opts):
     """`prop`: fails closed. An unknown kernel is a usage error (exit 2); a kernel that is not
-    available, or a replayed file it does not support, exits 1 with the reason."""
+    available, or a replayed file it does not support, exits 1 with the reason. `opts`: the
+    command's RunOptions (cli.command_options)."""
     from .protocol import UsageError
     from .registry import AdapterSpecError, discover
 
+    lib.use(opts.kernel_path("lib"))
     try:
-        extra, _ = discover(specs=args.adapter, entry_points=True)
-        adapter = registry.kernel_by_name(args.kernel, extra=extra)
+        extra, _ = discover(specs=args.adapter, entry_points=True, options=opts)
+        adapter = registry.kernel_by_name(args.kernel, extra=extra, options=opts)
     except (AdapterSpecError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from e
     from .run import device_of
@@ -398,7 +400,7 @@ def main(args):
     print(f"replay the whole run: {_env_prefix()} {_interpreter()} -m k3ref.gpu_check prop "
           f"--kernel '{adapter.name}' --examples {args.examples} --max-T {args.max_T} --seed {seed}{flags}", flush=True)
     res = property_run(adapter, args.examples, seed, args.max_T, args.out, args.device, buckets=buckets,
-                       outside_share=share)
+                       outside_share=share, progress=args.progress)
     if res.get("seconds"):
         print(rate(res["seconds"], res["examples"]), flush=True)
     if res["passed"] is None:

@@ -18,7 +18,9 @@ from .._data import FORMAT_NAMES
 from ..kernel_domains import domain_of
 
 
-# The checkout paths of the kernels, as the environment variables the adapters read.
+# The checkout paths of the kernels: (RunOptions name, environment variable, what it holds). An
+# option of a front end (--fla-path, --k3ref-fla-path) wins over its variable; kernel_paths_of
+# reads the variables, once, for the run's RunOptions, and adapters read only those (path_of).
 KERNEL_PATHS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla package"),
                 ("flashkda_path", "K3REF_FLASHKDA_PATH", "directory holding the flash_kda package and its extension"),
                 ("liger_path", "K3REF_LIGER_PATH", "Liger-Kernel checkout (holding src/liger_kernel) for its AttnRes "
@@ -93,9 +95,44 @@ class RunOptions:
     warmup_shards: int = None     # None: warmup.BACKWARD_SHARDS
     autotune_configs: str = "winner"
     cache_dir: str = None
-    kernel_paths: tuple = ()      # ((environment variable, path), ...)
+    kernel_paths: tuple = ()      # ((KERNEL_PATHS name, absolute path), ...): kernel_paths_of
     tier: str = "default"         # default | scale (the scale tier's cases, scale.py)
     backward: str = "default"     # default | all: the gradient goldens of the backward check (backward.py)
+    scale_limits: str = None      # the scale tier's "name=value,..." (scale.limits_from; None: full size)
+    settings: tuple = ()          # ((name, value), ...): an adapter factory's own settings (--k3ref-set)
+
+    def kernel_path(self, name):
+        """The path the run gives for KERNEL_PATHS `name` ('fla_path', 'lib', ...), or None."""
+        return dict(self.kernel_paths).get(name)
+
+    def setting(self, name, default=None):
+        """The value of setting `name` (a string), else `default`."""
+        return dict(self.settings).get(name, default)
+
+
+def kernel_paths_of(given):
+    """The kernel paths of a run: for each KERNEL_PATHS name, the value `given` maps it to (the
+    front end's option), else its environment variable; absolute. The one place those
+    variables are read (a front end calls this once; the run's processes get the result)."""
+    import os
+
+    out = []
+    for name, env, _ in KERNEL_PATHS:
+        value = given.get(name) or os.environ.get(env)
+        if value:
+            out.append((name, str(Path(value).expanduser().resolve())))
+    return tuple(out)
+
+
+def settings_of(items):
+    """((name, value), ...) of NAME=VALUE strings (--k3ref-set); a malformed one is a UsageError."""
+    out = []
+    for item in items or ():
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise UsageError(f"--k3ref-set {item!r}: expected NAME=VALUE")
+        out.append((name.strip(), value))
+    return tuple(out)
 
 
 @dataclass
@@ -181,6 +218,9 @@ class Adapter:
     output_dtype = TorchDtype("bfloat16")  # the format of the outputs (o): their rounding floor
     state_dtype = TorchDtype("float32")    # the format of the state it returns and takes back (final, initial)
     requires_cuda = False  # True: reported unavailable without a CUDA device, without loading it
+    # The run's configuration, frozen: the registry gives every adapter it makes the run's
+    # options (registry.resolve(spec, options)); an adapter made by hand has the defaults.
+    options = RunOptions()
     # What the kernel accepts, in the schema of policy/kernel_domains.json (k3ref.kernel_domains,
     # docs/kernel-domains.md): a dict or a KernelDomain; None accepts everything.
     domain = None
@@ -199,6 +239,11 @@ class Adapter:
 
     def load(self):
         """Imports the kernel; raises (any exception) when it is not available."""
+
+    def path_of(self, name):
+        """The checkout of KERNEL_PATHS `name` ('fla_path', ...): the adapter's own attribute of
+        that name when one is set (a user's adapter made with a path), else the run's."""
+        return getattr(self, name, None) or self.options.kernel_path(name)
 
     def available(self):
         if self._loaded is None:

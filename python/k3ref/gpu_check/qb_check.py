@@ -21,7 +21,6 @@ way, k3ref by its documented rule); loads equal when no token is such a tie.
 """
 import importlib
 import importlib.util
-import os
 import time
 from pathlib import Path
 
@@ -46,7 +45,6 @@ class TorchtitanQbAdapter(Adapter):
     kind = "kernel"
     golden_ops = ("qb.solver", "qb.online")
     contract = "PyTorch; fp32 margins and means, torch.topk and torch.quantile ('lower')"
-    torchtitan_path = None  # else $K3REF_TORCHTITAN_PATH: directory holding the torchtitan package (a checkout's root)
     _unpicklable = ("mod",)
     RELATIVE = Path("torchtitan") / "models" / "kimi_k3" / "quantile_balance.py"
 
@@ -79,7 +77,7 @@ class TorchtitanQbAdapter(Adapter):
 
     def _candidates(self):
         candidates = []
-        root = self.torchtitan_path or os.environ.get("K3REF_TORCHTITAN_PATH")
+        root = self.path_of("torchtitan_path")
         if root:
             candidates.append(Path(root) / self.RELATIVE)
         spec = importlib.util.find_spec("torchtitan")

@@ -9,7 +9,9 @@ Three ways, all giving objects of the adapter protocol (adapters.Adapter):
 - a list in a project's conftest.py: `k3ref_adapters = ["mypkg.mod:MyKernel", MyKernel(), ...]`.
 
 What a spec names may be an Adapter subclass (instantiated without arguments), an adapter
-instance, a function returning an adapter or a list of them, or a list. The package's own
+instance, a function returning an adapter or a list of them (given the run's RunOptions when
+it takes a parameter named `options`: its settings, --k3ref-set NAME=VALUE), or a list. Every
+adapter made is given the run's options (`adapter.options`, frozen). The package's own
 adapters come from `k3ref.gpu_check.registry:builtin_adapters`, its entry point (also used
 when the package runs from a source tree without metadata).
 """
@@ -18,6 +20,8 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
+
+from .protocol import Adapter, BrokenAdapter, RunOptions
 
 GROUP = "k3ref.adapters"
 BUILTIN = "k3ref.gpu_check.registry:builtin_adapters"
@@ -60,20 +64,27 @@ def import_module_of(spec):
                                f"{str(e).splitlines()[0] if str(e) else ''})") from e
 
 
-def _instances(obj, where):
-    from .protocol import Adapter
+def _takes_options(fn):
+    import inspect
 
+    try:
+        return "options" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _instances(obj, where, options=None):
     if isinstance(obj, type):
         if not issubclass(obj, Adapter):
             raise AdapterSpecError(f"{where}: {obj.__name__} is not a subclass of k3ref.gpu_check.adapters.Adapter")
         obj = obj()
     elif callable(obj) and not isinstance(obj, Adapter):
-        obj = obj()
+        obj = obj(options=options if options is not None else RunOptions()) if _takes_options(obj) else obj()
     items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
     out = []
     for a in items:
         if isinstance(a, str):
-            out += resolve(a)
+            out += resolve(a, options)
         elif isinstance(a, Adapter):
             out.append(a)
         else:
@@ -81,11 +92,14 @@ def _instances(obj, where):
     for a in out:
         # Remember where it came from: the child process imports that module before unpickling.
         a._k3ref_spec = where if isinstance(where, str) and ":" in where else getattr(a, "_k3ref_spec", None)
+        if options is not None:
+            a.options = options
     return out
 
 
-def resolve(spec):
-    """The adapters a spec names (a list); raises AdapterSpecError with a one-line reason."""
+def resolve(spec, options=None):
+    """The adapters a spec names (a list), given `options` (the run's RunOptions; None: the
+    defaults); raises AdapterSpecError with a one-line reason."""
     if not isinstance(spec, str) or ":" not in spec:
         raise AdapterSpecError(f"adapter '{spec}': expected MODULE:NAME (e.g. mypkg.kernels:MyKernel or file.py:MyKernel)")
     mod = import_module_of(spec)
@@ -96,7 +110,7 @@ def resolve(spec):
             raise AdapterSpecError(f"adapter '{spec}': {mod.__name__} has no attribute '{attr}'")
         obj = getattr(obj, part)
     try:
-        return _instances(obj, spec)
+        return _instances(obj, spec, options)
     except AdapterSpecError:
         raise
     except Exception as e:
@@ -119,22 +133,20 @@ def entry_point_specs():
     return found
 
 
-def discover(specs=(), conftest_specs=(), entry_points=True):
-    """All adapters: entry points (unless entry_points=False), then conftest's, then the
-    specs given. Returns (adapters, requested names). Explicitly given specs that fail raise
+def discover(specs=(), conftest_specs=(), entry_points=True, options=None):
+    """All adapters, given the run's `options`: entry points (unless entry_points=False), then
+    conftest's, then the specs given. Returns (adapters, requested names). Explicitly given specs that fail raise
     AdapterSpecError; an installed entry point that fails becomes an adapter that is not
     available, with the reason. Names must be unique."""
-    from .protocol import Adapter
-
     adapters, requested = [], set()
     if entry_points:
         for name, value in entry_point_specs():
             try:
-                adapters += resolve(value)
+                adapters += resolve(value, options)
             except AdapterSpecError as e:
-                adapters.append(_broken(f"entry-point:{name}", str(e)))
+                adapters.append(BrokenAdapter(f"entry-point:{name}", str(e)))
     for spec in list(conftest_specs) + list(specs):
-        got = resolve(spec) if isinstance(spec, str) else _instances(spec, "conftest k3ref_adapters")
+        got = resolve(spec, options) if isinstance(spec, str) else _instances(spec, "conftest k3ref_adapters", options)
         requested.update(a.name for a in got)
         adapters += got
     unique, seen = [], {}
@@ -148,12 +160,6 @@ def discover(specs=(), conftest_specs=(), entry_points=True):
         unique.append(a)
     assert all(isinstance(a, Adapter) for a in unique)
     return unique, requested
-
-
-def _broken(name, reason):
-    from .protocol import BrokenAdapter
-
-    return BrokenAdapter(name, reason)
 
 
 # The built-in adapters, one spec per upstream project's module, resolved as any entry point
@@ -176,18 +182,18 @@ SCALE_REFERENCE_HOST = "k3ref.gpu_check.adapters:HostReferenceAdapter"
 TIERS = {"scale": "k3ref.gpu_check.scale"}
 
 
-def builtin_adapters():
+def builtin_adapters(options=None):
     """The adapters of the kernels k3ref knows (the package's own `k3ref.adapters` entry
     point): libk3gc's fp64 reference and fp32 kernel and its mutants, FLA, FlashKDA, Liger's
     AttnRes, torchtitan's Quantile Balancing, FLA's serving paths (serving_check.py) and the serving
     engines' own kernels (engine_vllm.py, engine_sglang.py, engine_tokenspeed.py)."""
-    return [a for spec in BUILTIN_SPECS + ENGINE_SPECS for a in resolve(spec)]
+    return [a for spec in BUILTIN_SPECS + ENGINE_SPECS for a in resolve(spec, options)]
 
 
-def kernel_by_name(name, extra=()):
+def kernel_by_name(name, extra=(), options=None):
     """The adapter called `name` (as reports print it): built-in, a CPU test kernel, or one of
     `extra`. Unknown names raise ValueError with the known ones."""
-    known = list(extra) + builtin_adapters() + resolve(TEST_KERNELS)
+    known = list(extra) + builtin_adapters(options) + resolve(TEST_KERNELS, options)
     for a in known:
         if a.name == name:
             return a

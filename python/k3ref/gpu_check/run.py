@@ -30,7 +30,7 @@ from pathlib import Path
 
 from . import collection
 from .collection import mutant_outcome, outcome
-from .protocol import KERNEL_PATHS, CheckResult, MutantTest, RunOptions, Test, UsageError, write_json
+from .protocol import KERNEL_PATHS, CheckResult, MutantTest, RunOptions, Test, UsageError, kernel_paths_of, settings_of, write_json
 from .registry import AdapterSpecError, discover, tier
 
 
@@ -49,7 +49,7 @@ def default_goldens(option="--goldens"):
 
 
 def csv_list(text):
-    return [s for s in text.split(",") if s] if text else None
+    return tuple(s for s in text.split(",") if s) if text else None
 
 
 def load_suite(directory, ops):
@@ -91,7 +91,7 @@ def select_adapters(opts, conftest_objects=(), goldens_option="--k3ref-goldens")
 
     try:
         adapters, requested = discover(specs=opts.adapters, conftest_specs=conftest_objects,
-                                       entry_points=opts.builtin)
+                                       entry_points=opts.builtin, options=opts)
     except AdapterSpecError as e:
         raise UsageError(str(e)) from e
     try:
@@ -121,38 +121,35 @@ def select_adapters(opts, conftest_objects=(), goldens_option="--k3ref-goldens")
 
 PLAN_VERSION = 1
 
-def _csv(text):
-    return tuple(s for s in text.split(",") if s) if text else None
-
-
 def options_of(config):
-    """The RunOptions of a pytest config (the plugin's options)."""
+    """The RunOptions of a pytest config (the plugin's options; a kernel path or the cache
+    directory not given there comes from its environment variable, read here once)."""
+    from . import warmup
+
     g = config.getoption
-    paths = tuple((env, str(Path(g("k3ref_" + dest)).resolve())) for dest, env, _ in KERNEL_PATHS
-                  if g("k3ref_" + dest))
     return RunOptions(
         adapters=tuple(g("k3ref_adapter")), builtin=bool(g("k3ref_builtin")),
-        only=_csv(g("k3ref_only")), no_mutants=bool(g("k3ref_no_mutants")), checks=_csv(g("k3ref_checks")),
-        cases=_csv(g("k3ref_cases")), goldens=g("k3ref_goldens"), device=g("k3ref_device"),
+        only=csv_list(g("k3ref_only")), no_mutants=bool(g("k3ref_no_mutants")), checks=csv_list(g("k3ref_checks")),
+        cases=csv_list(g("k3ref_cases")), goldens=g("k3ref_goldens"), device=g("k3ref_device"),
         known_limitations=g("k3ref_known_limitations"), policy=g("k3ref_policy"), check_timeout=float(g("k3ref_check_timeout")),
         load_timeout=float(g("k3ref_load_timeout")), budget=float(g("k3ref_budget")),
         isolate=not g("k3ref_no_isolation"), report=g("k3ref_report"), warmup=not g("k3ref_no_warmup"),
         warmup_jobs=g("k3ref_warmup_jobs"), warmup_timeout=float(g("k3ref_warmup_timeout")),
-        warmup_shards=g("k3ref_warmup_shards"),
-        autotune_configs=g("k3ref_autotune_configs"), cache_dir=g("k3ref_cache_dir"), kernel_paths=paths,
-        tier=g("k3ref_tier"), backward=g("k3ref_backward"))
+        warmup_shards=g("k3ref_warmup_shards"), autotune_configs=g("k3ref_autotune_configs"),
+        cache_dir=str(warmup.cache_dir(g("k3ref_cache_dir"))),
+        kernel_paths=kernel_paths_of({name: g("k3ref_" + name) for name, _, _ in KERNEL_PATHS}),
+        tier=g("k3ref_tier"), backward=g("k3ref_backward"),
+        scale_limits=g("k3ref_scale_limits") or os.environ.get("K3REF_SCALE_LIMITS"),
+        settings=settings_of(g("k3ref_set")))
 
 
 def apply_environment(opts):
-    """The kernels' checkout paths and the cache directory as the environment variables the
-    adapters and the warm-up's workers read (before any kernel is imported; pytest-xdist's
-    workers inherit them)."""
-    for env, path in opts.kernel_paths:
-        os.environ[env] = path
-    from . import autotune, warmup
+    """What the run's third-party libraries read from the environment, set before any kernel is
+    imported (pytest-xdist's and the warm-up's workers inherit it): Triton's cache directory
+    under the run's. libk3gc's path is the run's (lib.use), where one is given."""
+    from . import warmup
 
     warmup.configure_cache(opts.cache_dir)
-    os.environ[autotune.MODE_VARIABLE] = opts.autotune_configs or "winner"
 
 
 def group_of(adapter):
@@ -205,14 +202,14 @@ def make(opts, conftest_objects=(), progress=print):
     shape_plan = shapes.build(tests, suite, goldens.load_case)
     tests = shapes.order(tests, shape_plan)
     lap("shape_plan_s")
-    speed = {"planning_phases": phases, "cache_dir": os.environ.get(warmup.CACHE_VARIABLE), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+    speed = {"planning_phases": phases, "cache_dir": opts.cache_dir, "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
              "shape_plan": shape_plan.summary(), "autotune_configs": opts.autotune_configs}
     progress(shapes.plan_line(speed["shape_plan"]))
     warm_up = None
     pending = {}
     if opts.warmup and shape_plan.shapes:
         selected = warmup.select(shapes.units(shape_plan, adapters), device,
-                                 warmup.warm_keys(os.environ.get(warmup.CACHE_VARIABLE)))
+                                 warmup.warm_keys(opts.cache_dir))
         for unit in selected[0]:
             key = warmup.pending_key(unit[0].name, warmup.is_backward(unit[1]))
             pending[key] = pending.get(key, 0) + 1
@@ -254,16 +251,16 @@ def make_scale(opts, conftest_objects=()):
     mutant's case tests record whether that case caught it and never fail, and its test
     `MUTANT-scale-caught`, last in its group, fails when none did (the controller judges it
     from their results: pytest_plugin). No warm-up: each kernel compiles its shapes in its
-    first case. The limits ($K3REF_SCALE_LIMITS) go into the plan, for the workers."""
+    first case. The limits (--k3ref-scale-limits) go into the plan, for the workers."""
     scale = tier("scale")
     if opts.checks:
         raise UsageError("--checks: the scale tier has no checks to pick; --cases picks its cases "
                                    f"({', '.join(scale.CASES)})")
     kernels, requested = scale.select_kernels(opts, conftest_objects)
     cases = scale.cases_of(opts.cases)
-    limits = scale.environment_limits()
+    limits = scale.limits_of(opts)
     device = device_of(opts.device)
-    ref = scale.reference_adapter(device)
+    ref = scale.reference_adapter(device, opts)
     entries, facts = [], {}
 
     def add(a, check, case, **extra):
@@ -325,7 +322,7 @@ def _warm_up_of(selected, opts, device, speed, progress):
                       "totals": {"compile_s": 0.0, "autotune_s": 0.0, "compiles": 0, "configs_benchmarked": 0}}
         speed["warmup"] = record
         if any(g.get("status") not in ("skipped", "warm") for g in record["groups"]):
-            warmup.write_record(record, os.environ.get(warmup.CACHE_VARIABLE) or ".")
+            warmup.write_record(record, opts.cache_dir or ".")
         progress(warmup.table(record))
         with lock:
             write_status(done=True, record=record)
@@ -389,6 +386,10 @@ class Executor:
         self.scale = scale   # the plan's scale section (limits, ...) of a --k3ref-tier scale run
         self.conftest_objects = conftest_objects
         self.device = device_of(opts.device)
+        if opts.kernel_path("lib"):
+            from . import lib
+
+            lib.use(opts.kernel_path("lib"))
         self._adapters = None
         self.requested = set()
         self.loaded = {}     # adapter name -> {available, reason, version, import_s, timing}
@@ -508,7 +509,7 @@ class Executor:
         """The scale tier's reference_vs_goldens test: the reference the tier computes with, on
         the goldens (not a selected adapter: scale.reference_adapter of the device)."""
         try:
-            res = tier("scale").reference_vs_goldens(self.device, self.opts.goldens)[0]
+            res = tier("scale").reference_vs_goldens(self.device, self.opts.goldens, options=self.opts)[0]
         except (KeyboardInterrupt, GeneratorExit):
             raise
         except BaseException as e:

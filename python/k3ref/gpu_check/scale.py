@@ -467,13 +467,13 @@ CASE_FUNCTIONS = {"ragged_tail": case_ragged_tail, "long_sequence": case_long_se
 assert tuple(CASE_FUNCTIONS) == CASES[1:]  # the order they run in
 
 
-def reference_vs_goldens(device, goldens=None, reference=None):
+def reference_vs_goldens(device, goldens=None, reference=None, options=None):
     """The tier's reference (reference_adapter(device), or the adapter given) on every KDA
     golden inside its domain, judged as the default tier judges it (rel RMS <= 1e-12 against
     the 256-bit goldens)."""
     from .. import goldens as G
 
-    ref = reference or reference_adapter(device)
+    ref = reference or reference_adapter(device, options)
     if not ref.available():
         return [CheckResult(ref.name, "scale", "reference_vs_goldens", "error", "not available: " + ref.unavailable_reason)]
     ref.device_sync = str(device).startswith("cuda")
@@ -508,14 +508,14 @@ def run_case(adapter, case, L=FULL, device="cuda"):
     return res
 
 
-def reference_adapter(device):
+def reference_adapter(device, options=None):
     """The tier's reference as an adapter (reference_vs_goldens judges it on the goldens): the one
     reference() computes with, libk3gc's fp64 kernel on a CUDA device, else k3ref's compiled
     reference in double."""
     from . import registry
 
     return registry.resolve(registry.SCALE_REFERENCE_CUDA if str(device).startswith("cuda")
-                            else registry.SCALE_REFERENCE_HOST)[0]
+                            else registry.SCALE_REFERENCE_HOST, options)[0]
 
 
 def select_kernels(opts, conftest_objects=()):
@@ -526,9 +526,10 @@ def select_kernels(opts, conftest_objects=()):
     for (one that is not available fails). Raises UsageError (one line)."""
     from . import registry
 
-    kernels = registry.resolve(registry.SCALE_KERNELS)
+    kernels = registry.resolve(registry.SCALE_KERNELS, opts)
     try:
-        given, _ = registry.discover(specs=opts.adapters, conftest_specs=conftest_objects, entry_points=False)
+        given, _ = registry.discover(specs=opts.adapters, conftest_specs=conftest_objects, entry_points=False,
+                                     options=opts)
     except registry.AdapterSpecError as e:
         raise UsageError(str(e)) from e
     given = [a for a in given if getattr(a, "family", "") == "kda" and hasattr(a, "unsupported")]  # KdaAdapter.run
@@ -562,13 +563,13 @@ def cases_of(names):
     return tuple(c for c in CASES if c in names)
 
 
-def environment_limits():
-    """The Limits of $K3REF_SCALE_LIMITS (FULL without it); a bad value is a one-line UsageError."""
-
+def limits_of(opts):
+    """The Limits of a run (RunOptions.scale_limits: --k3ref-scale-limits, else
+    $K3REF_SCALE_LIMITS; FULL without either); a bad value is a one-line UsageError."""
     try:
-        return limits_from(os.environ.get("K3REF_SCALE_LIMITS"))
+        return limits_from(opts.scale_limits)
     except ValueError as e:
-        raise UsageError(f"$K3REF_SCALE_LIMITS: {e}") from None
+        raise UsageError(f"--k3ref-scale-limits {opts.scale_limits!r}: {e}") from None
 
 
 def mutant_verdict(results):

@@ -69,7 +69,7 @@ from .. import goldens as golden_io, policy
 from . import references, torch_model
 from .problems import TOKEN_INPUTS
 from .protocol import Adapter, CheckResult, bits, outside_domain, source_identity
-from .upstream import bare_packages, env_path, fla_option_kwargs, fla_version, load_fla, module_version, need_cuda
+from .upstream import bare_packages, fla_option_kwargs, fla_version, load_fla, module_version, need_cuda
 
 PAD = -1
 POOL_OPS = ("serving.decode", "serving.verify")
@@ -1138,7 +1138,6 @@ class FlaServingAdapter(ServingModes, ServingAdapter):
 
     requires_cuda = True
     split_bitwise = True
-    fla_path = None
     _unpicklable = ("fwd", "plain")
     policy = "fla-serving"  # policy/policies.json: the bounds below
     o_bound = PolicyBound("serving.decode", "o")
@@ -1153,7 +1152,7 @@ class FlaServingAdapter(ServingModes, ServingAdapter):
 
     def load(self):
         need_cuda()
-        load_fla(env_path("K3REF_FLA_PATH", FlaServingAdapter.fla_path))
+        load_fla(self.path_of("fla_path"))
         import importlib
 
         mod = importlib.import_module("fla.ops.kda.fused_recurrent")
@@ -1203,7 +1202,6 @@ class FlaChunkIntermediateAdapter(ServingAdapter):
     call for the empty-sequence check."""
 
     requires_cuda = True
-    fla_path = None
     _unpicklable = ("fn",)
     modes = ("intermediate", "varlen")
     golden_ops = CHECKPOINT_OPS
@@ -1223,7 +1221,7 @@ class FlaChunkIntermediateAdapter(ServingAdapter):
 
     def load(self):
         need_cuda()
-        self.fn = load_fla(env_path("K3REF_FLA_PATH", FlaChunkIntermediateAdapter.fla_path)).chunk_kda
+        self.fn = load_fla(self.path_of("fla_path")).chunk_kda
 
     def version(self):
         return fla_version()
@@ -1269,7 +1267,7 @@ class FlashKdaVarlenAdapter(ServingAdapter):
     def load(self):
         from .registry import resolve
 
-        [self.inner] = resolve(self.inner_spec)
+        [self.inner] = resolve(self.inner_spec, self.options)
         self.inner.load()
 
     def version(self):
@@ -1427,7 +1425,6 @@ def main(argv=None):
     kernel, as gpu_check/device_engines.sh runs them) in one file, and the table."""
     import argparse
     import json
-    import os
 
     ap = argparse.ArgumentParser(prog="python3 -m k3ref.gpu_check.serving_check", description=main.__doc__)
     ap.add_argument("--engines", action="store_true", help="the serving engines' kernels (engine_vllm, engine_sglang, engine_tokenspeed)")
@@ -1448,13 +1445,12 @@ def main(argv=None):
     ap.add_argument("--measured-on", metavar="TEXT", help="the device the rows were measured on, for --measurement "
                     "with --merge of rows from another machine (default: this process's device)")
     args = ap.parse_args(argv)
-    for opt, env in (("vllm_path", "K3REF_VLLM_PATH"), ("sglang_path", "K3REF_SGLANG_PATH"),
-                     ("tokenspeed_path", "K3REF_TOKENSPEED_PATH"), ("fla_path", "K3REF_FLA_PATH")):
-        if getattr(args, opt):
-            os.environ[env] = str(Path(getattr(args, opt)).resolve())
+    from .protocol import RunOptions, kernel_paths_of
     from .registry import ENGINE_SPECS, resolve  # the engines' modules import this one: named, not imported
 
-    adapters = [a for spec in ENGINE_SPECS for a in resolve(spec)] if args.engines else serving_adapters()
+    opts = RunOptions(device=args.device, kernel_paths=kernel_paths_of(vars(args)))
+    specs = ENGINE_SPECS if args.engines else ("k3ref.gpu_check.serving_check:serving_adapters",)
+    adapters = [a for spec in specs for a in resolve(spec, opts)]
     if args.only:
         wanted = set(args.only.split(","))
         adapters = [a for a in adapters if a.name in wanted]

@@ -2,10 +2,8 @@
 not a reference. The built-in CPU test kernels (`torch.fp64_bf16` and its mutants), the serving
 and CP models and the tests' stand-ins are built on it; what they are judged against comes from
 references.py (k3ref's compiled references, libk3gc's fp64 kernel for long cases)."""
-import math
 
 import torch
-import torch.nn.functional as F
 
 
 def prepare(inputs, params):

@@ -1,5 +1,5 @@
 """Loading the upstream projects' kernels, for every adapter module: a checkout's directory
-(the adapter's setting, else its environment variable), the CUDA device a kernel needs, a
+on sys.path (add_path; the adapter finds it with path_of), the CUDA device a kernel needs, a
 module's version line, FLA's fla.ops.kda imported without its packages' __init__ (and an
 engine's modules the same way: bare_packages), FLA's version line and its keyword arguments
 for k3ref's KDA options."""
@@ -16,11 +16,6 @@ from .protocol import source_identity
 def add_path(path):
     if path and path not in sys.path:
         sys.path.insert(0, path)
-
-
-def env_path(variable, override=None):
-    """A third-party checkout's directory: the adapter's own setting, else the environment."""
-    return override or os.environ.get(variable) or None
 
 
 def need_cuda():

@@ -51,7 +51,8 @@ BENCHMARK_MS = (5, 20)
 
 
 def cache_dir(path=None):
-    """The cache directory: `path`, else $K3REF_CACHE_DIR, else ~/.cache/k3ref."""
+    """The cache directory: `path`, else $K3REF_CACHE_DIR, else ~/.cache/k3ref (a front end
+    calls this once, for the run's RunOptions.cache_dir)."""
     if path:
         return Path(path).expanduser().resolve()
     if os.environ.get(CACHE_VARIABLE):
@@ -60,10 +61,9 @@ def cache_dir(path=None):
 
 
 def configure_cache(path=None):
-    """Points Triton at DIR/triton (TRITON_CACHE_DIR, inherited by every child) and
-    $K3REF_CACHE_DIR at DIR; returns DIR. Call before any kernel is imported."""
+    """Points Triton at DIR/triton (TRITON_CACHE_DIR, Triton's own setting, inherited by every
+    child); returns DIR (cache_dir(path)). Call before any kernel is imported."""
     d = cache_dir(path)
-    os.environ[CACHE_VARIABLE] = str(d)
     os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
     # Triton's knob that makes every autotuner keep its results on disk, not only those
     # decorated with cache_results=True (FLA's are; Liger's are not). An explicit 0 is kept.
@@ -140,7 +140,7 @@ class Worker:
             return
         self._release()
 
-    def run(self, unit, device, timeout, env, index, role=None):
+    def run(self, unit, device, timeout, index, role=None):
         """`role`: what the job adds for a shard ({"shard": [index, count]}) or for the unit
         that merges its shards ({"replay": their timings})."""
         import queue
@@ -150,7 +150,7 @@ class Worker:
         job, out = Path(self.workdir) / f"job_{index}.pickle", Path(self.workdir) / f"out_{index}.json"
         spec = getattr(adapter, "_k3ref_spec", None)
         try:
-            payload = pickle.dumps({"sys_path": list(sys.path), "env": dict(env), "device": str(device),
+            payload = pickle.dumps({"sys_path": list(sys.path), "device": str(device),
                                     "modules": [spec] if spec else [], "adapter": pickle.dumps(adapter),
                                     "recipes": recipes, **(role or {})})
         except Exception as e:
@@ -345,16 +345,15 @@ def schedule(todo, roles=None):
     return sorted(range(len(todo)), key=lambda i: -cost[i]), waits_for
 
 
-def run_units(work, device, jobs=None, timeout=1800.0, progress=None, env=None, warm=None, shards=None):
+def run_units(work, device, jobs=None, timeout=1800.0, progress=None, warm=None, shards=None):
     """Warms up the units `work` (shapes.units of a shape plan, or prop's buckets), `jobs`
     worker processes at a time: select, then run_selected. Returns the record: {jobs, wall_s,
     groups: [per group], totals}. `warm`: keys (unit_key) of units an earlier warm-up finished
     into the same cache directory; they are not run again."""
-    return run_selected(select(work, device, warm), device, jobs, timeout, progress, env, shards=shards)
+    return run_selected(select(work, device, warm), device, jobs, timeout, progress, shards=shards)
 
 
-def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env=None, on_unit_done=None,
-                 shards=None):
+def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, on_unit_done=None, shards=None):
     """Runs the units select() kept on `jobs` persistent workers, each backward unit as
     `shards` shards and their merge (shard_units); on_unit_done(pending_key) after each unit (a
     shard is not one). Returns the warm-up record."""
@@ -397,7 +396,7 @@ def run_selected(selected, device, jobs=None, timeout=1800.0, progress=None, env
                          else {"replay": timings.get(i, {})} if role else None)
                 rec = None
                 try:
-                    rec = w.run(unit, device, timeout, env or {}, next(counter), extra)
+                    rec = w.run(unit, device, timeout, next(counter), extra)
                 finally:
                     with cond:
                         if rec is not None and role and role[0] == "shard":

@@ -53,7 +53,6 @@ def child(job_path, out_path):
     with open(job_path, "rb") as f:
         job = pickle.load(f)
     sys.path[:] = job["sys_path"]
-    os.environ.update(job.get("env", {}))
     t0 = time.perf_counter()
     rec = {"started": time.time(), "shapes": len(job["recipes"]), "errors": [], "kernels": [], "pid": os.getpid()}
     from . import autotune, timing
