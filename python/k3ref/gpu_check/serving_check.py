@@ -181,35 +181,31 @@ def kda_inputs(t, device, op="serving.decode", params=None):
 
 # --------------------------------------------------------------------------- judging
 
-def rel_rms(x, ref):
-    """The one judge's rel RMS (k3ref::check::compare, through k3ref.policy.measure)."""
-    return policy.measure(x, ref, "fp64")["rel_rms"]
-
-
-def floor_of(ref, dtype):
-    """The relative RMS error of rounding the exact result to `dtype` (the irreducible floor)."""
-    return policy.measure(ref, ref, dtype)["floor_rel_rms"]
-
-
 class Bound:
-    """A kernel's bound for one tensor: `multiple` times the floor of its storage dtype, and never
-    below `at_least` (the fp64 kernels' noise)."""
+    """A serving kernel's bound on one tensor: the rule of `tensor` of operator `op` under a
+    policy of the table (policy/policies.json), with a floor never below at_least / multiple (a
+    bound never below `at_least`: the fp64 kernels' noise), applied by the one judge
+    (k3ref.policy.judge, check:: in C++). A policy without that rule raises KeyError (one line)."""
 
-    def __init__(self, dtype, multiple, at_least=1e-12):
-        self.dtype, self.multiple, self.at_least = dtype, multiple, at_least
-
-    def of(self, ref):
-        return max(self.multiple * floor_of(ref, self.dtype), self.at_least)
-
-    @classmethod
-    def from_policy(cls, policy_name, op, tensor, at_least=1e-12):
-        """The bound a floor rule of the policy table (policy/policies.json) gives `tensor` of `op`."""
+    def __init__(self, policy_name, op, tensor, at_least=1e-12):
         rule = policy.load_table().rules(policy_name, op)[tensor]
-        if rule.metric != "floor":
-            raise ValueError(f"policy {policy_name}: {op}.{tensor} is judged by '{rule.metric}', the serving checks "
-                             "take floor rules")
-        dtypes = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        return cls(dtypes[rule.floor_dtype], rule.multiple, at_least)
+        if rule.metric not in ("floor", "rel-rms"):
+            raise ValueError(f"policy {policy_name}: {op}.{tensor} is judged by '{rule.metric}'; the serving checks "
+                             "take floor and rel-rms rules")
+        self.policy, self.op, self.tensor, self.at_least = policy_name, op, tensor, at_least
+        self.metric, self.multiple, self.dtype, self.rel_rms_bound = rule.metric, rule.multiple, rule.floor_dtype, rule.bound
+
+    def judge(self, got, ref):
+        """(rel RMS, bound, passed) of `got` against `ref`: a non-finite value where the
+        reference is finite fails."""
+        at_least = {self.tensor: self.at_least / self.multiple} if self.metric == "floor" else None
+        r = policy.judge({self.tensor: ref}, {self.tensor: got}, self.op, self.policy, tensors=[self.tensor],
+                         floor_at_least=at_least)[self.tensor]
+        return r.rel_rms, r.bound, r.passed
+
+    def describe(self):
+        """The bound as a table prints it: "2 x bf16 floor", "rel RMS 1e-12"."""
+        return f"{self.multiple:g} x {self.dtype} floor" if self.metric == "floor" else f"rel RMS {self.rel_rms_bound:g}"
 
 
 class PolicyBound:
@@ -220,7 +216,7 @@ class PolicyBound:
         self.op, self.tensor, self.at_least = op, tensor, at_least
 
     def __get__(self, obj, owner):
-        return Bound.from_policy(owner.policy, self.op, self.tensor, self.at_least)
+        return Bound((owner if obj is None else obj).policy, self.op, self.tensor, self.at_least)
 
 
 class BuiltinDomain:
@@ -287,13 +283,13 @@ def _judge_tensors(pairs, check, problems, metrics):
         if tuple(got.shape) != tuple(ref.shape):
             problems.append(f"{label}: shape {list(got.shape)}, golden {list(ref.shape)}")
             continue
-        rel, limit = rel_rms(got, ref), bound.of(ref)
+        rel, limit, passed = bound.judge(got, ref)
         worst = max(worst, rel / limit)
         metrics[label] = rel
         if not _finite(got):
             problems.append(f"{label}: non-finite values" + (" (a poisoned element leaked)" if check == "slot_isolation"
                                                              else ""))
-        elif rel > limit:
+        elif not passed:
             problems.append(f"{label}: relative RMS error {rel:.3e} > bound {limit:.3e}")
     return worst
 
@@ -323,12 +319,14 @@ class ServingAdapter(Adapter):
     pad_outputs = "zero"
     # The replay's ring caches: held in the golden's dtypes (d, k bf16; g fp32), or all in this one.
     cache_dtype = None
-    cache_bound = Bound(torch.bfloat16, 2.0)
+    # The bounds: rules of the kernel's policy (its default, serving-default: 2x the bf16 floor
+    # on outputs, checkpoints and the bf16 caches, 2x the fp32 floor on the states of its pool).
+    cache_bound = PolicyBound("gdn.replay_decode", "d_cache_out")
     k_cache_bound = g_cache_bound = None  # None: cache_bound (k), state_bound (g)
-    o_bound = Bound(torch.bfloat16, 2.0)
-    state_bound = Bound(torch.float32, 2.0)
-    h_bound = Bound(torch.bfloat16, 2.0)
-    policy = "floor:2"
+    o_bound = PolicyBound("serving.decode", "o")
+    state_bound = PolicyBound("serving.decode", "pool_out")
+    h_bound = PolicyBound("serving.checkpoints", "checkpoints")
+    policy = "serving-default"
     pool_dtype = torch.float32
     # The kernel carries its state between calls in the precision it computes in (FLA: fp32
     # in registers and in the pool), so a prefill split then decode must be bitwise its own
@@ -564,7 +562,7 @@ class ServingAdapter(Adapter):
         """The bound of `tensor` of a golden of `op` under the kernel's policy; a policy without
         rules for the operator fails the check closed, in one line naming it."""
         try:
-            return Bound.from_policy(self.policy, op, tensor)
+            return Bound(self.policy, op, tensor)
         except KeyError as e:
             raise RuntimeError(f"{e.args[0]}: judging the kernel's varlen call on {op} goldens needs that operator's "
                                "rule in policy/policies.json") from None
@@ -719,9 +717,9 @@ class ServingAdapter(Adapter):
                 o = self.decode(inputs, p, pool, slots)
                 got = pool if layout == "k_first" else pool.transpose(-1, -2)
                 for label, x, ref, bound in (("o", o, ref_o, self.o_bound), ("pool", got, ref_pool, self.state_bound)):
-                    rel, limit = rel_rms(x, ref), bound.of(ref)
+                    rel, limit, passed = bound.judge(x, ref)
                     worst = max(worst, rel / limit)
-                    if not (rel <= limit and _finite(x)):
+                    if not (passed and _finite(x)):
                         problems.append(f"K={K}, V={V}, {layout}: {label} relative RMS error {rel:.3e} > {limit:.3e}")
         status = "fail" if problems else "pass"
         only = "" if len(self.layouts) > 1 else f" (its pool is {self.layouts[0]} only: {self.layout_reason})"
@@ -756,9 +754,9 @@ class ServingAdapter(Adapter):
             o = torch.cat(outs, dim=1)
             for label, x, ref, bound in (("o", o, ref_o, self.o_bound), ("final state", pool[1:2], ref_final,
                                                                          self.state_bound)):
-                rel, limit = rel_rms(x, ref), bound.of(ref)
+                rel, limit, passed = bound.judge(x, ref)
                 worst = max(worst, rel / limit)
-                if not (rel <= limit and _finite(x)):
+                if not (passed and _finite(x)):
                     problems.append(f"split {split}: {label} relative RMS error {rel:.3e} > {limit:.3e}")
             bitwise.append(bool(torch.equal(o.to(single_o.dtype), single_o.cpu())) and
                            bool(torch.equal(pool[1:2].cpu(), single_final.to(self.pool_dtype).cpu())))
@@ -792,17 +790,17 @@ class ServingAdapter(Adapter):
         for c in range(min(h.shape[0], expected_chunks)):
             b = c * chunk
             ref = ckpt[b]
-            rel, limit = rel_rms(h[c], ref), self.h_bound.of(ref)
+            rel, limit, passed = self.h_bound.judge(h[c], ref)
             worst = max(worst, rel / limit)
-            if not (rel <= limit and _finite(h[c])):
+            if not (passed and _finite(h[c])):
                 problems.append(f"h[{c}] against the state after {b} tokens: relative RMS error {rel:.3e} > {limit:.3e}")
             for nb in (b - 1, b + 1):
-                if nb in ckpt:
-                    d = rel_rms(h[c], ckpt[nb])
-                    margin = min(margin, d / limit)
-                    if d <= limit:
+                if nb in ckpt:  # judged against the state one token off, h[c] must fail
+                    d, off_limit, off_passed = self.h_bound.judge(h[c], ckpt[nb])
+                    margin = min(margin, d / off_limit)
+                    if off_passed:
                         problems.append(f"h[{c}] is within the bound of the state after {nb} tokens too "
-                                        f"({d:.3e} <= {limit:.3e}): an off-by-one would pass")
+                                        f"({d:.3e} <= {off_limit:.3e}): an off-by-one would pass")
         return CheckResult(self.name, "intermediate_states", case.name, "fail" if problems else "pass",
                            "; ".join(problems)[:600] or f"h[c] = state after c * {chunk} tokens within the bound "
                            f"(worst {worst:.2f}), neighbours at least {margin:.1f} bounds away", ratio=worst)
@@ -868,14 +866,14 @@ class ServingAdapter(Adapter):
                     nan = int(torch.isnan(final[n].float()).sum())
                     problems.append(f"sequence {n} (no tokens): final state is not its initial state ({bad} of "
                                     f"{final[n].numel()} elements differ, {nan} NaN)")
-        rel, limit = rel_rms(o, ref_o), self.o_bound.of(ref_o)
+        rel, limit, passed = self.o_bound.judge(o, ref_o)
         worst = max(worst, rel / limit)
-        if not (rel <= limit and _finite(o)):
+        if not (passed and _finite(o)):
             problems.append(f"o relative RMS error {rel:.3e} > {limit:.3e}")
         full = [n for n, L in enumerate(lengths) if L]
-        rel, limit = rel_rms(final[full], ref_final[full]), self.state_bound.of(ref_final[full])
+        rel, limit, passed = self.state_bound.judge(final[full], ref_final[full])
         worst = max(worst, rel / limit)
-        if not (rel <= limit and _finite(final[full])):
+        if not (passed and _finite(final[full])):
             problems.append(f"final states of the sequences with tokens: relative RMS error {rel:.3e} > {limit:.3e}")
         return CheckResult(self.name, "empty_sequences", "-", "fail" if problems else "pass",
                            "; ".join(problems)[:600] or f"every empty sequence's final state is its initial state bit for "
@@ -903,11 +901,7 @@ class TorchServingAdapter(ServingAdapter):
     modes = ("decode", "verify", "per_token", "pad", "multi_token_decode", "prefill", "intermediate", "varlen",
              "replay")
     golden_ops = POOL_OPS + GDN_POOL_OPS + REPLAY_OPS + CHECKPOINT_OPS
-    # fp64 arithmetic and an fp64 pool against the 256-bit goldens: everything to 1e-12.
-    o_bound = Bound(torch.float64, 1.0)
-    state_bound = Bound(torch.float64, 1.0)
-    h_bound = Bound(torch.float64, 1.0)
-    cache_bound = Bound(torch.float64, 1.0)
+    # fp64 arithmetic and an fp64 pool against the 256-bit goldens: everything to 1e-12 (its policy).
     cache_dtype = pool_dtype = torch.float64
     split_bitwise = True
     policy = "rel-rms:1e-12"
@@ -1317,8 +1311,7 @@ def engine_table(adapters, suite, device, checks=None):
                     continue
                 r = a.run_check(check, case, device)
                 try:
-                    bound = f"{a.o_bound.multiple:g} x {str(a.o_bound.dtype).replace('torch.', '')} floor (o), " \
-                            f"{a.state_bound.multiple:g} x {str(a.state_bound.dtype).replace('torch.', '')} (state)"
+                    bound = f"{a.o_bound.describe()} (o), {a.state_bound.describe()} (state)"
                 except Exception as e:
                     bound = f"unreadable: {e}"
                 rows.append(dict(kernel=a.name, check=check, case=case_id,
