@@ -1,6 +1,7 @@
 // k3ref._core: the policy table and the judge (k3ref::check), the one place a figure is
 // computed and judged for the Python package as for `k3ref compare`. k3ref.policy wraps
 // these in its Verdict and TensorResult; every tensor arrives as a float64 array.
+#include <cmath>
 #include <map>
 
 #include "core.h"
@@ -178,6 +179,40 @@ void register_check(py::module_& m) {
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = check::rel_rms_of_sums(err_sq[i], ref_sq[i]);
     return out;
   }, py::arg("err_sq"), py::arg("ref_sq"));
+  // The verdict of the rule of `tensor` of `op` under `policy` on figures measured elsewhere
+  // (libk3gc's comparator on the device): check::judge_figures. `figures` holds compare's keys;
+  // one the comparator does not give is taken as "nothing to report" (-1 for an index, 0 for a
+  // count; finite_pairs: count, the comparator reporting a non-finite mismatch by its index),
+  // but max_abs as unknown (infinite: never read as equality, which passes a floor rule).
+  m.def("judge_figures", [](const PolicyTable& table, const std::string& policy, const std::string& op,
+                            const std::string& tensor, const py::dict& figures, double contract_error, double ulp_scale) {
+    const auto rules = table.rules(policy, op);
+    const auto rule = rules.find(tensor);
+    if (rule == rules.end()) throw InvalidArgument("judge_figures: " + op + " has no output '" + tensor + "'");
+    auto get = [&](const char* key, auto fallback) {
+      return figures.contains(key) ? figures[key].cast<decltype(fallback)>() : fallback;
+    };
+    check::Metrics m;
+    m.count = get("count", std::int64_t{0});
+    m.rel_rms = get("rel_rms", 0.0);
+    m.floor_rel_rms = get("floor_rel_rms", 0.0);
+    m.max_abs = get("max_abs", double(INFINITY));
+    m.max_abs_index = get("max_abs_index", std::int64_t{-1});
+    m.max_ulp = get("max_ulp", 0.0);
+    m.max_ulp_index = get("max_ulp_index", std::int64_t{-1});
+    m.candidate_nan = get("candidate_nan", std::int64_t{0});
+    m.candidate_inf = get("candidate_inf", std::int64_t{0});
+    m.reference_nan = get("reference_nan", std::int64_t{0});
+    m.reference_inf = get("reference_inf", std::int64_t{0});
+    m.first_nonfinite_mismatch = get("first_nonfinite_mismatch", std::int64_t{-1});
+    m.first_zero_sign_mismatch = get("first_zero_sign_mismatch", std::int64_t{-1});
+    m.finite_pairs = get("finite_pairs", m.count);
+    check::TensorJudgement res;
+    res.tensor = tensor;
+    check::judge_figures(res, m, rule->second, contract_error, ulp_scale);
+    return tensor_dict(res);
+  }, py::arg("table"), py::arg("policy"), py::arg("op"), py::arg("tensor"), py::arg("figures"),
+        py::arg("contract_error") = 0.0, py::arg("ulp_scale") = 1.0);
   m.def("judge_agreement", [](double rel_rms, std::int64_t first_nonfinite_mismatch, double nominal_floor, double least,
                               double multiple) {
     using namespace pybind11::literals;

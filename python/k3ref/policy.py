@@ -34,6 +34,8 @@ judge(expected, candidate, op, policy="floor:2", *, tensors=None, known=(), tabl
   index) plus one per unknown candidate tensor. Verdict.to_dict() is the JSON `k3ref
   compare --json` writes.
 
+judge_figures(figures, op, tensor, policy, contract_error=0.0) -> TensorResult: the same rule
+    applied to figures measured elsewhere (libk3gc's comparator on the device).
 judge_case(case, candidate, policy, **kw)   the same for a golden case object (.op,
     .expected, .tensors, .params), e.g. k3ref.goldens' or gpu_check.golden's.
 measure(candidate, reference, dtype) -> dict: check::compare's figures of one pair.
@@ -283,6 +285,21 @@ def judge(expected: Mapping[str, Any], candidate: Mapping[str, Any], op: str, po
                       dict(floor_at_least or {}), _seqlens(cu_seqlens), state_layout == "v_first")
     return Verdict(j["op"], j["policy"], j["exit_code"], j["reason"], [TensorResult(**r) for r in j["tensors"]],
                    j["table"])
+
+
+def judge_figures(figures: Mapping[str, Any], op: str, tensor: str, policy: str, *, contract_error: float = 0.0,
+                  ulp_scale: float = 1.0, table: PolicyTable | None = None) -> TensorResult:
+    """The one judge's verdict on figures measured elsewhere (check::judge_figures): the rule of
+    `tensor` of `op` under `policy` applied to `figures` (compare's keys: rel_rms,
+    floor_rel_rms, first_nonfinite_mismatch, ...), as judge() applies it after comparing on the
+    host. For tensors compared where they lie (libk3gc's comparator on the device, its sums made
+    figures by rel_rms_of_sums). KeyError (one line) for an unknown policy or operator."""
+    try:
+        r = _core().judge_figures((table or load_table())._t, policy, op, tensor, dict(figures), contract_error,
+                                  ulp_scale)
+    except ValueError as e:
+        raise KeyError(str(e)) from None
+    return TensorResult(**r)
 
 
 def judge_case(case: Any, candidate: Mapping[str, Any], policy: str = "floor:2", **kw: Any) -> Verdict:

@@ -42,93 +42,15 @@ void apply_rule(TensorJudgement& res, const std::vector<double>& x, const std::v
   const num::Format format = rule.floor_format.value_or(num::Format::fp64);
   Metrics m = compare(x, r, format);
   m.floor_rel_rms = std::max(m.floor_rel_rms, floor_at_least);
-  res.count = m.count;
-  res.candidate_nan = m.candidate_nan;
-  res.candidate_inf = m.candidate_inf;
-  res.first_nonfinite_mismatch = m.first_nonfinite_mismatch;
-  res.rel_rms = m.rel_rms;
-  res.floor = m.floor_rel_rms;
-  res.ratio = m.floor_rel_rms > 0 ? m.rel_rms / m.floor_rel_rms : (m.rel_rms == 0 ? 0.0 : INFINITY);
-  res.max_abs = m.max_abs;
-  res.max_abs_index = m.max_abs_index;
-  res.max_ulp = m.max_ulp;
-  res.max_ulp_index = m.max_ulp_index;
   if (m.max_abs_index >= 0) {
     res.candidate_value = x[m.max_abs_index];
     res.golden_value = r[m.max_abs_index];
   }
-  bool ok = false;
-  std::string why;
-  const std::string dtype = floor_format_name(rule.floor_format);
-  // The ratio to the floor where there is one (a golden exact in the floor dtype has none).
-  const std::string ratio = m.floor_rel_rms > 0 ? "; " + fmt("%.3g", res.ratio) + "x" : "";
-  switch (rule.metric) {
-    case RuleMetric::exact:
-      res.figure = m.max_abs;
-      res.bound = 0;
-      ok = m.max_abs == 0 && m.first_zero_sign_mismatch < 0;
-      why = ok ? "bitwise equal"
-               : m.max_abs != 0
-                   ? "not equal: max abs error " + e3(m.max_abs) + " at flat index " + std::to_string(m.max_abs_index)
-                   : "not equal: 0.0 against -0.0 at flat index " + std::to_string(m.first_zero_sign_mismatch);
-      break;
-    case RuleMetric::floor_multiple:
-      res.figure = m.rel_rms;
-      res.bound = rule.multiple * m.floor_rel_rms;
-      ok = m.rel_rms <= res.bound || m.max_abs == 0;
-      why = "rel RMS " + e3(m.rel_rms) + (ok ? " <= " : " > ") + e3(res.bound) + " (" + fmt("%g", rule.multiple) +
-            " x " + dtype + " floor " + e3(m.floor_rel_rms) + ratio + ")";
-      if (!std::isfinite(m.floor_rel_rms)) {  // fail closed: an infinite floor would pass anything
-        ok = false;
-        why = "the golden overflows " + dtype + ": its floor is infinite";
-      } else if (m.floor_rel_rms >= 1) {  // every value rounds to zero: a sign flip would pass
-        ok = false;
-        why = "the golden underflows " + dtype + ": every value rounds to zero there, its floor is 100 %";
-      }
-      break;
-    case RuleMetric::rel_rms:
-      res.figure = m.rel_rms;
-      res.bound = rule.bound;
-      ok = m.rel_rms <= res.bound;
-      why = "rel RMS " + e3(m.rel_rms) + (ok ? " <= " : " > ") + e3(res.bound) + " (" + dtype + " floor " +
-            e3(m.floor_rel_rms) + ratio + ")";
-      break;
-    case RuleMetric::max_abs_ulps: {
-      double scale = 1;
-      for (std::size_t i = 0; i < r.size(); ++i)
-        if (std::isfinite(r[i]) && std::isfinite(x[i])) scale = std::max(scale, std::fabs(r[i]));
-      res.figure = m.max_abs;
-      res.bound = rule.ulps * std::ldexp(1.0, -num::format_info(format).mantissa_bits) * scale;
-      ok = m.max_abs <= res.bound;
-      why = "max abs error " + e3(m.max_abs) + (ok ? " <= " : " > ") + e3(res.bound) + " (" + fmt("%g", rule.ulps) +
-            " " + dtype + " ulps of max(1, max |golden|) = " + e3(scale) + ")";
-      break;
-    }
-    case RuleMetric::contract: {
-      res.contract = rule.contract;
-      res.contract_error = compare(*contract, r, format).rel_rms;
-      const double scale = std::max(m.floor_rel_rms, res.contract_error);
-      res.figure = m.rel_rms;
-      res.bound = rule.multiple * scale;
-      res.ratio = scale > 0 ? m.rel_rms / scale : (m.rel_rms == 0 ? 0.0 : INFINITY);
-      ok = m.rel_rms <= res.bound;
-      why = "rel RMS " + e3(m.rel_rms) + (ok ? " <= " : " > ") + fmt("%g", rule.multiple) + " x max(" + dtype +
-            " floor " + e3(m.floor_rel_rms) + ", contract " + rule.contract + " " + e3(res.contract_error) + ") (" +
-            fmt("%.3g", res.ratio) + "x)";
-      break;
-    }
-  }
-  if (m.first_nonfinite_mismatch >= 0) {
-    ok = false;
-    why = "NaN/Inf where the golden has none (or the reverse), first at flat index " +
-          std::to_string(m.first_nonfinite_mismatch);
-  } else if (m.count > 0 && m.finite_pairs == 0) {  // a figure over nothing vouches for nothing
-    ok = false;
-    why = "no finite value compared (" + std::to_string(m.count) + " non-finite pairs)";
-  }
-  res.passed = ok;
-  res.status = ok ? "pass" : "fail";
-  res.reason = why;
+  double ulp_scale = 1;  // max(1, max |golden|) over the finite pairs: max-abs-ulps rules
+  if (rule.metric == RuleMetric::max_abs_ulps)
+    for (std::size_t i = 0; i < r.size(); ++i)
+      if (std::isfinite(r[i]) && std::isfinite(x[i])) ulp_scale = std::max(ulp_scale, std::fabs(r[i]));
+  judge_figures(res, m, rule, contract ? compare(*contract, r, format).rel_rms : 0.0, ulp_scale);
 }
 
 std::vector<std::int64_t> unravel(std::int64_t index, const Shape& shape) {
@@ -188,6 +110,96 @@ std::string describe_index(const std::vector<std::string>& axes, const std::vect
   }
   return s + ")";
 }
+
+void judge_figures(TensorJudgement& res, const Metrics& m, const TensorRule& rule, double contract_error,
+                   double ulp_scale) {
+  const num::Format format = rule.floor_format.value_or(num::Format::fp64);
+  res.metric = metric_name(rule.metric);
+  res.floor_dtype = floor_format_name(rule.floor_format);
+  res.rule = rule.source;
+  res.count = m.count;
+  res.candidate_nan = m.candidate_nan;
+  res.candidate_inf = m.candidate_inf;
+  res.first_nonfinite_mismatch = m.first_nonfinite_mismatch;
+  res.rel_rms = m.rel_rms;
+  res.floor = m.floor_rel_rms;
+  res.ratio = m.floor_rel_rms > 0 ? m.rel_rms / m.floor_rel_rms : (m.rel_rms == 0 ? 0.0 : INFINITY);
+  res.max_abs = m.max_abs;
+  res.max_abs_index = m.max_abs_index;
+  res.max_ulp = m.max_ulp;
+  res.max_ulp_index = m.max_ulp_index;
+  bool ok = false;
+  std::string why;
+  const std::string dtype = floor_format_name(rule.floor_format);
+  // The ratio to the floor where there is one (a golden exact in the floor dtype has none).
+  const std::string ratio = m.floor_rel_rms > 0 ? "; " + fmt("%.3g", res.ratio) + "x" : "";
+  switch (rule.metric) {
+    case RuleMetric::exact:
+      res.figure = m.max_abs;
+      res.bound = 0;
+      ok = m.max_abs == 0 && m.first_zero_sign_mismatch < 0;
+      why = ok ? "bitwise equal"
+               : m.max_abs != 0
+                   ? "not equal: max abs error " + e3(m.max_abs) + " at flat index " + std::to_string(m.max_abs_index)
+                   : "not equal: 0.0 against -0.0 at flat index " + std::to_string(m.first_zero_sign_mismatch);
+      break;
+    case RuleMetric::floor_multiple:
+      res.figure = m.rel_rms;
+      res.bound = rule.multiple * m.floor_rel_rms;
+      ok = m.rel_rms <= res.bound || m.max_abs == 0;
+      why = "rel RMS " + e3(m.rel_rms) + (ok ? " <= " : " > ") + e3(res.bound) + " (" + fmt("%g", rule.multiple) +
+            " x " + dtype + " floor " + e3(m.floor_rel_rms) + ratio + ")";
+      if (!std::isfinite(m.floor_rel_rms)) {  // fail closed: an infinite floor would pass anything
+        ok = false;
+        why = "the golden overflows " + dtype + ": its floor is infinite";
+      } else if (m.floor_rel_rms >= 1) {  // every value rounds to zero: a sign flip would pass
+        ok = false;
+        why = "the golden underflows " + dtype + ": every value rounds to zero there, its floor is 100 %";
+      }
+      break;
+    case RuleMetric::rel_rms:
+      res.figure = m.rel_rms;
+      res.bound = rule.bound;
+      ok = m.rel_rms <= res.bound;
+      why = "rel RMS " + e3(m.rel_rms) + (ok ? " <= " : " > ") + e3(res.bound) + " (" + dtype + " floor " +
+            e3(m.floor_rel_rms) + ratio + ")";
+      break;
+    case RuleMetric::max_abs_ulps: {
+      const double scale = ulp_scale;
+      res.figure = m.max_abs;
+      res.bound = rule.ulps * std::ldexp(1.0, -num::format_info(format).mantissa_bits) * scale;
+      ok = m.max_abs <= res.bound;
+      why = "max abs error " + e3(m.max_abs) + (ok ? " <= " : " > ") + e3(res.bound) + " (" + fmt("%g", rule.ulps) +
+            " " + dtype + " ulps of max(1, max |golden|) = " + e3(scale) + ")";
+      break;
+    }
+    case RuleMetric::contract: {
+      res.contract = rule.contract;
+      res.contract_error = contract_error;
+      const double scale = std::max(m.floor_rel_rms, res.contract_error);
+      res.figure = m.rel_rms;
+      res.bound = rule.multiple * scale;
+      res.ratio = scale > 0 ? m.rel_rms / scale : (m.rel_rms == 0 ? 0.0 : INFINITY);
+      ok = m.rel_rms <= res.bound;
+      why = "rel RMS " + e3(m.rel_rms) + (ok ? " <= " : " > ") + fmt("%g", rule.multiple) + " x max(" + dtype +
+            " floor " + e3(m.floor_rel_rms) + ", contract " + rule.contract + " " + e3(res.contract_error) + ") (" +
+            fmt("%.3g", res.ratio) + "x)";
+      break;
+    }
+  }
+  if (m.first_nonfinite_mismatch >= 0) {
+    ok = false;
+    why = "NaN/Inf where the golden has none (or the reverse), first at flat index " +
+          std::to_string(m.first_nonfinite_mismatch);
+  } else if (m.count > 0 && m.finite_pairs == 0) {  // a figure over nothing vouches for nothing
+    ok = false;
+    why = "no finite value compared (" + std::to_string(m.count) + " non-finite pairs)";
+  }
+  res.passed = ok;
+  res.status = ok ? "pass" : "fail";
+  res.reason = why;
+}
+
 
 Agreement judge_agreement(double rel_rms, std::int64_t first_nonfinite_mismatch, double nominal_floor, double least,
                           double multiple) {

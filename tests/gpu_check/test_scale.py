@@ -203,15 +203,15 @@ def test_a_window_beyond_its_bound_fails_and_is_named():
     gen = torch.Generator().manual_seed(0)
     ref = torch.rand((1, 256, 2, 8), generator=gen, dtype=torch.float64) + 0.5
     cand = ref.to(torch.bfloat16)
-    ok = scale.judge_tensor("o", cand, ref, 1.5, window=64)
+    ok = scale.judge_tensor("o", cand, ref, "floor:1.5", window=64)
     assert ok.ok and ok.ratio == pytest.approx(1.0) and len(ok.window_ratios) == 4
     worse = cand.clone()
     worse[:, 130] = (ref[:, 130] * 1.05).to(torch.bfloat16)  # 5 % on one token of window 2
-    v = scale.judge_tensor("o", worse, ref, 1.5, window=64)
+    v = scale.judge_tensor("o", worse, ref, "floor:1.5", window=64)
     assert not v.ok and v.worst_window == 2 and "worst window 2 (tokens 128-191)" in v.reason
     nan = cand.clone()
     nan[0, 255, 1, 7] = float("nan")
-    v = scale.judge_tensor("o", nan, ref, 1.5)
+    v = scale.judge_tensor("o", nan, ref, "floor:1.5")
     assert not v.ok and v.nonfinite == 1 and "non-finite" in v.reason
 
 
@@ -295,6 +295,6 @@ def test_the_bf16_state_mutant_at_k3_head_size_exceeds_the_window_bound():
     inputs, params = scale.make_inputs(8192, 1, 2, L, 11, "cpu")
     ref_o, _ = references.module_reference(inputs, params)
     o, _ = StandIn("bf16_state_long_t", scale.FULL).run(inputs, params)
-    v = scale.judge_tensor("o", o, ref_o, 1.5, window=1024)
+    v = scale.judge_tensor("o", o, ref_o, "floor:1.5", window=1024)
     assert [round(r, 6) for r in v.window_ratios[:4]] == [1.0] * 4, v.window_ratios
     assert min(v.window_ratios[4:]) > 1.85 and not v.ok, v.window_ratios

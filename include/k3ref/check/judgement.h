@@ -102,6 +102,16 @@ struct CaseJudgement {
 
 CaseJudgement judge_case(const PolicyTable& table, const JudgeRequest& request);
 
+// The verdict of `rule` on figures already measured: `m` from compare (its floor in the rule's
+// floor dtype, raised to any lower limit of the caller's), the contract's rel RMS against the
+// same golden (contract rules), max(1, max |golden|) over the finite pairs (max-abs-ulps
+// rules). judge_case gives every tensor this verdict once it has compared it on the host; a
+// tensor too large for the host is compared where it lies (libk3gc's comparator on the device,
+// its sums made figures by rel_rms_of_sums) and judged here, by the same rule.
+struct Metrics;
+void judge_figures(TensorJudgement& res, const Metrics& m, const TensorRule& rule, double contract_error = 0,
+                   double ulp_scale = 1);
+
 // The verdict of a metamorphic check on two runs of one kernel that must agree where no exact
 // value exists: the rel RMS of their difference (from compare, or from a comparator's sums by
 // rel_rms_of_sums) within `multiple` x max(`nominal_floor` of the values, `least`: the

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from .. import policy
 from . import checks, lib, problems
 from . import metrics as M
 from .protocol import CheckResult, UsageError, shapes_of
@@ -221,14 +222,15 @@ def head_slice(inputs, heads):
     return out
 
 
-def multiple(adapter, tensor):
-    """m of the adapter's rule for `tensor`: its contract's, else its floor policy's, else 4."""
+def rule_policy(adapter, tensor):
+    """The policy whose rule for `tensor` the tier judges the adapter by: its precision
+    contract's (contracts.policy_of), else its own where that is a floor rule, else floor:4."""
     if adapter.contract_name:
         from . import contracts
 
-        return contracts.multiple(adapter.contract_name, tensor=tensor)
+        return contracts.policy_of(adapter.contract_name)
     rule = checks.policy_rule(adapter, tensor)
-    return rule.multiple if rule is not None and rule.metric == "floor" else 4.0
+    return adapter.policy if rule is not None and rule.metric == "floor" else "floor:4"
 
 
 def contract_errors(adapter, inputs, params, ref_o, ref_f, L, window=None):
@@ -276,34 +278,36 @@ class TensorVerdict:
     reason: str = ""
 
 
-def judge_tensor(name, cand, ref, m, contract=0.0, window=None, contract_windows=None):
-    """cand against ref (same element order): rel RMS <= m x max(bf16 floor, contract), and so
-    in every window of `window` tokens when given (axis 1 of a [B, T, HV, V] tensor)."""
+def judge_tensor(name, cand, ref, rule, contract=0.0, window=None, contract_windows=None, op="kda.recurrent"):
+    """cand against ref (same element order) by the one judge (policy.judge_figures) under the
+    rule of policy `rule` for the tensor `name` names ("o[doc 3]": o): m x max(bf16 floor,
+    contract) for a contract rule, m x the floor for a floor rule; so in every window of
+    `window` tokens when given (axis 1 of a [B, T, HV, V] tensor). The figures are the
+    comparator's where the tensors lie (libk3gc's on the device)."""
+    tensor = name.partition("[")[0]
     shape = (ref[0, 0].numel(), ref.shape[1], window) if window else None
     mt = M.compare(cand, ref, torch.bfloat16, window_shape=shape)
-    floor = mt.floor_rel_rms
-    bound = m * max(floor, contract)
+    r = policy.judge_figures(mt.to_dict(), op, tensor, rule, contract_error=contract)
+    m = policy.load_table().rules(rule, op)[tensor].multiple
     nonfinite = (mt.candidate_nan + mt.candidate_inf) - (mt.reference_nan + mt.reference_inf)
     finite = mt.first_nonfinite_mismatch < 0
-    ratio = mt.rel_rms / max(floor, contract) if max(floor, contract) > 0 else (0.0 if mt.rel_rms == 0 else math.inf)
-    ok = finite and mt.rel_rms <= bound
-    v = TensorVerdict(name, ok, mt.rel_rms, floor, contract, m, bound, ratio if finite else math.inf, max(nonfinite, 0))
+    v = TensorVerdict(name, r.passed, mt.rel_rms, mt.floor_rel_rms, contract, m, r.bound, r.ratio if finite else math.inf,
+                      max(nonfinite, 0))
     if not finite:
         v.reason = (f"{name}: {v.nonfinite or 'some'} non-finite values where the reference is finite "
                     f"(first at flat index {mt.first_nonfinite_mismatch})")
         return v
-    v.reason = (f"{name}: rel RMS {mt.rel_rms:.3e} {'<=' if ok else '>'} {m:g} x max(floor {floor:.3e}, "
-                f"contract {contract:.3e}) ({v.ratio:.3g}x)")
+    v.reason = f"{name}: {r.reason}"
     if window:
         floors = M.compare(ref.to(torch.bfloat16), ref, torch.bfloat16, window_shape=shape).window_rel_rms
         cw = contract_windows or [0.0] * len(floors)
-        ratios = [e / max(f, c) if max(f, c) > 0 else (0.0 if e == 0 else math.inf)
+        judged = [policy.judge_figures({"rel_rms": e, "floor_rel_rms": f}, op, tensor, rule, contract_error=c)
                   for e, f, c in zip(mt.window_rel_rms, floors, cw)]
-        v.window_ratios = ratios
-        v.worst_window = max(range(len(ratios)), key=lambda i: ratios[i])
-        w_ok = all(r <= m for r in ratios)
+        v.window_ratios = [w.ratio for w in judged]
+        v.worst_window = max(range(len(judged)), key=lambda i: v.window_ratios[i])
+        w_ok = all(w.passed for w in judged)
         v.ok = v.ok and w_ok
-        w = v.worst_window
+        w, ratios = v.worst_window, v.window_ratios
         v.reason += (f"; per {window}-token window {'all' if w_ok else 'not all'} within {m:g}x, worst window {w} "
                      f"(tokens {w * window}-{min((w + 1) * window, ref.shape[1]) - 1}) {ratios[w]:.3g}x, "
                      f"first {ratios[0]:.3g}x, last {ratios[-1]:.3g}x")
@@ -344,8 +348,8 @@ def _whole(adapter, case, inputs, params, L, device, window=None, extra=None):
     o, final = checks._run(adapter, inputs, params, out=out)
     ref_o, ref_f = reference(inputs, params, device)
     c_o, c_f, c_w = contract_errors(adapter, inputs, params, ref_o, ref_f, L, window)
-    vs = [judge_tensor("o", o, ref_o, multiple(adapter, "o"), c_o, window, c_w),
-          judge_tensor("final_state", final, ref_f, multiple(adapter, "final_state"), c_f)]
+    vs = [judge_tensor("o", o, ref_o, rule_policy(adapter, "o"), c_o, window, c_w),
+          judge_tensor("final_state", final, ref_f, rule_policy(adapter, "final_state"), c_f)]
     return _verdict(adapter, case, vs, extra)
 
 
@@ -414,9 +418,9 @@ def case_index_limit(adapter, H, HV, L, device, seed=15):
     for i, n in enumerate(judged):
         got_o = o[:, cu[n] : cu[n + 1]].contiguous()
         want_o = ref_o[:, sub_cu[i] : sub_cu[i + 1]].contiguous()
-        vs.append(judge_tensor(f"o[doc {n}]", got_o, want_o, multiple(adapter, "o"), c_o))
+        vs.append(judge_tensor(f"o[doc {n}]", got_o, want_o, rule_policy(adapter, "o"), c_o))
         vs.append(judge_tensor(f"final_state[doc {n}]", final[n : n + 1].contiguous(), ref_f[i : i + 1].contiguous(),
-                               multiple(adapter, "final_state"), c_f))
+                               rule_policy(adapter, "final_state"), c_f))
     elements = {k: inputs[k].numel() for k in ("q", "v")}
     return _verdict(adapter, "index_limit", vs, extra={
         "documents": len(cu) - 1, "T": cu[-1], "judged_documents": judged, "elements": elements,
