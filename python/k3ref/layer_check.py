@@ -590,7 +590,7 @@ def _kcp_rank(rank: int, world: int, backend: str, device: str, model_path: str 
         dist.destroy_process_group()
 
 
-def kcp_check(a: TorchtitanLayer, world: int = 2, T: int = 256) -> dict[str, Any]:
+def kcp_check(a: TorchtitanLayer, model_path: str | None, world: int = 2, T: int = 256) -> dict[str, Any]:
     """The whole sequence (chunk mode: T > 64) against KCP's shards, T / world tokens each."""
     import tempfile
 
@@ -602,7 +602,7 @@ def kcp_check(a: TorchtitanLayer, world: int = 2, T: int = 256) -> dict[str, Any
     backend = "nccl" if a.device.startswith("cuda") and torch.cuda.device_count() >= world else "gloo"
     os.environ["MASTER_PORT"] = str(29500 + os.getpid() % 1000)
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_kcp_rank, args=(world, backend, a.device, os.environ.get("K3REF_TORCHTITAN_PATH"), t, p, x, d),
+        mp.start_processes(_kcp_rank, args=(world, backend, a.device, model_path, t, p, x, d),
                            nprocs=world, join=True, start_method="spawn")
         y = torch.cat([torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)], 1)
     return {**pair_verdict({"y": (y, whole)}), "backend": backend, "ranks": world, "T": T}
@@ -632,8 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measurement", help="write a measurements/ file (tools/render_measurements.py) to this path")
     args = ap.parse_args(argv)
     import torch
-    if args.torchtitan_path:
-        os.environ["K3REF_TORCHTITAN_PATH"] = str(Path(args.torchtitan_path).resolve())
+    if args.torchtitan_path:  # the spawned ranks import the model from it
+        args.torchtitan_path = str(Path(args.torchtitan_path).resolve())
     rows: list[dict[str, Any]] = []
     adapters: list[Any] = []
     from .moe_check import import_model
@@ -658,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
             stages.append(("self", lambda: fla_self_checks(a, LONG_DOCUMENTS if args.long else SHORT_DOCUMENTS)
                            if isinstance(a, FLALayer) else torchtitan_self_checks(a)))
         if "kcp" in checks and isinstance(a, TorchtitanLayer):
-            stages.append(("kcp", lambda: _row(a.name, "kcp", lambda: kcp_check(a))))
+            stages.append(("kcp", lambda: _row(a.name, "kcp", lambda: kcp_check(a, args.torchtitan_path))))
         for stage, run in stages:
             try:
                 new = run()

@@ -106,7 +106,7 @@ def pytest_addoption(parser):
         help="the scale tier at smaller limits, names of k3ref.gpu_check.scale.Limits (default: $K3REF_SCALE_LIMITS, "
              "else K3's full sizes)")
     add("--k3ref-set", action="append", default=[], metavar="NAME=VALUE",
-        help="a setting of an adapter factory that takes `options` (options.setting(NAME)); repeatable")
+        help="a setting of an adapter factory that takes `run_options` (run_options.setting(NAME)); repeatable")
     for dest, env, text in KERNEL_PATHS:
         add("--k3ref-" + dest.replace("_", "-"), dest="k3ref_" + dest, metavar="PATH", help=f"{text} (default: ${env})")
     add("--k3ref-plan-out", metavar="FILE", help=argparse_suppress())

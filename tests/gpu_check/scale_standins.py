@@ -93,11 +93,11 @@ class StandIn(KdaAdapter):
         return buf, final
 
 
-def tier_standins(options):
+def tier_standins(run_options):
     """The correct stand-in and the four scale mutants' at the run's limits."""
-    L = scale.limits_of(options)
+    L = scale.limits_of(run_options)
     return [StandIn(None, L)] + [StandIn(m, L) for m in scale.lib.SCALE_MUTANTS]
 
 
-def exiting_mutant(options):
-    return StandIn("exits", scale.limits_of(options))
+def exiting_mutant(run_options):
+    return StandIn("exits", scale.limits_of(run_options))

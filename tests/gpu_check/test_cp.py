@@ -197,7 +197,7 @@ def test_a_raising_rank_is_an_error():
 def test_a_hanging_rank_is_an_error():
     t0 = time.time()
     hanging = HangingOnRank0(2)
-    hanging.options = RunOptions(settings=(("cp.timeout", "2"),))  # as the registry gives a run's options
+    hanging.run_options = RunOptions(settings=(("cp.timeout", "2"),))  # as the registry gives a run's options
     res = hanging.run_check("cp_forward", _p2_golden(), "cpu")
     assert res.status == "error" and "did not finish within 2 s" in res.reason
     assert time.time() - t0 < 30

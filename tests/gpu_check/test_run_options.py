@@ -1,9 +1,8 @@
 """The run's configuration reaches adapters as one frozen object (protocol.RunOptions), never
 through the environment: a front end reads the kernel paths' variables once (kernel_paths_of),
 the registry gives every adapter it makes the run's options, and a factory that takes
-`options` gets the run's settings (--k3ref-set NAME=VALUE)."""
+`run_options` gets the run's settings (--k3ref-set NAME=VALUE)."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,16 +39,16 @@ def test_the_registry_gives_each_adapter_the_run_s_options_and_a_factory_its_set
     # P = 2: the kernel and the two mutants that differ from it there (untransposed needs P >= 4)
     assert sorted(a.name for a in made) == ["mutant.cp_drop_trailing[P=2]", "mutant.cp_wrong_rank[P=2]",
                                             "torch.cp_fp64[P=2]"]
-    assert all(a.options is opts for a in made)
+    assert all(a.run_options is opts for a in made)
     [plain] = registry.resolve("k3ref.gpu_check.adapters:FlashKdaAdapter")
-    assert plain.options == RunOptions()  # made without a run: the defaults
+    assert plain.run_options == RunOptions()  # made without a run: the defaults
     with pytest.raises(registry.AdapterSpecError, match="cp.ranks='1'"):
         registry.resolve("k3ref.gpu_check.cp_check:cp_adapters", RunOptions(settings=(("cp.ranks", "1"),)))
 
 
 def test_an_adapter_s_own_path_wins_over_the_run_s():
     a = Adapter()
-    a.options = RunOptions(kernel_paths=(("fla_path", "/run/fla"),))
+    a.run_options = RunOptions(kernel_paths=(("fla_path", "/run/fla"),))
     assert a.path_of("fla_path") == "/run/fla" and a.path_of("vllm_path") is None
     a.fla_path = "/own/fla"
     assert a.path_of("fla_path") == "/own/fla"
@@ -71,8 +70,8 @@ class Seer(Adapter):
 
     def run_check(self, check, case, device):
         seen = {"fla_path": self.path_of("fla_path"), "fla_environment": os.environ.get("K3REF_FLA_PATH"),
-                "who": self.options.setting("who"), "autotune_configs": self.options.autotune_configs,
-                "cache_dir": self.options.cache_dir, "worker": os.environ.get("PYTEST_XDIST_WORKER")}
+                "who": self.run_options.setting("who"), "autotune_configs": self.run_options.autotune_configs,
+                "cache_dir": self.run_options.cache_dir, "worker": os.environ.get("PYTEST_XDIST_WORKER")}
         return CheckResult(self.name, check, "-", "pass", json.dumps(seen))
 '''
 

@@ -252,7 +252,7 @@ class TestDeep:
 
         case = goldens.load_case(ROOT / "goldens" / "kda_t100.safetensors")
         deep = Autotuned()
-        deep.options = RunOptions(autotune_configs="all")  # as the registry gives a run's options
+        deep.run_options = RunOptions(autotune_configs="all")  # as the registry gives a run's options
         res = deep.run_check("golden", case, "cpu")
         assert len(res.extra["configs"]) == 4
         assert Autotuned().run_check("golden", case, "cpu").status == "pass"  # winner only

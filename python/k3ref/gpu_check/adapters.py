@@ -28,7 +28,7 @@ Registration needs no source edit: an entry point of group `k3ref.adapters`, `--
 mypkg.mod:MyKernel` on the command line (`python3 -m k3ref.gpu_check run`, `pytest
 --k3ref-adapter`), or `k3ref_adapters = [...]` in a project's conftest.py (registry.py). The
 built-in adapters below are registered the same way (`registry.builtin_adapters`, the package's own
-entry point). Every adapter gets the run's frozen options (`self.options`, protocol.RunOptions);
+entry point). Every adapter gets the run's frozen options (`self.run_options`, protocol.RunOptions);
 third-party kernels are found at the paths they give (`self.path_of("fla_path")`: the
 command-line options --fla-path, ..., else K3REF_FLA_PATH, K3REF_FLASHKDA_PATH, K3REF_LIGER_PATH,
 K3REF_TORCHTITAN_PATH, and K3GC_LIB for libk3gc.so), else the installed packages.
@@ -144,7 +144,7 @@ class KdaAdapter(Adapter):
 
         self.device_sync = str(device).startswith("cuda")
         if check == "golden":
-            if self.options.autotune_configs == "all":  # deep mode: once per autotune configuration
+            if self.run_options.autotune_configs == "all":  # deep mode: once per autotune configuration
                 return checks.golden_all_configs(self, case, device)
             return checks.golden_check(self, case, device)
         if check == "backward":

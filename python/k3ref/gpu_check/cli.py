@@ -68,7 +68,7 @@ def parser():
                    help="the scale tier at smaller limits (the plugin's --k3ref-scale-limits; default: "
                         "$K3REF_SCALE_LIMITS, else K3's full sizes)")
     r.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="a setting of an adapter factory that takes `options` (the plugin's --k3ref-set); repeatable")
+                   help="a setting of an adapter factory that takes `run_options` (the plugin's --k3ref-set); repeatable")
     r.add_argument("--backward", choices=("default", "all"), default="default",
                    help="the gradient goldens of the backward check: default, four that share two backward autotune "
                         "keys; all, every gradient golden (the plugin's --k3ref-backward)")

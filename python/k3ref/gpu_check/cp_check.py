@@ -172,7 +172,8 @@ class WireCounter:
             gathered, sent, received = 0, b(t), b(t)
         first = args[1] if op in ("all_gather", "all_gather_into_tensor", "_all_gather_base") else args[0]
         self.calls.append({"phase": self.phase, "op": op, "sent": sent, "received": received, "gathered": gathered,
-                           "dtype": str(first.dtype).replace("torch.", "") if isinstance(first, torch.Tensor) else ""})
+                           "dtype": str(first.dtype).replace("torch.", "") if isinstance(first, torch.Tensor) else "",
+                           "itemsize": first.element_size() if isinstance(first, torch.Tensor) else 0})
 
     @contextmanager
     def active(self):
@@ -751,7 +752,7 @@ def launch(adapter, items, timeout=None):
     import torch.multiprocessing as mp
 
     P = adapter.ranks
-    settings = adapter.options
+    settings = adapter.run_options
     timeout = float(settings.setting("cp.timeout", LAUNCH_TIMEOUT_S)) if timeout is None else timeout
     with tempfile.TemporaryDirectory(prefix="k3ref_cp_") as outdir:
         # fork is cheap and keeps the parent's modules; CUDA needs spawn. The cp.start_method setting overrides.
@@ -941,7 +942,7 @@ def _wire_rank(calls, P, HV, K, V):
         sent = sum(c["sent"] for c in cs)
         received = sum(c["received"] for c in cs)
         ops = [f"{c['op']}({c['dtype']})" for c in cs]
-        size = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(cs[0]["dtype"], 0) if cs else 0
+        size = cs[0]["itemsize"] if cs else 0
         ok = len(cs) == 1 and gathered == elements * size and sent == elements // P * size and \
             received == (P - 1) * elements // P * size
         why = "" if ok else (f"{len(cs)} call(s) {', '.join(ops)}: sent {sent} B, received {received} B, gathered "
@@ -1022,16 +1023,16 @@ def ranks_of(text):
     return ranks
 
 
-def cp_adapters(options):
+def cp_adapters(run_options):
     """The CP adapters of the run's settings: cp.kernel (torch: the PyTorch kernel and its
     mutants; fla: FLA's chunk_kda) for each P of cp.ranks (default 2,4,8) over cp.backend
     (default gloo for torch, nccl for fla)."""
-    kernel = options.setting("cp.kernel", "torch")
-    backend = options.setting("cp.backend", "gloo" if kernel == "torch" else "nccl")
+    kernel = run_options.setting("cp.kernel", "torch")
+    backend = run_options.setting("cp.backend", "gloo" if kernel == "torch" else "nccl")
     if kernel not in ("torch", "fla") or backend not in ("gloo", "nccl"):
         raise ValueError(f"cp.kernel={kernel!r} / cp.backend={backend!r}: expected torch|fla and gloo|nccl")
     out = []
-    for P in ranks_of(options.setting("cp.ranks", "2,4,8")):
+    for P in ranks_of(run_options.setting("cp.ranks", "2,4,8")):
         if kernel == "fla":
             out.append(FlaCpAdapter(P, backend))
         else:

@@ -334,7 +334,7 @@ def prepare(args, adapter, fixed, seed):
     coverage = shapes.prop_buckets(adapter, fixed, suite)
     buckets = coverage + shapes.seeded_buckets(adapter, fixed, coverage, n_seeded, seed)
     print(f"prop: {len(buckets)} shape buckets ({len(coverage)} for coverage, {len(buckets) - len(coverage)} drawn "
-          f"with the seed), {share:.1%} of draws outside them (cache {adapter.options.cache_dir})",
+          f"with the seed), {share:.1%} of draws outside them (cache {adapter.run_options.cache_dir})",
           flush=True)
     if buckets and not getattr(args, "no_warmup", False) and shapes.compiler_of(adapter) == "triton":
         work = [(adapter, tuple(sorted(b.items())), [{"prop_case": c} for c in shapes.bucket_cases(b, args.max_T, fixed)])
@@ -343,7 +343,7 @@ def prepare(args, adapter, fixed, seed):
                            progress=lambda line: print(line, flush=True))
         print(warmup.table(record), flush=True)
         warmup.write_record(dict(record, prop_buckets=buckets),
-                            Path(adapter.options.cache_dir or ".") / "prop")
+                            Path(adapter.run_options.cache_dir or ".") / "prop")
     return buckets, share, flags
 
 

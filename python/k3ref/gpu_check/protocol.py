@@ -220,7 +220,7 @@ class Adapter:
     requires_cuda = False  # True: reported unavailable without a CUDA device, without loading it
     # The run's configuration, frozen: the registry gives every adapter it makes the run's
     # options (registry.resolve(spec, options)); an adapter made by hand has the defaults.
-    options = RunOptions()
+    run_options = RunOptions()
     # What the kernel accepts, in the schema of policy/kernel_domains.json (k3ref.kernel_domains,
     # docs/kernel-domains.md): a dict or a KernelDomain; None accepts everything.
     domain = None
@@ -243,7 +243,7 @@ class Adapter:
     def path_of(self, name):
         """The checkout of KERNEL_PATHS `name` ('fla_path', ...): the adapter's own attribute of
         that name when one is set (a user's adapter made with a path), else the run's."""
-        return getattr(self, name, None) or self.options.kernel_path(name)
+        return getattr(self, name, None) or self.run_options.kernel_path(name)
 
     def available(self):
         if self._loaded is None:

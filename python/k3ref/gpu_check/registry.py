@@ -10,8 +10,8 @@ Three ways, all giving objects of the adapter protocol (adapters.Adapter):
 
 What a spec names may be an Adapter subclass (instantiated without arguments), an adapter
 instance, a function returning an adapter or a list of them (given the run's RunOptions when
-it takes a parameter named `options`: its settings, --k3ref-set NAME=VALUE), or a list. Every
-adapter made is given the run's options (`adapter.options`, frozen). The package's own
+it takes a parameter named `run_options`: its settings, --k3ref-set NAME=VALUE), or a list.
+Every adapter made is given the run's options (`adapter.run_options`, frozen). The package's own
 adapters come from `k3ref.gpu_check.registry:builtin_adapters`, its entry point (also used
 when the package runs from a source tree without metadata).
 """
@@ -68,7 +68,7 @@ def _takes_options(fn):
     import inspect
 
     try:
-        return "options" in inspect.signature(fn).parameters
+        return "run_options" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 
@@ -79,7 +79,7 @@ def _instances(obj, where, options=None):
             raise AdapterSpecError(f"{where}: {obj.__name__} is not a subclass of k3ref.gpu_check.adapters.Adapter")
         obj = obj()
     elif callable(obj) and not isinstance(obj, Adapter):
-        obj = obj(options=options if options is not None else RunOptions()) if _takes_options(obj) else obj()
+        obj = obj(run_options=options if options is not None else RunOptions()) if _takes_options(obj) else obj()
     items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
     out = []
     for a in items:
@@ -93,7 +93,7 @@ def _instances(obj, where, options=None):
         # Remember where it came from: the child process imports that module before unpickling.
         a._k3ref_spec = where if isinstance(where, str) and ":" in where else getattr(a, "_k3ref_spec", None)
         if options is not None:
-            a.options = options
+            a.run_options = options
     return out
 
 

@@ -1261,7 +1261,7 @@ class FlashKdaVarlenAdapter(ServingAdapter):
     def load(self):
         from .registry import resolve
 
-        [self.inner] = resolve(self.inner_spec, self.options)
+        [self.inner] = resolve(self.inner_spec, self.run_options)
         self.inner.load()
 
     def version(self):
