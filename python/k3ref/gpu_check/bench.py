@@ -22,6 +22,7 @@ import time
 import torch
 
 from . import lib, metrics, references
+from .protocol import KERNEL_PATHS, RunOptions, kernel_paths_of
 from .problems import token_range
 from .protocol import bits
 
@@ -204,15 +205,16 @@ def _roofline_case(adapter, chunk, mode, size, H, K=128, V=128, reps=10):
             "flops": model["flops"], "bytes": model["bytes"], "ms": ms}
 
 
-def roofline(H=96, reps=10, on_row=None):
+def roofline(H=96, reps=10, on_row=None, options=None):
     """Rows of the roofline table (a failing kernel or shape is a row with its error);
-    on_row(result so far) after each row, so a run cut short keeps what it measured."""
+    on_row(result so far) after each row, so a run cut short keeps what it measured.
+    `options`: the run's RunOptions (the kernels' checkout paths)."""
     from . import registry
     peaks = device_peaks()
     rows = []
     for name, chunk in ROOFLINE_KERNELS.items():
         try:
-            adapter = registry.kernel_by_name(name)  # the built-in adapter of that name, as prop --kernel finds it
+            adapter = registry.kernel_by_name(name, options=options)  # the built-in adapter, as prop --kernel finds it
             adapter.load()
         except Exception as e:
             rows.append({"kernel": name, "error": f"not loaded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
@@ -315,7 +317,11 @@ def main(argv=None):
                     help="time only the fp64 backward on one sequence of T tokens at --heads heads")
     ap.add_argument("--json", help="--roofline: write the rows and peaks as JSON here")
     ap.add_argument("--measurement", help="--roofline: write a measurements/ file here")
+    for name, env, text in KERNEL_PATHS:
+        ap.add_argument("--" + name.replace("_", "-"), dest=name, help=f"{text} (default: ${env})")
     args = ap.parse_args(argv)
+    opts = RunOptions(kernel_paths=kernel_paths_of(vars(args)))
+    lib.use(opts.kernel_path("lib"))
     if args.roofline:
         def save(res):
             print(json.dumps(res["rows"][-1]), flush=True)
@@ -326,7 +332,7 @@ def main(argv=None):
                 from .. import measurement
                 measurement.write(roofline_measurement(res, "python3 -m k3ref.gpu_check.bench --roofline --heads "
                                                        f"{args.heads}"), args.measurement)
-        res = roofline(args.heads, on_row=save)
+        res = roofline(args.heads, on_row=save, options=opts)
         save(res)
         print(roofline_table(res))
         return

@@ -30,7 +30,7 @@ KERNEL_PATHS = (("fla_path", "K3REF_FLA_PATH", "directory holding the fla packag
                 ("vllm_path", "K3REF_VLLM_PATH", "directory holding vllm/model_executor/layers/fla/ops/ (vLLM's kernels)"),
                 ("tokenspeed_path", "K3REF_TOKENSPEED_PATH", "directory holding the tokenspeed_kernel package"),
                 ("sglang_path", "K3REF_SGLANG_PATH", "directory holding sglang/srt/layers/attention/fla/ (SGLang's kernels)"),
-                ("lib", "K3GC_LIB", "path of libk3gc.so (default: build*/gpu_check/)"))
+                ("lib", "K3GC_LIB", "path of libk3gc.so (without one, the build directories' build*/gpu_check/)"))
 
 
 # This module is imported by the plugin's controller, which imports no torch (its start-up is
