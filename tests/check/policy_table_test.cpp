@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "k3ref/check/judgement.h"
+#include "k3ref/check/metrics.h"
 #include "k3ref/check/policy_table.h"
 #include "k3ref/error.h"
 #include "k3ref/io/safetensors.h"
@@ -472,6 +473,48 @@ RC_GTEST_PROP(Judgement, TheGoldenRoundedToTheContractDtypeIsExactlyAtTheFloor, 
       RC_ASSERT(t.max_ulp <= 0.5);
     }
   }
+}
+
+// Figures measured elsewhere (a device comparator's) judged by a rule: the verdict judge_case
+// gives the same tensors. The fixture's bf16 candidate of recurrent_case: rel RMS = its floor.
+TEST(Judgement, FiguresJudgedAloneGiveTheVerdictOfTheTensors) {
+  Case c = recurrent_case("recurrent");
+  const std::vector<double> rounded{1.0, 1.0};
+  c.candidate = {{"o", values({1, 1, 1, 2}, rounded, "BF16")}, {"final_state", values({1, 1, 1, 2}, {a, 1})}};
+  const CaseJudgement j = c.judge();
+  const TensorJudgement& whole = c.at(j, "o");
+  const TensorRule rule = PolicyTable::builtin().rules("recurrent", "kda.recurrent").at("o");
+  TensorJudgement alone;
+  alone.tensor = "o";
+  judge_figures(alone, compare(rounded, {a, 1}, num::Format::bf16), rule);
+  EXPECT_TRUE(whole.passed && alone.passed);
+  EXPECT_EQ(alone.figure, bf16_floor);
+  EXPECT_EQ(alone.bound, 1.5 * bf16_floor);
+  EXPECT_EQ(alone.ratio, 1.0);
+  EXPECT_EQ(alone.reason, whole.reason);
+  EXPECT_EQ(alone.rule, whole.rule);
+  // Twice the floor fails the 1.5x rule; a contract rule bounds by its error when larger.
+  Metrics twice;
+  twice.count = twice.finite_pairs = 2;
+  twice.rel_rms = 2 * bf16_floor;
+  twice.floor_rel_rms = bf16_floor;
+  twice.max_abs = 1e-3;
+  TensorJudgement over;
+  judge_figures(over, twice, rule);
+  EXPECT_FALSE(over.passed);
+  EXPECT_EQ(over.ratio, 2.0);
+  const TensorRule contract = PolicyTable::builtin().rules("fla-chunk-contract", "kda.recurrent").at("o");
+  TensorJudgement within;
+  judge_figures(within, twice, contract, 1.5 * bf16_floor);  // 2 x max(floor, 1.5 floor) = 3 floors
+  EXPECT_TRUE(within.passed);
+  EXPECT_EQ(within.bound, 2 * 1.5 * bf16_floor);
+  EXPECT_EQ(within.contract_error, 1.5 * bf16_floor);
+  // A finiteness mismatch fails whatever the figure.
+  twice.first_nonfinite_mismatch = 1;
+  TensorJudgement nonfinite;
+  judge_figures(nonfinite, twice, contract, 1.5 * bf16_floor);
+  EXPECT_FALSE(nonfinite.passed);
+  EXPECT_NE(nonfinite.reason.find("first at flat index 1"), std::string::npos) << nonfinite.reason;
 }
 
 TEST(Agreement, TwoRunsAgreeWithinTheMultipleOfTheLargerOfFloorAndCarriedError) {
