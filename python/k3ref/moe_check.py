@@ -24,15 +24,11 @@ import argparse
 import importlib
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
-
-F32_ULP = 2.0**-23
-
 
 QB_FILE = Path("torchtitan") / "models" / "kimi_k3" / "quantile_balance.py"
 
@@ -105,10 +101,17 @@ def set_weights(layer: Any, t: dict[str, Any], torch: Any) -> None:
 
 
 def rel_rms(a: Any, b: Any) -> float:
-    import numpy as np
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    den = math.sqrt(float((b * b).sum()))
-    return math.sqrt(float(((a - b) ** 2).sum())) / den if den > 0 else float(np.abs(a).max(initial=0))
+    """The one judge's rel RMS of a against b (k3ref::check::compare, through k3ref.policy)."""
+    from . import policy
+
+    return float(policy.measure(a, b, "fp64")["rel_rms"])
+
+
+def bias_tolerance(scale: float) -> float:
+    """The policy table's bound on the bias (latent-moe: 64 fp32 ulps of max(1, max |golden|))."""
+    from . import policy
+
+    return float(policy.judge_figures({"max_abs": 0.0}, "moe.latent", "bias", "latent-moe", ulp_scale=scale).bound)
 
 
 def check_case(path: Path, model: Any, qbmod: Any, device: str, dtype: str = "bfloat16") -> list[dict[str, Any]]:
@@ -140,7 +143,7 @@ def check_case(path: Path, model: Any, qbmod: Any, device: str, dtype: str = "bf
         scale = max(1.0, float(np.abs(golden_bias).max()))
         row: dict[str, Any] = {"case": name, "batch": b, "device": device,
                                "carried_bias_error": float(np.abs(-bias_tt.double().cpu().numpy() - golden_bias).max()),
-                               "bias_tolerance": 64 * F32_ULP * scale}
+                               "bias_tolerance": bias_tolerance(scale)}
         if layer is not None:
             with torch.no_grad():
                 layer._moe.expert_bias_E.copy_(torch.as_tensor(-golden_bias, dtype=torch.float32))
@@ -160,7 +163,7 @@ def check_case(path: Path, model: Any, qbmod: Any, device: str, dtype: str = "bf
         ids = ids.cpu().numpy()
         biased = (s + bias_tt).double().cpu().numpy()
         srt = -np.sort(-biased, axis=1)
-        near_tie = (srt[:, k - 1] - srt[:, k]) <= 64 * F32_ULP * max(1.0, float(np.abs(biased).max()))
+        near_tie = (srt[:, k - 1] - srt[:, k]) <= bias_tolerance(max(1.0, float(np.abs(biased).max())))
         same = np.array([set(ids[i].tolist()) == set(t["selection"][b][i].tolist()) for i in range(m)])
         loads = np.bincount(ids.reshape(-1), minlength=n)
         row.update({"selection_differs_outside_ties": int((~same & ~near_tie).sum()), "near_ties": int(near_tie.sum()),

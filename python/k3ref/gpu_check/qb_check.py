@@ -26,9 +26,19 @@ from pathlib import Path
 
 import torch
 
+from .. import policy
 from .protocol import Adapter, CheckResult
 
-F32_ULP = 2.0**-23
+# The table's rule for exact real values (64 fp32 ulps of max(1, max |golden|)): the biases and
+# cutoffs of either variant, judged by the one judge on their max abs error.
+EXACT = "qb-exact"
+
+
+def judged(op, tensor, max_abs, scale):
+    """(passed, bound) of a max abs error under qb-exact's rule for `tensor` of `op`, at
+    `scale` = max(1, max |golden|) (policy.judge_figures; a NaN error fails)."""
+    r = policy.judge_figures({"max_abs": max_abs, "count": 1}, op, tensor, EXACT, ulp_scale=scale)
+    return r.passed, r.bound
 
 
 def _load_module_from(path):
@@ -131,7 +141,9 @@ class TorchtitanQbAdapter(Adapter):
         m, n = s.shape
         beta_ref = case.tensors["beta"].double()    # [T, n]
         alpha_ref = case.tensors["alpha"].double()  # [T, m]
-        tol = 64 * F32_ULP * max(1.0, float(beta_ref.abs().max()), float(alpha_ref.abs().max()))
+        # One scale for both (the solver's real outputs together), as the tolerance of a tie.
+        scale = max(1.0, float(beta_ref.abs().max()), float(alpha_ref.abs().max()))
+        tol = judged("qb.solver", "beta", 0.0, scale)[1]
         worst_bias = worst_cut = worst_bins = 0.0
         tie_tokens = mismatched = 0
         loads_equal = True
@@ -168,14 +180,16 @@ class TorchtitanQbAdapter(Adapter):
                 if not bool(near_tie.any()):
                     loads = torch.bincount(ids.reshape(-1).cpu(), minlength=n)
                     loads_equal &= torch.equal(loads, case.tensors["loads"][t].long())
+        cut_ok = judged("qb.solver", "alpha", worst_cut, scale)[0]
         if self.histogram:
-            ok = worst_bins <= 2 and worst_cut <= tol
+            # Bin widths of this run: a bound no table entry can hold (docs/tolerances.md).
+            ok = worst_bins <= 2 and cut_ok
             reason = (f"{iters} iterations from the reference's cutoffs: max |bias - exact| {worst_bias:.3e} = "
                       f"{worst_bins:.3g} bin widths ({'<=' if worst_bins <= 2 else '>'} 2); "
                       f"max cutoff error {worst_cut:.3e} (tolerance {tol:.3e})")
             return CheckResult(self.name, "golden", case.name, "pass" if ok else "fail", reason,
                                ratio=worst_bins / 2)
-        ok = worst_bias <= tol and worst_cut <= tol and mismatched == 0 and loads_equal
+        ok = judged("qb.solver", "beta", worst_bias, scale)[0] and cut_ok and mismatched == 0 and loads_equal
         reason = (f"{iters} iterations: max |bias + (beta - mean beta)| {worst_bias:.3e}, max cutoff error "
                   f"{worst_cut:.3e} (tolerance {tol:.3e}); selections: {mismatched} tokens differ outside ties "
                   f"({tie_tokens} near-tie tokens not compared); loads {'equal' if loads_equal else 'DIFFER'}")
@@ -193,7 +207,8 @@ class TorchtitanQbAdapter(Adapter):
         k = int(p["k"])
         aff = case.tensors["affinities"].float().to(device)
         want_bias = case.tensors["qb_beta"].double()  # [B, n] k3ref's beta (subtracted) that routed batch t
-        tol = 64 * F32_ULP * max(1.0, float(want_bias.abs().max()))
+        scale = max(1.0, float(want_bias.abs().max()))
+        tol = judged("qb.online", "qb_beta", 0.0, scale)[1]
         bias = torch.zeros(aff.shape[2], dtype=torch.float32, device=device)
         worst = 0.0
         mismatched = ties = 0
@@ -207,7 +222,7 @@ class TorchtitanQbAdapter(Adapter):
             mismatched += int((~same & ~near_tie).sum())
             ties += int(near_tie.sum())
             bias = self.mod.quantile_balance_bias(aff[b], cutoff, k).float()
-        ok = worst <= tol and mismatched == 0
+        ok = judged("qb.online", "qb_beta", worst, scale)[0] and mismatched == 0
         return CheckResult(self.name, "golden", case.name, "pass" if ok else "fail",
                            f"{aff.shape[0]} batches: max |bias + beta| {worst:.3e} (tolerance {tol:.3e}); "
                            f"{mismatched} token selections differ outside ties ({ties} near-tie tokens)",
