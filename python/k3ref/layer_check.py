@@ -60,25 +60,27 @@ def _one_line(e: BaseException) -> str:
 # ---------------------------------------------------------------- figures
 
 def floor_ratio(a: Any, b: Any) -> dict[str, Any]:
-    """Relative RMS of a - b over b's bf16 floor, and whether a == b bit for bit."""
+    """Relative RMS of a - b over b's nominal bf16 floor and whether the one judge's agreement
+    rule passes them (check::judge_agreement, PAIR_FLOORS floors), and whether a == b bit for bit."""
     import numpy as np
 
     from . import policy
     a64 = np.asarray(a.detach().double().cpu() if hasattr(a, "detach") else a, dtype=np.float64)
     b64 = np.asarray(b.detach().double().cpu() if hasattr(b, "detach") else b, dtype=np.float64)
     if a64.shape != b64.shape:  # e.g. one state where there are three documents: a defect, not an error
-        return {"rel_rms": math.inf, "floors": math.inf, "bitwise": False, "shapes": [list(a64.shape), list(b64.shape)]}
-    den = math.sqrt(float((b64 * b64).sum()))
-    err = math.sqrt(float(((a64 - b64) ** 2).sum())) / den if den > 0 else float(np.abs(a64).max(initial=0))
-    floor = policy.nominal_floor(b64, "bf16") if den > 0 else 0.0
-    ratio = 0.0 if err == 0 else (err / floor if floor > 0 else math.inf)
-    return {"rel_rms": err, "floors": ratio, "bitwise": bool(np.array_equal(a64, b64))}
+        return {"rel_rms": math.inf, "floors": math.inf, "bitwise": False, "agrees": False,
+                "shapes": [list(a64.shape), list(b64.shape)]}
+    m = policy.measure(a64, b64, "fp64")
+    v = policy.judge_agreement(m["rel_rms"], m["first_nonfinite_mismatch"], policy.nominal_floor(b64, "bf16"), 0.0,
+                               PAIR_FLOORS)
+    return {"rel_rms": m["rel_rms"], "floors": 0.0 if m["rel_rms"] == 0 and v["passed"] else v["ratio"],
+            "bitwise": bool(np.array_equal(a64, b64)), "agrees": v["passed"]}
 
 
 def pair_verdict(pairs: dict[str, tuple[Any, Any]], exact: bool = False) -> dict[str, Any]:
     figs = {n: floor_ratio(a, b) for n, (a, b) in pairs.items()}
     worst = max((f["floors"] for f in figs.values()), default=0.0)
-    ok = all(f["bitwise"] for f in figs.values()) if exact else worst <= PAIR_FLOORS
+    ok = all(f["bitwise"] for f in figs.values()) if exact else all(f["agrees"] for f in figs.values())
     return {"passed": ok, "policy": "==" if exact else f"rel RMS <= {PAIR_FLOORS:g} bf16 floors",
             "worst_floors": worst, "bitwise": all(f["bitwise"] for f in figs.values()), "tensors": figs}
 

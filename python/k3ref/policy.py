@@ -36,6 +36,8 @@ judge(expected, candidate, op, policy="floor:2", *, tensors=None, known=(), tabl
 
 judge_figures(figures, op, tensor, policy, contract_error=0.0) -> TensorResult: the same rule
     applied to figures measured elsewhere (libk3gc's comparator on the device).
+judge_agreement(rel_rms, first_nonfinite_mismatch, nominal_floor, least, multiple) -> dict:
+    two runs of a kernel judged against each other (the metamorphic checks).
 judge_case(case, candidate, policy, **kw)   the same for a golden case object (.op,
     .expected, .tensors, .params), e.g. k3ref.goldens' or gpu_check.golden's.
 measure(candidate, reference, dtype) -> dict: check::compare's figures of one pair.
@@ -300,6 +302,14 @@ def judge_figures(figures: Mapping[str, Any], op: str, tensor: str, policy: str,
     except ValueError as e:
         raise KeyError(str(e)) from None
     return TensorResult(**r)
+
+
+def judge_agreement(rel_rms: float, first_nonfinite_mismatch: int, nominal_floor_: float, least: float,
+                    multiple: float) -> dict[str, Any]:
+    """check::judge_agreement: two runs of a kernel (no exact value) agree when the rel RMS of
+    their difference is within `multiple` x max(the nominal floor, `least`) and no value is
+    finite in one run only. {"passed", "ratio", "reason"}."""
+    return dict(_core().judge_agreement(rel_rms, first_nonfinite_mismatch, nominal_floor_, least, multiple))
 
 
 def judge_case(case: Any, candidate: Mapping[str, Any], policy: str = "floor:2", **kw: Any) -> Verdict:

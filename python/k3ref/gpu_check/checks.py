@@ -42,8 +42,7 @@ def _agree(a, b, policy_mult, fmt=torch.bfloat16, least=0.0):
         return True, "bitwise equal", 0.0
     m = M.compare(a, b.to(a.dtype), fmt)
     # The verdict is the one judge's (check::judge_agreement), on the figure of either comparator.
-    v = policy._core().judge_agreement(m.rel_rms, m.first_nonfinite_mismatch, M.nominal_floor(b, fmt), least,
-                                       policy_mult)
+    v = policy.judge_agreement(m.rel_rms, m.first_nonfinite_mismatch, M.nominal_floor(b, fmt), least, policy_mult)
     return v["passed"], v["reason"], v["ratio"]
 
 
