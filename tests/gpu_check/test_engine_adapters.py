@@ -677,7 +677,7 @@ class TestMapping:
         for params in (adapter.varlen_params, dict(adapter.varlen_params, gate="log_decay", beta="as_given")):
             adapter.varlen_params = params
             status, reason = ran(run_checks(adapter))[("empty_sequences", "-")]
-            assert status == "fail" and "o relative RMS error" in reason, reason
+            assert status == "fail" and "o: relative RMS error" in reason, reason
             assert "final states of the sequences with tokens" in reason and "no tokens" not in reason, reason
         golden = {case: v[0] for (c, case), v in ran(run_checks(adapter)).items() if c == "golden"}
         assert {case for case, v in golden.items() if v != "pass"} == {"kda_varlen", "kda_varlen_no_initial_state"}

@@ -182,12 +182,12 @@ SCALE_REFERENCE_HOST = "k3ref.gpu_check.adapters:HostReferenceAdapter"
 TIERS = {"scale": "k3ref.gpu_check.scale"}
 
 
-def builtin_adapters(options=None):
+def builtin_adapters(run_options=None):
     """The adapters of the kernels k3ref knows (the package's own `k3ref.adapters` entry
     point): libk3gc's fp64 reference and fp32 kernel and its mutants, FLA, FlashKDA, Liger's
     AttnRes, torchtitan's Quantile Balancing, FLA's serving paths (serving_check.py) and the serving
     engines' own kernels (engine_vllm.py, engine_sglang.py, engine_tokenspeed.py)."""
-    return [a for spec in BUILTIN_SPECS + ENGINE_SPECS for a in resolve(spec, options)]
+    return [a for spec in BUILTIN_SPECS + ENGINE_SPECS for a in resolve(spec, run_options)]
 
 
 def kernel_by_name(name, extra=(), options=None):

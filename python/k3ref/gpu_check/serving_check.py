@@ -275,9 +275,11 @@ def _finite(x):
     return bool(torch.isfinite(x.double()).all())
 
 
-def _judge_tensors(pairs, check, problems, metrics):
-    """Each (label, got, golden, Bound): its rel RMS into metrics, a shape mismatch, a non-finite
-    value or a figure over the bound into problems; returns the worst figure / bound."""
+def _judge_tensors(pairs, check, problems, metrics=None):
+    """Each (label, got, golden, Bound) by the one judge: its rel RMS into metrics, a shape
+    mismatch, a non-finite value or a figure over the bound into problems; returns the worst
+    figure / bound. Every serving check judges its tensors here."""
+    metrics = {} if metrics is None else metrics
     worst = 0.0
     for label, got, ref, bound in pairs:
         if tuple(got.shape) != tuple(ref.shape):
@@ -716,11 +718,9 @@ class ServingAdapter(Adapter):
                 pool = self._in_layout(states.to(self.pool_dtype).clone(), layout)  # .to() alone would alias
                 o = self.decode(inputs, p, pool, slots)
                 got = pool if layout == "k_first" else pool.transpose(-1, -2)
-                for label, x, ref, bound in (("o", o, ref_o, self.o_bound), ("pool", got, ref_pool, self.state_bound)):
-                    rel, limit, passed = bound.judge(x, ref)
-                    worst = max(worst, rel / limit)
-                    if not (passed and _finite(x)):
-                        problems.append(f"K={K}, V={V}, {layout}: {label} relative RMS error {rel:.3e} > {limit:.3e}")
+                worst = max(worst, _judge_tensors([(f"K={K}, V={V}, {layout}: o", o, ref_o, self.o_bound),
+                                                   (f"K={K}, V={V}, {layout}: pool", got, ref_pool, self.state_bound)],
+                                                  "layout_equivalence", problems))
         status = "fail" if problems else "pass"
         only = "" if len(self.layouts) > 1 else f" (its pool is {self.layouts[0]} only: {self.layout_reason})"
         return CheckResult(self.name, "layout_equivalence", "-", status,
@@ -752,12 +752,9 @@ class ServingAdapter(Adapter):
                 tok["cu_seqlens"] = torch.tensor([0, 1], device=device)
                 outs.append(self.decode(tok, params, pool, torch.tensor([1], device=device)).double().cpu())
             o = torch.cat(outs, dim=1)
-            for label, x, ref, bound in (("o", o, ref_o, self.o_bound), ("final state", pool[1:2], ref_final,
-                                                                         self.state_bound)):
-                rel, limit, passed = bound.judge(x, ref)
-                worst = max(worst, rel / limit)
-                if not (passed and _finite(x)):
-                    problems.append(f"split {split}: {label} relative RMS error {rel:.3e} > {limit:.3e}")
+            worst = max(worst, _judge_tensors([(f"split {split}: o", o, ref_o, self.o_bound),
+                                               (f"split {split}: final state", pool[1:2], ref_final, self.state_bound)],
+                                              "decode_after_prefill", problems))
             bitwise.append(bool(torch.equal(o.to(single_o.dtype), single_o.cpu())) and
                            bool(torch.equal(pool[1:2].cpu(), single_final.to(self.pool_dtype).cpu())))
         if self.split_bitwise and not all(bitwise):
@@ -790,10 +787,8 @@ class ServingAdapter(Adapter):
         for c in range(min(h.shape[0], expected_chunks)):
             b = c * chunk
             ref = ckpt[b]
-            rel, limit, passed = self.h_bound.judge(h[c], ref)
-            worst = max(worst, rel / limit)
-            if not (passed and _finite(h[c])):
-                problems.append(f"h[{c}] against the state after {b} tokens: relative RMS error {rel:.3e} > {limit:.3e}")
+            worst = max(worst, _judge_tensors([(f"h[{c}] against the state after {b} tokens", h[c], ref, self.h_bound)],
+                                              "intermediate_states", problems))
             for nb in (b - 1, b + 1):
                 if nb in ckpt:  # judged against the state one token off, h[c] must fail
                     d, off_limit, off_passed = self.h_bound.judge(h[c], ckpt[nb])
@@ -866,15 +861,10 @@ class ServingAdapter(Adapter):
                     nan = int(torch.isnan(final[n].float()).sum())
                     problems.append(f"sequence {n} (no tokens): final state is not its initial state ({bad} of "
                                     f"{final[n].numel()} elements differ, {nan} NaN)")
-        rel, limit, passed = self.o_bound.judge(o, ref_o)
-        worst = max(worst, rel / limit)
-        if not (passed and _finite(o)):
-            problems.append(f"o relative RMS error {rel:.3e} > {limit:.3e}")
         full = [n for n, L in enumerate(lengths) if L]
-        rel, limit, passed = self.state_bound.judge(final[full], ref_final[full])
-        worst = max(worst, rel / limit)
-        if not (passed and _finite(final[full])):
-            problems.append(f"final states of the sequences with tokens: relative RMS error {rel:.3e} > {limit:.3e}")
+        worst = max(worst, _judge_tensors([("o", o, ref_o, self.o_bound),
+                                           ("final states of the sequences with tokens", final[full], ref_final[full],
+                                            self.state_bound)], "empty_sequences", problems))
         return CheckResult(self.name, "empty_sequences", "-", "fail" if problems else "pass",
                            "; ".join(problems)[:600] or f"every empty sequence's final state is its initial state bit for "
                            f"bit; outputs and the other final states within the bound (worst {worst:.2f})", ratio=worst)
