@@ -214,12 +214,13 @@ void register_check(py::module_& m) {
   }, py::arg("table"), py::arg("policy"), py::arg("op"), py::arg("tensor"), py::arg("figures"),
         py::arg("contract_error") = 0.0, py::arg("ulp_scale") = 1.0);
   m.def("judge_agreement", [](double rel_rms, std::int64_t first_nonfinite_mismatch, double nominal_floor, double least,
-                              double multiple) {
+                              double multiple, const std::string& least_name) {
     using namespace pybind11::literals;
-    const check::Agreement a = check::judge_agreement(rel_rms, first_nonfinite_mismatch, nominal_floor, least, multiple);
+    const check::Agreement a = check::judge_agreement(rel_rms, first_nonfinite_mismatch, nominal_floor, least, multiple,
+                                                      least_name);
     return py::dict("passed"_a = a.passed, "ratio"_a = a.ratio, "reason"_a = a.reason);
   }, py::arg("rel_rms"), py::arg("first_nonfinite_mismatch"), py::arg("nominal_floor"), py::arg("least"),
-        py::arg("multiple"));
+        py::arg("multiple"), py::arg("least_name") = "the carried-state error");
   m.def("describe_index", &check::describe_index, py::arg("axes"), py::arg("index"), py::arg("cu_seqlens"),
         py::arg("v_first"));
   m.def("expand_outputs", &check::expand_outputs, py::arg("spec"));

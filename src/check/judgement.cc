@@ -202,15 +202,15 @@ void judge_figures(TensorJudgement& res, const Metrics& m, const TensorRule& rul
 
 
 Agreement judge_agreement(double rel_rms, std::int64_t first_nonfinite_mismatch, double nominal_floor, double least,
-                          double multiple) {
+                          double multiple, const std::string& least_name) {
   if (first_nonfinite_mismatch >= 0)
     return {false, INFINITY, "NaN/Inf in one run only, first at flat index " + std::to_string(first_nonfinite_mismatch)};
   const double scale = std::max(nominal_floor, least);
   Agreement a;
-  a.ratio = scale > 0 ? rel_rms / scale : INFINITY;
+  a.ratio = scale > 0 ? rel_rms / scale : (rel_rms == 0 ? 0.0 : INFINITY);
   a.passed = rel_rms <= multiple * scale;
   const std::string what = scale == nominal_floor ? "nominal floor " + e3(nominal_floor)
-                                                  : "the carried-state error " + e3(least) +
+                                                  : least_name + " " + e3(least) +
                                                         " (above the nominal floor " + e3(nominal_floor) + ")";
   a.reason = "not bitwise equal; rel RMS of the difference " + e3(rel_rms) + (a.passed ? " <= " : " > ") +
              fmt("%g", multiple) + " x " + what + " (" + fmt("%.3g", a.ratio) + "x)";

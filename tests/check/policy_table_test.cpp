@@ -537,6 +537,13 @@ TEST(Agreement, TwoRunsAgreeWithinTheMultipleOfTheLargerOfFloorAndCarriedError) 
   // No scale (values that round exactly): any difference fails, its ratio is infinite.
   EXPECT_FALSE(judge_agreement(1e-9, -1, 0.0, 0.0, 2.0).passed);
   EXPECT_EQ(judge_agreement(1e-9, -1, 0.0, 0.0, 2.0).ratio, std::numeric_limits<double>::infinity());
+  // ... and no difference passes there at ratio 0.
+  EXPECT_TRUE(judge_agreement(0.0, -1, 0.0, 0.0, 2.0).passed);
+  EXPECT_EQ(judge_agreement(0.0, -1, 0.0, 0.0, 2.0).ratio, 0.0);
+  // The least difference is named as the caller names it (a contract's own split difference).
+  EXPECT_NE(judge_agreement(3e-3, -1, 2e-3, 2.5e-3, 2.0, "the contract's own difference")
+                .reason.find("<= 2 x the contract's own difference 2.500e-03 (above the nominal floor 2.000e-03)"),
+            std::string::npos);
 }
 
 }  // namespace

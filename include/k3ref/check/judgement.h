@@ -115,16 +115,17 @@ void judge_figures(TensorJudgement& res, const Metrics& m, const TensorRule& rul
 // The verdict of a metamorphic check on two runs of one kernel that must agree where no exact
 // value exists: the rel RMS of their difference (from compare, or from a comparator's sums by
 // rel_rms_of_sums) within `multiple` x max(`nominal_floor` of the values, `least`: the
-// difference a correct kernel makes by construction, such as carrying its state in bf16).
-// A finiteness mismatch (`first_nonfinite_mismatch` >= 0) fails. Bitwise equality is the
-// caller's test before this (it needs no figure).
+// difference a correct kernel makes by construction, such as carrying its state in bf16, or
+// the difference of its precision contract's two runs; `least_name` says which, in the
+// reason). A finiteness mismatch (`first_nonfinite_mismatch` >= 0) fails. Bitwise equality is
+// the caller's test before this (it needs no figure).
 struct Agreement {
   bool passed = false;
   double ratio = 0;    // rel RMS / max(nominal floor, least); infinite when that is zero
   std::string reason;  // one line
 };
 Agreement judge_agreement(double rel_rms, std::int64_t first_nonfinite_mismatch, double nominal_floor, double least,
-                          double multiple);
+                          double multiple, const std::string& least_name = "the carried-state error");
 
 // A judgement that never got as far as the rules (an unreadable file): exit 2 with `reason`.
 CaseJudgement unusable(std::string op, std::string policy, std::string reason);

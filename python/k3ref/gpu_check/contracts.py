@@ -99,12 +99,9 @@ def agreement(a, b, a_contract, b_contract, m, nominal_floor=None):
     two contract runs' difference). nominal_floor: the floor of b (default: the nominal bf16
     floor of its values, as the harness's other metamorphic checks)."""
     if not (torch.isfinite(a.double()).all() and torch.isfinite(b.double()).all()):
-        return False, "NaN/Inf in a run", math.inf
-    d = policy.measure(a, b.to(a.dtype), "bf16")["rel_rms"]
+        return False, "NaN/Inf in a run", math.inf  # no figure vouches for a run that holds one
+    d = policy.measure(a, b.to(a.dtype), "bf16")
     fl = float(policy.nominal_floor(b, "bf16") if nominal_floor is None else nominal_floor)
     cd = policy.measure(a_contract, b_contract, "bf16")["rel_rms"]
-    scale = max(fl, cd)
-    ratio = d / scale if scale > 0 else (0.0 if d == 0 else math.inf)
-    ok = d <= m * scale
-    return ok, (f"rel RMS of the difference {d:.3e} {'<=' if ok else '>'} {m:g} x max(floor {fl:.3e}, "
-                f"the contract's own difference {cd:.3e}) ({ratio:.3g}x)"), ratio
+    v = policy.judge_agreement(d["rel_rms"], d["first_nonfinite_mismatch"], fl, cd, m, "the contract's own difference")
+    return v["passed"], v["reason"], v["ratio"]
