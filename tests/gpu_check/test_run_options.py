@@ -84,7 +84,12 @@ def test_the_options_of_the_command_line_reach_the_adapter_in_its_worker(tmp_pat
                   "--set", "who=the run", "--autotune-configs", "all", "--cache-dir", str(tmp_path / "cache"),
                   "--no-warmup", "--device", "cpu", "--out", str(tmp_path / "r"), env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    [res] = json.loads((tmp_path / "r" / "report.json").read_text())["results"]
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    [res] = report["results"]
     seen = json.loads(res["reason"])
+    # The report keeps the options the run was given, as its processes read them.
+    given = report["summary"]["run_options"]
+    assert dict(given["kernel_paths"])["fla_path"] == str((tmp_path / "fla").resolve())
+    assert given["settings"] == [["who", "the run"]] and given["autotune_configs"] == "all"
     assert seen == {"fla_path": str((tmp_path / "fla").resolve()), "fla_environment": None, "who": "the run",
                     "autotune_configs": "all", "cache_dir": str((tmp_path / "cache").resolve()), "worker": "gw0"}

@@ -368,6 +368,7 @@ def from_pytest(plan, reports, collected, seconds, versions_=None, crashes=None)
     s = summary(rows, results, kernels, plan["device"], seconds, passed, failures, plan["n_goldens"],
                 golden_dir=plan.get("golden_dir"), versions_=versions_)
     s.update(plan.get("speed") or {})
+    s["run_options"] = plan.get("run_options")  # what the run was given, as its processes read it
     return {"rows": rows, "results": results, "failures": failures, "passed": passed, "summary": s}
 
 
@@ -415,7 +416,9 @@ def scale_from_pytest(plan, reports, wanted, seconds):
     results = [r for t, _, _, rs in rows if t.check != "caught" for r in rs]
     kinds = {name: facts["kind"] for name, facts in plan["adapters"].items()}
     s = plan["scale"]
-    return tier("scale").state(results, kinds, set(plan["requested"]), s["limits"], plan["device"], s.get("gpu"), seconds)
+    state = tier("scale").state(results, kinds, set(plan["requested"]), s["limits"], plan["device"], s.get("gpu"), seconds)
+    state["run_options"] = plan.get("run_options")
+    return state
 
 
 def write_scale(directory, result):

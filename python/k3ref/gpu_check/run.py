@@ -235,7 +235,7 @@ def make(opts, conftest_objects=(), progress=print):
         "version": PLAN_VERSION, "device": device, "requested": sorted(requested), "n_goldens": len(suite),
         "golden_dir": str(opts.goldens or default_goldens("--k3ref-goldens")),
         "adapters": {a.name: _facts(a, requested, groups[a.name]) for a in adapters},
-        "tests": entries, "speed": speed,
+        "tests": entries, "speed": speed, "run_options": asdict(opts),
     }
     return plan, warm_up
 
@@ -288,7 +288,7 @@ def make_scale(opts, conftest_objects=()):
                   if "reference_vs_goldens" in cases else opts.goldens)
     return {"version": PLAN_VERSION, "tier": "scale", "device": device, "requested": sorted(requested),
             "n_goldens": None, "golden_dir": golden_dir, "adapters": facts, "tests": entries, "speed": {},
-            "scale": {"limits": asdict(limits), "cases": list(cases), "gpu": gpu}}
+            "scale": {"limits": asdict(limits), "cases": list(cases), "gpu": gpu}, "run_options": asdict(opts)}
 
 
 def _warm_up_of(selected, opts, device, speed, progress):
