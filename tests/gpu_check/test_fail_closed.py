@@ -233,6 +233,19 @@ def test_no_entry_waives_a_whole_check(tmp_path):
         limitation_for(e, "a", "golden", "kda_t1", ["kda_t1", "kda_t100"])
 
 
+def test_ends_process_is_a_boolean_that_marks_the_entry_it_is_on(tmp_path):
+    from k3ref.gpu_check.collection import limitation_entry
+
+    with pytest.raises(ValueError, match="'ends_process' must be true or false"):
+        _entries(tmp_path, {"adapter": "a", "check": "golden", "case": "kda_t1", "ends_process": "yes"})
+    e = _entries(tmp_path, {"adapter": "a", "check": "golden", "case": "kda_t1", "ends_process": True},
+                 {"adapter": "a", "check": "golden", "case": "kda_t100"})
+    cases = ["kda_t1", "kda_t100", "kda_b2_t37"]
+    assert limitation_entry(e, "a", "golden", "kda_t1", cases)[0]["ends_process"] is True
+    assert "ends_process" not in limitation_entry(e, "a", "golden", "kda_t100", cases)[0]
+    assert limitation_entry(e, "a", "golden", "kda_b2_t37", cases) is None
+
+
 def test_a_nan_kernel_is_not_waived_by_a_catch_all_file(tmp_path, gpu_check):
     limits = tmp_path / "limits.json"
     run = ("run", "--no-builtin", "--adapter", "test_adapters:NanEverywhere", "--checks", "golden",

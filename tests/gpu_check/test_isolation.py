@@ -95,6 +95,26 @@ def test_a_known_limitation_that_crashes_is_an_xfail_and_runs_once(tmp_path):
     assert proc.stdout.count("node down") + proc.stderr.count("node down") == 1  # one crash: not run again
 
 
+def test_a_limitation_that_ends_its_process_runs_in_a_scope_of_its_own(tmp_path):
+    """Marked ends_process, the crashing limitation is planned in a pytest-xdist scope of its
+    own (so its worker's replacement holds up none of its group's tests): the group's other
+    tests share one scope, the crash another; the run still passes with it as its xfail."""
+    import xml.etree.ElementTree as ET
+
+    limits = tmp_path / "limits.json"
+    limits.write_text(json.dumps({"entries": [{"adapter": "hostile.abort", "check": "golden", "case": "kda_t100",
+                                               "reason": "aborts on T = 100 (the test's stand-in)",
+                                               "ends_process": True}]}))
+    proc = run(tmp_path / "r", "--only", "hostile.abort", "--known-limitations", str(limits), "--check-jobs", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "r" / "report.json").read_text())["summary"]
+    assert summary["xfailed"] == 1 and summary["passed"] == 3 and summary["verdict"] == "PASS"
+    scopes = {tc.get("name"): tc.get("classname") for tc in ET.parse(tmp_path / "r" / "report.xml").getroot().iter("testcase")}
+    crash = scopes.pop("hostile.abort-kda_t100-golden")
+    assert len(set(scopes.values())) == 1 and crash not in scopes.values(), (crash, scopes)
+    assert "ends_its_process" in crash, crash
+
+
 def test_without_isolation_an_exit_in_adapter_code_is_no_pass(tmp_path):
     """`run --no-isolation` runs the adapters in the pytest process; an os._exit(0) there ends
     it with status 0 and no report, which the front end reads as a failure."""

@@ -28,13 +28,15 @@ class SelectorError(ValueError):
     """An unknown name in a selector (one-line message)."""
 
 
-LIMITATION_KEYS = ("adapter", "check", "case", "case_pattern", "reason", "evidence")
+LIMITATION_KEYS = ("adapter", "check", "case", "case_pattern", "reason", "evidence", "ends_process")
 MAX_LIMITATIONS_BYTES = 1024 * 1024
 
 
 def load_limitations(path=None):
     """The entries of a known-limitations file: a JSON object with "entries", a list of
-    {"adapter", "check", "case" or "case_pattern" or neither, "reason", "evidence"}.
+    {"adapter", "check", "case" or "case_pattern" or neither, "reason", "evidence",
+    "ends_process": true for a limitation that ends the process running it (an abort): its
+    test runs in a scope of its own, so that its worker's replacement holds up no other test}.
 
     Names are literal: "adapter" and "check" name one adapter and one check exactly (brackets
     and stars are characters of the name). "case" names one case exactly; "case_pattern" is a
@@ -60,6 +62,8 @@ def load_limitations(path=None):
         for key in ("case", "case_pattern", "evidence"):
             if key in e and (not isinstance(e[key], str) or not e[key]):
                 raise ValueError(f"known limitations {path}: entry {n}: '{key}' must be a non-empty string")
+        if "ends_process" in e and not isinstance(e["ends_process"], bool):
+            raise ValueError(f"known limitations {path}: entry {n}: 'ends_process' must be true or false")
         if "case" in e and "case_pattern" in e:
             raise ValueError(f"known limitations {path}: entry {n}: give 'case' or 'case_pattern', not both")
         if e.get("case") == "*" or any(ch in e.get("case", "") for ch in "*?["):
@@ -69,15 +73,21 @@ def load_limitations(path=None):
 
 
 def limitation_for(entries, adapter, check, case, check_cases):
-    """The known-limitation reason of test (adapter, check, case), or None. `check_cases`: every
-    case id of that adapter's check, so that a pattern matching all of them, or an entry naming
-    no case for a check of several, is refused (ValueError, one line)."""
+    """The known-limitation reason of test (adapter, check, case), or None (limitation_entry)."""
+    found = limitation_entry(entries, adapter, check, case, check_cases)
+    return found[1] if found else None
+
+
+def limitation_entry(entries, adapter, check, case, check_cases):
+    """(entry, reason) of the known limitation of test (adapter, check, case), or None.
+    `check_cases`: every case id of that adapter's check, so that a pattern matching all of
+    them, or an entry naming no case for a check of several, is refused (ValueError, one line)."""
     for n, e in enumerate(entries):
         if e["adapter"] != adapter or e["check"] != check:
             continue
         if "case" in e:
             if e["case"] == case:
-                return f"known limitation: {e['reason']}"
+                return e, f"known limitation: {e['reason']}"
         elif "case_pattern" in e:
             matched = [c for c in check_cases if fnmatch.fnmatchcase(c, e["case_pattern"])]
             if len(matched) >= len(check_cases):
@@ -85,13 +95,13 @@ def limitation_for(entries, adapter, check, case, check_cases):
                                  f"'{e['case_pattern']}' matches all {len(check_cases)} cases; a known limitation may "
                                  f"not waive a whole check: name the cases")
             if case in matched:
-                return (f"known limitation (case_pattern '{e['case_pattern']}', {len(matched)} of "
-                        f"{len(check_cases)} cases): {e['reason']}")
+                return e, (f"known limitation (case_pattern '{e['case_pattern']}', {len(matched)} of "
+                           f"{len(check_cases)} cases): {e['reason']}")
         else:
             if len(check_cases) != 1:
                 raise ValueError(f"known limitations: entry {n} ({adapter} {check}) names no case, but the check "
                                  f"has {len(check_cases)} cases: name them ('case' or 'case_pattern')")
-            return f"known limitation: {e['reason']}"
+            return e, f"known limitation: {e['reason']}"
     return None
 
 
@@ -151,7 +161,9 @@ def collect(adapters, suite, checks=None, cases=None, limitations=(), backward="
                     continue
                 path = str(case.path) if case is not None and getattr(case, "path", None) else None
                 t = Test(a, check, case_id, case_path=path, skip=why)
-                t.xfail = limitation_for(limitations, a.name, check, case_id, case_ids)
+                found = limitation_entry(limitations, a.name, check, case_id, case_ids)
+                if found:
+                    t.xfail, t.ends_process = found[1], bool(found[0].get("ends_process"))
                 tests.append(t)
         if a.kind == "mutant":
             if tests:

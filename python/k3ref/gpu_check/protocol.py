@@ -159,6 +159,7 @@ class Test:
     case_path: str = None
     skip: str = None        # the adapter does not support this case: the reason
     xfail: str = None       # a known limitation: the reason
+    ends_process: bool = False  # that limitation ends its process: the test runs in a scope of its own
 
     @property
     def id(self):

@@ -220,13 +220,18 @@ def make(opts, conftest_objects=(), progress=print):
             warm_up = None
         lap("warm_keys_s")
     # Stable, the shape order kept within each part: a known limitation last in its group (when
-    # it crashes its worker, FlashKDA's aborts, the replacement has no other test of the group
-    # left to run), and the tests of kernels whose shapes are still compiling after the others.
+    # it crashes its worker, the replacement has no other test of the group left to run; one
+    # marked ends_process, FlashKDA's aborts, gets a scope of its own below), and the tests of
+    # kernels whose shapes are still compiling after the others.
     tests.sort(key=lambda t: (bool(t.xfail), warmup.pending_key(t.adapter.name, t.check == "backward") in pending))
     groups = {a.name: group_of(a) for a in adapters}
     entries = []
     for t in tests:
-        e = {"id": t.id, "group": groups[t.adapter.name], "xfail": t.xfail, **_entry(t)}
+        # A known limitation that ends its process runs in a scope of its own, on whichever
+        # worker is free: its replacement worker holds up none of its group's other tests.
+        group = groups[t.adapter.name] + (f" ends its process: {t.check} {t.case}" if getattr(t, "ends_process", False)
+                                           else "")
+        e = {"id": t.id, "group": group, "xfail": t.xfail, **_entry(t)}
         if isinstance(t, MutantTest):
             e["mutant"] = [_entry(x) for x in t.tests]
         e["nodeid"] = f"k3ref/{scope_name(e['group'])}::{t.id}"
