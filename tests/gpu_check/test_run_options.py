@@ -93,3 +93,13 @@ def test_the_options_of_the_command_line_reach_the_adapter_in_its_worker(tmp_pat
     assert given["settings"] == [["who", "the run"]] and given["autotune_configs"] == "all"
     assert seen == {"fla_path": str((tmp_path / "fla").resolve()), "fla_environment": None, "who": "the run",
                     "autotune_configs": "all", "cache_dir": str((tmp_path / "cache").resolve()), "worker": "gw0"}
+
+
+def test_a_malformed_setting_is_a_usage_error_in_one_line(tmp_path, gpu_check):
+    (tmp_path / "seer.py").write_text(SEER)
+    r = gpu_check("run", "--no-builtin", "--adapter", f"{tmp_path / 'seer.py'}:Seer", "--set", "no_value_given",
+                  "--no-warmup", "--device", "cpu", "--out", str(tmp_path / "r"), cwd=tmp_path)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "setting 'no_value_given'" in lines[0] and "expected NAME=VALUE" in lines[0], r.stderr
+    assert not (tmp_path / "r" / "report.json").exists()

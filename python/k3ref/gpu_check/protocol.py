@@ -130,7 +130,7 @@ def settings_of(items):
     for item in items or ():
         name, eq, value = item.partition("=")
         if not eq or not name.strip():
-            raise UsageError(f"--k3ref-set {item!r}: expected NAME=VALUE")
+            raise UsageError(f"setting {item!r} (--set, --k3ref-set): expected NAME=VALUE")
         out.append((name.strip(), value))
     return tuple(out)
 
