@@ -3,6 +3,7 @@ through the environment: a front end reads the kernel paths' variables once (ker
 the registry gives every adapter it makes the run's options, and a factory that takes
 `run_options` gets the run's settings (--k3ref-set NAME=VALUE)."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,7 @@ def test_an_adapter_s_own_path_wins_over_the_run_s():
 SEER = '''
 import json
 import os
+import os
 
 from k3ref.gpu_check.protocol import Adapter, CheckResult
 
@@ -103,3 +105,20 @@ def test_a_malformed_setting_is_a_usage_error_in_one_line(tmp_path, gpu_check):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "setting 'no_value_given'" in lines[0] and "expected NAME=VALUE" in lines[0], r.stderr
     assert not (tmp_path / "r" / "report.json").exists()
+
+
+@pytest.mark.parametrize("command", [["prop", "--kernel", "x"], ["warmup"]])
+def test_prop_and_warmup_build_their_options_as_a_run_does(command, tmp_path, monkeypatch):
+    from k3ref.gpu_check import cli
+
+    monkeypatch.setenv("K3REF_FLA_PATH", str(tmp_path / "from_environment"))
+    for name in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"):  # what the command sets, put back after
+        monkeypatch.setenv(name, "before")
+    args = cli.parser().parse_args(command + ["--set", "who=prop", "--cache-dir", str(tmp_path / "cache"),
+                                              "--lib", "relative/libk3gc.so"])
+    opts = cli.command_options(args)
+    assert opts.settings == (("who", "prop"),)
+    assert opts.kernel_path("fla_path") == str((tmp_path / "from_environment").resolve())
+    assert opts.kernel_path("lib") == str(Path("relative/libk3gc.so").resolve())
+    assert opts.cache_dir == str((tmp_path / "cache").resolve())
+    assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "cache" / "triton").resolve())

@@ -30,6 +30,8 @@ def _kernel_options(p):
     p.add_argument("--adapter", action="append", default=[], metavar="MODULE:NAME",
                    help="an adapter of your own (a class, instance, or function returning adapters; repeatable); "
                         "MODULE may be a file.py")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a setting of an adapter factory that takes `run_options` (the plugin's --k3ref-set); repeatable")
 
 
 def parser():
@@ -67,8 +69,6 @@ def parser():
     r.add_argument("--scale-limits", metavar="NAME=VALUE,...",
                    help="the scale tier at smaller limits (the plugin's --k3ref-scale-limits; default: "
                         "$K3REF_SCALE_LIMITS, else K3's full sizes)")
-    r.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="a setting of an adapter factory that takes `run_options` (the plugin's --k3ref-set); repeatable")
     r.add_argument("--backward", choices=("default", "all"), default="default",
                    help="the gradient goldens of the backward check: default, four that share two backward autotune "
                         "keys; all, every gradient golden (the plugin's --k3ref-backward)")
@@ -141,10 +141,10 @@ def command_options(args):
     """The RunOptions of a `prop` or `warmup` command (its adapters, device, kernel paths, else
     their environment variables, and cache directory), with Triton pointed at the cache before
     any kernel is imported."""
-    from .protocol import RunOptions, kernel_paths_of
+    from .protocol import RunOptions, kernel_paths_of, settings_of
 
     opts = RunOptions(adapters=tuple(args.adapter), device=args.device, cache_dir=str(warmup.cache_dir(args.cache_dir)),
-                      kernel_paths=kernel_paths_of(vars(args)))
+                      kernel_paths=kernel_paths_of(vars(args)), settings=settings_of(args.set))
     warmup.configure_cache(opts.cache_dir)
     return opts
 

@@ -393,7 +393,7 @@ def main(args, opts):
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     flags = (f" --fla-path {args.fla_path}" if args.fla_path else "") + (
         f" --flashkda-path {args.flashkda_path}" if args.flashkda_path else "") + "".join(
-        f" --adapter {spec}" for spec in args.adapter)
+        f" --adapter {spec}" for spec in args.adapter) + "".join(f" --set {item}" for item in args.set)
     buckets, share, bucket_flags = prepare(args, adapter, fixed_for(adapter), seed)  # shapes.py
     flags += bucket_flags
     print(f"prop: kernel {adapter.name}, {args.examples} examples, T <= {args.max_T}, seed {seed}", flush=True)
