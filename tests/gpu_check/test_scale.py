@@ -275,6 +275,13 @@ def test_limits_from_text():
         scale.limits_from("hv=16")
     with pytest.raises(ValueError, match="long_T='big' is not an integer"):
         scale.limits_from("long_T=big")
+    # A run's limits come from its options (--k3ref-scale-limits, else $K3REF_SCALE_LIMITS).
+    from k3ref.gpu_check.protocol import RunOptions, UsageError
+
+    assert scale.limits_of(RunOptions()) == scale.FULL
+    assert scale.limits_of(RunOptions(scale_limits="HV=16")).HV == 16
+    with pytest.raises(UsageError, match="--k3ref-scale-limits 'hv=16': unknown name 'hv'"):
+        scale.limits_of(RunOptions(scale_limits="hv=16"))
 
 
 def test_a_tier_in_which_nothing_ran_fails():
