@@ -573,7 +573,7 @@ def limits_of(opts):
     try:
         return limits_from(opts.scale_limits)
     except ValueError as e:
-        raise UsageError(f"--k3ref-scale-limits {opts.scale_limits!r}: {e}") from None
+        raise UsageError(f"--k3ref-scale-limits {opts.scale_limits!r}: {str(e).removeprefix('scale limits: ')}") from None
 
 
 def mutant_verdict(results):
