@@ -305,13 +305,13 @@ def judge_figures(figures: Mapping[str, Any], op: str, tensor: str, policy: str,
 
 
 def judge_agreement(rel_rms: float, first_nonfinite_mismatch: int, nominal_floor_: float, least: float,
-                    multiple: float, least_name: str = "the carried-state error") -> dict[str, Any]:
+                    multiple: float, least_name: str | None = None) -> dict[str, Any]:
     """check::judge_agreement: two runs of a kernel (no exact value) agree when the rel RMS of
     their difference is within `multiple` x max(the nominal floor, `least`: what a correct
-    kernel's runs differ by, which `least_name` names in the reason) and no value is finite in
-    one run only. {"passed", "ratio", "reason"}."""
-    return dict(_core().judge_agreement(rel_rms, first_nonfinite_mismatch, nominal_floor_, least, multiple,
-                                        least_name))
+    kernel's runs differ by, which `least_name` names in the reason; by default the carried
+    state's error) and no value is finite in one run only. {"passed", "ratio", "reason"}."""
+    named = {} if least_name is None else {"least_name": least_name}
+    return dict(_core().judge_agreement(rel_rms, first_nonfinite_mismatch, nominal_floor_, least, multiple, **named))
 
 
 def judge_case(case: Any, candidate: Mapping[str, Any], policy: str = "floor:2", **kw: Any) -> Verdict:

@@ -22,7 +22,8 @@ import time
 import torch
 
 from . import lib, metrics, references
-from .protocol import KERNEL_PATHS, RunOptions, kernel_paths_of
+from .cli import kernel_path_options
+from .protocol import RunOptions, kernel_paths_of
 from .problems import token_range
 from .protocol import bits
 
@@ -317,8 +318,7 @@ def main(argv=None):
                     help="time only the fp64 backward on one sequence of T tokens at --heads heads")
     ap.add_argument("--json", help="--roofline: write the rows and peaks as JSON here")
     ap.add_argument("--measurement", help="--roofline: write a measurements/ file here")
-    for name, env, text in KERNEL_PATHS:
-        ap.add_argument("--" + name.replace("_", "-"), dest=name, help=f"{text} (default: ${env})")
+    kernel_path_options(ap)
     args = ap.parse_args(argv)
     opts = RunOptions(kernel_paths=kernel_paths_of(vars(args)))
     lib.use(opts.kernel_path("lib"))

@@ -20,9 +20,14 @@ from . import warmup
 from .protocol import KERNEL_PATHS, UsageError
 from .registry import AdapterSpecError
 
-def _kernel_options(p):
+def kernel_path_options(p):
+    """--fla-path ... --lib: each kernel's checkout (protocol.KERNEL_PATHS), for kernel_paths_of."""
     for dest, env, text in KERNEL_PATHS:
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, help=f"{text} (default: ${env})")
+
+
+def _kernel_options(p):
+    kernel_path_options(p)
     p.add_argument("--cache-dir", metavar="DIR",
                    help="cache directory (default: $K3REF_CACHE_DIR, else ~/.cache/k3ref): Triton's compiled kernels "
                         "and autotune results in DIR/triton ($TRITON_CACHE_DIR for every child); save and restore DIR "

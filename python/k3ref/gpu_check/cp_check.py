@@ -752,11 +752,11 @@ def launch(adapter, items, timeout=None):
     import torch.multiprocessing as mp
 
     P = adapter.ranks
-    settings = adapter.run_options
-    timeout = float(settings.setting("cp.timeout", LAUNCH_TIMEOUT_S)) if timeout is None else timeout
+    opts = adapter.run_options
+    timeout = float(opts.setting("cp.timeout", LAUNCH_TIMEOUT_S)) if timeout is None else timeout
     with tempfile.TemporaryDirectory(prefix="k3ref_cp_") as outdir:
         # fork is cheap and keeps the parent's modules; CUDA needs spawn. The cp.start_method setting overrides.
-        method = settings.setting("cp.start_method") or ("spawn" if adapter.backend == "nccl" else "fork")
+        method = opts.setting("cp.start_method") or ("spawn" if adapter.backend == "nccl" else "fork")
         error = None
         t0 = time.perf_counter()
         try:
@@ -1023,12 +1023,17 @@ def ranks_of(text):
     return ranks
 
 
+def default_backend(kernel):
+    """gloo for the PyTorch kernel (CPU processes), nccl for FLA's (rank r on cuda:r)."""
+    return "gloo" if kernel == "torch" else "nccl"
+
+
 def cp_adapters(run_options):
     """The CP adapters of the run's settings: cp.kernel (torch: the PyTorch kernel and its
     mutants; fla: FLA's chunk_kda) for each P of cp.ranks (default 2,4,8) over cp.backend
     (default gloo for torch, nccl for fla)."""
     kernel = run_options.setting("cp.kernel", "torch")
-    backend = run_options.setting("cp.backend", "gloo" if kernel == "torch" else "nccl")
+    backend = run_options.setting("cp.backend", default_backend(kernel))
     if kernel not in ("torch", "fla") or backend not in ("gloo", "nccl"):
         raise ValueError(f"cp.kernel={kernel!r} / cp.backend={backend!r}: expected torch|fla and gloo|nccl")
     out = []
@@ -1056,7 +1061,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, help="seconds one launch of P ranks (every case of one adapter) may "
                     "take (default 300 on gloo, 3000 on nccl: Triton compiles and autotunes each new shape)")
     args, rest = ap.parse_known_args(argv)
-    backend = args.backend or ("gloo" if args.kernel == "torch" else "nccl")
+    backend = args.backend or default_backend(args.kernel)
     timeout = args.timeout if args.timeout is not None else (LAUNCH_TIMEOUT_S if backend == "gloo" else 3000.0)
     try:
         ranks_of(args.ranks)

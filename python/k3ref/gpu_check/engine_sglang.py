@@ -72,7 +72,6 @@ class SglangGatingAdapter(ServingAdapter):
     policy = "sglang-recurrent"
     policy_reason = "fp32 recurrence on bf16 inputs, FLA's fused recurrent arithmetic with the gating fused in"
     contract = "Triton; fp32 state and arithmetic on bf16 inputs, softplus gate and beta sigmoid in kernel, o in bf16"
-    o_bound = PolicyBound("serving.decode", "o")
     state_bound = PolicyBound("serving.decode", "pool_out", at_least=1e-6)
     layouts = ("v_first",)
     layout_reason = "its pool is [slots, HV, V, K]"

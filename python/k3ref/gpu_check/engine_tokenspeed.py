@@ -93,7 +93,6 @@ class TokenSpeedAdapter(ServingAdapter):
     varlen_params = K3_PARAMS
     domain = BuiltinDomain()  # policy/kernel_domains.json
     policy = "tokenspeed-kda-recurrent"
-    o_bound = PolicyBound("serving.decode", "o")
     state_bound = PolicyBound("serving.decode", "pool_out", at_least=1e-6)
 
     def load(self):

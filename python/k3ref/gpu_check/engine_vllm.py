@@ -261,7 +261,6 @@ class VllmGdnReplayAdapter(VllmAdapter):
     contract = "Triton; bf16 caches and tensor-core rebuild, fp32 accumulation, o rounded to bf16, fp32 checkpoints"
     o_bound = PolicyBound("gdn.replay_decode", "o")
     state_bound = PolicyBound("gdn.replay_decode", "pool_out", at_least=1e-6)
-    cache_bound = PolicyBound("gdn.replay_decode", "d_cache_out")
     k_cache_bound = PolicyBound("gdn.replay_decode", "k_cache_out")
     g_cache_bound = PolicyBound("gdn.replay_decode", "g_cache_out", at_least=1e-9)
 
@@ -356,7 +355,6 @@ class VllmKdaDecodeAdapter(VllmKdaAdapter):
                      "there)")
     contract = ("Triton; fp32 state and arithmetic on bf16 inputs, the gate in fp32 (fused_kda_gate), o rounded to "
                 "bf16, fp32 V-first pool")
-    o_bound = PolicyBound("serving.decode", "o")
     state_bound = PolicyBound("serving.decode", "pool_out", at_least=1e-6)
     problem_shape = dict(H=2, HV=2, K=16, V=16)  # H K = HV V both ways (layout_equivalence swaps K and V)
     problem_params = dict(gate="softplus", gate_base="e", beta="sigmoid", qk_l2norm=True, scale=None,

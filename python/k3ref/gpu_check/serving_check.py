@@ -1124,7 +1124,6 @@ class FlaServingAdapter(ServingModes, ServingAdapter):
     split_bitwise = True
     _unpicklable = ("fwd", "plain")
     policy = "fla-serving"  # policy/policies.json: the bounds below
-    o_bound = PolicyBound("serving.decode", "o")
     state_bound = PolicyBound("serving.decode", "pool_out", at_least=1e-6)
     policy_reason = "fp32 recurrence on bf16 inputs: 1.0x the bf16 output floor measured (kda.recurrent)"
     contract = "Triton; fp32 state and arithmetic on bf16 inputs, o rounded to bf16, fp32 pool"
@@ -1198,7 +1197,6 @@ class FlaChunkIntermediateAdapter(ServingAdapter):
     state_bound = PolicyBound("serving.checkpoints", "final_state")
     varlen_shape = dict(H=1, HV=2, K=16, V=32)
     warmup_weight = 100  # chunk_kda autotunes (warmup.cost_estimate)
-    h_bound = PolicyBound("serving.checkpoints", "checkpoints")
     policy_reason = "chunked UT transform, bf16 products (2.0x-2.7x the bf16 floor on o), h stored in bf16"
     contract = "Triton; chunks of 64 in UT form, bf16 tensor-core products, h rounded to bf16"
     name = "fla.chunk_kda[serving]"
