@@ -1123,7 +1123,7 @@ class FlaServingAdapter(ServingModes, ServingAdapter):
     requires_cuda = True
     split_bitwise = True
     _unpicklable = ("fwd", "plain")
-    policy = "fla-serving"  # policy/policies.json: the bounds below
+    policy = "fla-serving"  # policy/policies.json: its rules are the bounds (the state never below 1e-6)
     state_bound = PolicyBound("serving.decode", "pool_out", at_least=1e-6)
     policy_reason = "fp32 recurrence on bf16 inputs: 1.0x the bf16 output floor measured (kda.recurrent)"
     contract = "Triton; fp32 state and arithmetic on bf16 inputs, o rounded to bf16, fp32 pool"
