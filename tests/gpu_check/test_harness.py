@@ -258,7 +258,7 @@ def test_reports_without_matplotlib(tmp_path, gpu_check_here, monkeypatch):
     # Without matplotlib the report says so, at the top and where the plot would be (the
     # report is written by the pytest process: here, in-process).
     monkeypatch.setattr(report, "_matplotlib",
-                        lambda: (None, "not importable (ImportError: No module named 'matplotlib')"))
+                        lambda load=True: (None, "not importable (ImportError: No module named 'matplotlib')"))
     out = tmp_path / "r"
     from k3ref.gpu_check import cli
 
@@ -274,11 +274,17 @@ def test_reports_without_matplotlib(tmp_path, gpu_check_here, monkeypatch):
 
 def test_the_controller_s_modules_import_no_torch():
     # The plugin's controller imports these (the planning child and the workers import the
-    # kernels): importing torch there cost a warm H200 run 6-10 s of its end.
+    # kernels): importing torch there cost a warm H200 run 6-10 s of its end. Nor does a
+    # report with nothing to plot import pyplot (a second of every run's end).
     import subprocess
+    import tempfile
 
-    code = ("import sys, k3ref.pytest_plugin, k3ref.gpu_check.run, k3ref.gpu_check.report, k3ref.gpu_check.cli; "
+    code = ("import sys, k3ref.pytest_plugin, k3ref.gpu_check.run, k3ref.gpu_check.report as R, k3ref.gpu_check.cli; "
+            "s = R.summary([], [], {}, 'cpu', 1.0, True, [], 0, versions_={'k3ref': '-'}); "
+            "assert s['matplotlib'] == 'available', s['matplotlib']; "
+            "R.write_html(sys.argv[1] + '/report.html', [], [], s); "
             "print(sorted(m for m in ('torch', 'numpy', 'matplotlib') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    with tempfile.TemporaryDirectory() as out_dir:
+        out = subprocess.run([sys.executable, "-c", code, out_dir], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]"], out.stdout

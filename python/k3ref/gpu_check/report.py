@@ -162,7 +162,7 @@ def summary(rows, results, kernels, device, seconds, passed, failures, n_goldens
         "kernels": kernels,
         "mutants": mutants,
         "mutants_caught": sum(m["verdict"] == "pass" for m in mutants.values()),
-        "matplotlib": _matplotlib()[1],
+        "matplotlib": _matplotlib(load=False)[1],
     }
 
 
@@ -450,8 +450,17 @@ def timing_lines(summary):
     return out
 
 
-def _matplotlib():
+def _matplotlib(load=True):
+    """(pyplot, "available"), or (None, why not). load=False: whether it is there, found without
+    importing it (pyplot's import is about a second, and a run with nothing to plot needs none):
+    (True, "available")."""
     try:
+        if not load:
+            import importlib.util
+
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ImportError("No module named 'matplotlib'")
+            return True, "available"
         import matplotlib
 
         matplotlib.use("Agg")
@@ -534,7 +543,7 @@ def _fmt(x):
 def write_html(path, rows, results, summary):
     """The report a person reads. `rows`: (test, verdict, reason, results) of collection."""
     path = Path(path)
-    plt, mpl = _matplotlib()
+    plt, mpl = _matplotlib(load=False)  # imported at the first plot
     plots_dir = path.parent / "plots"
     verdict_of = {}
     for t, v, reason, rs in rows:
@@ -647,6 +656,8 @@ def write_html(path, rows, results, summary):
                 out.append("<details><summary>traceback</summary><pre>" + html.escape(r.extra["traceback"])
                            + "</pre></details>")
             plottable = r.windows or (isinstance(r.extra, dict) and r.extra.get("final_state_rows"))
+            if plt is True and plottable:
+                plt, mpl = _matplotlib()
             if plt is not None and plottable:
                 plots_dir.mkdir(parents=True, exist_ok=True)
                 stem = t.id if len(rs) == 1 else f"{t.id}-{r.check}-{r.case}"
@@ -658,7 +669,7 @@ def write_html(path, rows, results, summary):
                     title = html.escape(plot_title(r, what), quote=True)
                     out.append(f"<p><a href='{rel}'><img src='{rel}' alt='error of {what}' title='{title}'></a></p>")
             elif plottable:
-                out.append("<p>plot left out: matplotlib is not importable</p>")
+                out.append(f"<p>plot left out: matplotlib is {html.escape(mpl)}</p>")
     # kernels: contract, policy, availability, time split
     out.append("<h2>kernels</h2><table><tr><th>kernel</th><th>kind</th><th>contract</th><th>policy</th>"
                "<th>available</th><th>version</th><th>start-up + import s</th><th>Triton compile s</th>"
