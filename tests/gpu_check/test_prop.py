@@ -139,3 +139,28 @@ class TestCorrectKernel:
             assert adapters.FlashKdaAdapter().unsupported(prop.params_of(c), shapes) is None
 
         check()
+
+
+def test_an_interrupted_run_says_where_it_stopped(tmp_path):
+    # Ctrl-C (SIGINT to the front end's process group, as a terminal or `timeout -s INT` sends
+    # it) stops prop with a line saying how far it got and exit 130: no traceback, no pass.
+    import signal
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "python"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "k3ref.gpu_check", "prop", "--kernel", "torch.fp64_bf16",
+                             "--examples", "100000", "--seed", "3", "--device", "cpu", "--no-warmup", "--progress",
+                             "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    seen = 0
+    for line in proc.stdout:
+        seen += line.startswith("prop example ")
+        if seen == 5:
+            break
+    assert seen == 5, proc.stderr.read()[-2000:]
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, rest[-2000:] + err[-2000:]
+    stopped = [l for l in rest.splitlines() if l.startswith("STOPPED ")]
+    assert len(stopped) == 1 and "interrupted after" in stopped[0] and "of 100000 examples" in stopped[0], rest[-2000:]
+    assert int(stopped[0].split("interrupted after ")[1].split()[0]) >= 5, stopped
+    assert "Traceback" not in err and "PASS" not in rest, err[-2000:]

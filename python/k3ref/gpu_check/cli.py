@@ -232,6 +232,7 @@ def in_child(cmd, argv):
     the verdict the child writes as the command returns (command_child). A child that ends
     without one (adapter code that calls os._exit, a crash) fails the command with one line:
     an exit 0 of adapter code is no pass."""
+    import signal
     import subprocess
     import tempfile
 
@@ -250,9 +251,21 @@ def in_child(cmd, argv):
 
         t = threading.Thread(target=drain, daemon=True)
         t.start()
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+
+        def copy_out():
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+        try:
+            copy_out()
+        except KeyboardInterrupt:
+            # Ctrl-C reaches the child as well (one process group) and it prints where it stopped:
+            # its last lines are kept. A child that was not sent the signal is sent it after 10 s.
+            nudge = threading.Timer(10, lambda: proc.poll() is None and proc.send_signal(signal.SIGINT))
+            nudge.start()
+            copy_out()
+            nudge.cancel()
         proc.wait()
         t.join()
         written = verdict.read_text().strip() if verdict.is_file() else None
@@ -262,8 +275,6 @@ def in_child(cmd, argv):
               f"ended the process?): nothing is vouched for", file=sys.stderr)
         return 1
     if written is None:
-        import signal
-
         how = f"exit {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
         print(f"python3 -m k3ref.gpu_check {cmd}: FAIL: the run ended with {how} and recorded no verdict (a crash?)",
               file=sys.stderr)
@@ -294,6 +305,9 @@ def command_child(run, argv=None):
     except (UsageError, AdapterSpecError) as e:
         print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)
         rc = 2
+    except KeyboardInterrupt:
+        print(f"{ap.prog} {args.cmd}: interrupted", file=sys.stderr)
+        rc = 130
     Path(os.environ[VERDICT_VARIABLE]).write_text(str(rc))  # reached only by returning
     return rc
 

@@ -282,6 +282,11 @@ def property_run(adapter, examples=100, seed=None, max_T=48, out_dir="prop_failu
                 "reference": sorted(state["sources"])}
     except AssertionError:
         case, reason = state["failure"]
+    except KeyboardInterrupt:  # Ctrl-C, or `timeout -s INT`: where it stopped, not a traceback
+        if state["failure"] is None:
+            return {"passed": None, "interrupted": True, "examples": state["examples"], "seed": seed,
+                    "seconds": time.time() - t0, "reference": sorted(state["sources"])}
+        case, reason = state["failure"]  # stopped while shrinking: the failing case found so far
     path = write_failure(case, adapter, reason, out_dir, device)
     return {"passed": False, "examples": state["examples"], "seed": seed, "seconds": time.time() - t0,
             "case": case, "reason": reason, "golden": str(path), "reference": sorted(state["sources"]),
@@ -403,6 +408,10 @@ def main(args, opts):
                        outside_share=share, progress=args.progress)
     if res.get("seconds"):
         print(rate(res["seconds"], res["examples"]), flush=True)
+    if res.get("interrupted"):
+        print(f"STOPPED {adapter.name}: interrupted after {res['examples']} of {args.examples} examples in "
+              f"{res['seconds']:.1f} s, none failing; not a pass of the run asked for")
+        return 130
     if res["passed"] is None:
         print(f"FAIL {adapter.name}: not available, nothing was tested: {res['skipped']}")
         return 1
