@@ -111,23 +111,6 @@ def run_pytest():
     return run
 
 
-# An instrumented build (ASan/UBSan) builds no k3ref._core and these tests load no other
-# compiled code of it: they run once, in the release pass, not again under the sanitizers. A
-# module is not even imported there (several read the goldens through k3ref._core at import).
-SANITIZED_SKIP = "the harness's Python tests run in the release pass (no instrumented code here)"
-
-
-class _ReleasePassOnly(pytest.Module):
-    def collect(self):
-        pytest.skip(SANITIZED_SKIP)
-
-
-def pytest_pycollect_makemodule(module_path, parent):
-    if os.environ.get("K3REF_SANITIZED") == "1":
-        return _ReleasePassOnly.from_parent(parent, path=module_path)
-    return None
-
-
 _SKIPPED_AT_COLLECTION = []
 
 
@@ -137,8 +120,7 @@ def pytest_collectreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    # Every module skipped at collection (the sanitizer pass; a module's pytest.importorskip of
-    # torch where it is missing) is "no tests collected" (5) to pytest; to meson it is a skip (77).
-    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and \
-            (os.environ.get("K3REF_SANITIZED") == "1" or _SKIPPED_AT_COLLECTION):
+    # Every module skipped at collection (a module's pytest.importorskip of torch where it is
+    # missing) is "no tests collected" (5) to pytest; to meson it is a skip (77).
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and _SKIPPED_AT_COLLECTION:
         session.exitstatus = 77
