@@ -158,12 +158,10 @@ def _stderr_line(text):
     return stderr_summary(text)
 
 
-def _plan_in_child(config, opts, path):
-    """Runs the planning child; returns (plan, child) or raises UsageError (one line). The
-    child writes the plan, says so (READY) and then runs the warm-up: this process goes on
-    with the plan while it compiles, and `child` (a _PlanningChild) is collected at the end."""
-    from k3ref.gpu_check import run as run_plan
-
+def _start_planner(config, opts, path):
+    """Starts the planning child, which writes the plan to `path`, says so (READY) and then
+    runs the warm-up; returns it (a _PlanningChild). Nobody waits for it here: pytest-xdist
+    starts the workers while it plans (_await_plan)."""
     # The child imports what this process would: this package first, then this process's path.
     package_root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ)
@@ -181,22 +179,78 @@ def _plan_in_child(config, opts, path):
         cmd += ["-p", "k3ref.pytest_plugin"]
     if config.getoption("collectonly"):  # nothing will run: nothing to compile for
         cmd += ["--k3ref-no-warmup"]
-    child = _PlanningChild(cmd, str(config.invocation_params.dir), env, opts.load_timeout + (
+    return _PlanningChild(cmd, str(config.invocation_params.dir), env, opts.load_timeout + (
         opts.warmup_timeout if opts.warmup else 0.0))
+
+
+PLAN_FILE, PLAN_FAILED_FILE = "plan.json", "plan.failed"
+
+
+def _await_plan(config):
+    """The controller's plan (config.stash[PLAN]): waits for the planning child the first time,
+    or raises UsageError (one line) when it ended without a plan; the workers, waiting for the
+    plan too (_worker_plan), are told by PLAN_FAILED_FILE."""
+    if PLAN in config.stash:
+        return config.stash[PLAN]
+    from k3ref.gpu_check import run as run_plan
+
+    state = config.stash[STATE]
+    child, workdir = state["planner"], state["workdir"]
+    error = None
     if not child.wait_ready():
         child.close()
         text = child.last_stderr
         if child.timed_out:
-            raise UsageError(f"k3ref: planning the run (importing the adapters) took more than {child.timeout:g} s: "
-                             f"stopped (--k3ref-load-timeout)")
-        raise UsageError(f"{_stderr_line(text)}" if "ERROR: k3ref: " in text else
-                         f"k3ref: the planning child (importing the adapters) exited with status "
-                         f"{child.proc.returncode} without a plan: {_stderr_line(text)}")
-    try:
-        return run_plan.read(path), child
-    except ValueError as e:
-        child.close(kill=True)
-        raise UsageError(f"k3ref: {e}") from None
+            error = (f"k3ref: planning the run (importing the adapters) took more than {child.timeout:g} s: "
+                     f"stopped (--k3ref-load-timeout)")
+        else:
+            error = (f"{_stderr_line(text)}" if "ERROR: k3ref: " in text else
+                     f"k3ref: the planning child (importing the adapters) exited with status "
+                     f"{child.proc.returncode} without a plan: {_stderr_line(text)}")
+    else:
+        try:
+            plan = run_plan.read(workdir / PLAN_FILE)
+        except ValueError as e:
+            child.close(kill=True)
+            error = f"k3ref: {e}"
+    if error is not None:
+        state.pop("planner", None)
+        (workdir / PLAN_FAILED_FILE).write_text(error)
+        xml = _junit(config)
+        if xml is not None:  # a usage error writes no JUnit file, as before the session began
+            config.pluginmanager.unregister(xml)
+        raise UsageError(error)
+    config.stash[PLAN] = plan
+    state["marks"]["plan ready"] = time.time()
+    if state.pop("restart_bound", False):
+        # Every crash is one test's: at most one per test. pytest-xdist read the bound when it
+        # started (before the plan); its session keeps it in this attribute (3.1 to 3.8).
+        dsession = config.pluginmanager.getplugin("dsession")
+        if dsession is not None and hasattr(dsession, "_max_worker_restart"):
+            dsession._max_worker_restart = config.option.maxworkerrestart = len(plan["tests"]) + 4
+    return plan
+
+
+def _worker_plan(config):
+    """A worker's plan: the file the planning child writes, waited for while the controller
+    has none yet (the worker started beside the planning child, and imported torch meanwhile);
+    None when the planning failed (the controller reports it) or the controller is gone."""
+    from k3ref.gpu_check import run as run_plan
+
+    path = Path(config.workerinput["k3ref_plan"])
+    parent, deadline = os.getppid(), time.monotonic() + run_plan.options_of(config).load_timeout + 60
+    if not path.exists():
+        try:
+            import torch  # noqa: F401  (the checks' first import, made while the plan is computed)
+        except ImportError:
+            pass
+    while not path.exists():
+        if (path.with_name(PLAN_FAILED_FILE).exists() or not path.parent.is_dir() or os.getppid() != parent):
+            return None
+        if time.monotonic() > deadline:
+            raise UsageError(f"k3ref: no run plan at {path} after the planning child's time limit")
+        time.sleep(0.02)
+    return run_plan.read(path)
 
 
 READY = "ready"
@@ -298,21 +352,13 @@ def pytest_cmdline_main(config):
             package_root = str(Path(__file__).resolve().parents[1])
             os.environ["PYTHONPATH"] = os.pathsep.join(
                 dict.fromkeys([package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-            try:
-                plan, config.stash[STATE]["planner"] = _plan_in_child(config, opts, workdir / "plan.json")
-            except BaseException:
-                import shutil
-
-                shutil.rmtree(workdir, ignore_errors=True)
-                raise
-            config.stash[PLAN] = plan
-            config.stash[STATE]["marks"]["plan ready"] = time.time()
+            config.stash[STATE]["planner"] = _start_planner(config, opts, workdir / PLAN_FILE)
             if not config.option.numprocesses:
                 config.option.numprocesses = 1
             if config.option.dist in ("no", "load"):
                 config.option.dist = "loadscope"
-            if config.option.maxworkerrestart is None:  # every crash is one test's: at most one per test
-                config.option.maxworkerrestart = len(plan["tests"]) + 4
+            # At most one crash per test: the bound is set when the plan is known (_await_plan).
+            config.stash[STATE]["restart_bound"] = config.option.maxworkerrestart is None
     yield
 
 
@@ -321,7 +367,7 @@ def pytest_configure_node(node):
     """The plan's path to each pytest-xdist worker (workers parse the command line again)."""
     state = node.config.stash.get(STATE, None)
     if state is not None and state.get("workdir"):
-        node.workerinput["k3ref_plan"] = str(state["workdir"] / "plan.json")
+        node.workerinput["k3ref_plan"] = str(state["workdir"] / PLAN_FILE)
         node.workerinput["k3ref_sys_path"] = [p for p in sys.path if p]  # as the planning child had it
         # pytest-xdist starts each worker with the sys.path it froze when it was imported
         # (xdist.plugin._sys_path; PYTHONPATH does not survive that), and the worker imports
@@ -449,13 +495,15 @@ def pytest_collection_modifyitems(session, config, items):
 
     state = config.stash[STATE]
     if role == "worker":
-        plan = run_plan.read(config.workerinput["k3ref_plan"])
+        plan = _worker_plan(config)
+        if plan is None:  # no plan: the controller says why and ends the run
+            return
         state["plan_speed"] = plan.get("speed")
         from k3ref.gpu_check.run import Executor
 
         state["executor"] = Executor(run_plan.options_of(config), _conftest_specs(config), scale=plan.get("scale"))
     elif role == "isolated":
-        plan = config.stash[PLAN]  # --collect-only in the controller: the items of the plan, no adapter imported
+        plan = _await_plan(config)  # --collect-only in the controller: the items of the plan, no adapter imported
     else:
         try:
             # The planning child's progress lines are marked for the controller to echo.
@@ -492,6 +540,15 @@ def pytest_collection_modifyitems(session, config, items):
             state["executor"] = Executor(state["opts"], _conftest_specs(config), scale=plan.get("scale"))
     for e in plan["tests"]:
         items.append(K3refItem.from_parent(session, name=e["id"], nodeid=e["nodeid"], entry=e))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtestloop(session):
+    """The controller waits for the plan here, once pytest-xdist has started the workers
+    (pytest_sessionstart) and before it hands them tests."""
+    if _role(session.config) == "isolated":
+        _await_plan(session.config)
+    yield
 
 
 def pytest_collection_finish(session):
@@ -782,9 +839,17 @@ def pytest_sessionfinish(session, exitstatus):
     state = config.stash[STATE]
     state["marks"]["session finish"] = time.time()
     plan = config.stash.get(PLAN, None)
-    _collect_warmup(state, plan, stop=bool(session.shouldstop or session.shouldfail or config.getoption("collectonly")))
-    if plan is None or config.getoption("collectonly"):
-        return
+    _collect_warmup(state, plan, stop=bool(plan is None or session.shouldstop or session.shouldfail
+                                           or config.getoption("collectonly")))
+    try:
+        if plan is not None and not config.getoption("collectonly"):
+            _record_session(session, config, state, plan)
+    finally:
+        _clean_workdir(state)
+
+
+def _record_session(session, config, state, plan):
+    """The run's report, the scale tier's record and the verdict, from the controller's reports."""
     state["versions"] = _versions(state)
     xml = _junit(config)
     if xml is not None:  # what the verdict depends on, for a CI that keeps only the XML
@@ -820,6 +885,11 @@ def pytest_sessionfinish(session, exitstatus):
             failed = True
     if failed and session.exitstatus == 0:
         session.exitstatus = 1
+
+
+def _clean_workdir(state):
+    """The run's directory (plan, worker logs) goes, and the environment the workers inherited
+    is as it was."""
     workdir = state.get("workdir")
     if workdir:
         import shutil
