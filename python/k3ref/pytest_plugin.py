@@ -233,17 +233,20 @@ def _await_plan(config):
 
 def _worker_plan(config):
     """A worker's plan: the file the planning child writes, waited for while the controller
-    has none yet (the worker started beside the planning child, and imported torch meanwhile);
+    has none yet (the worker started beside the planning child, and imports torch meanwhile);
     None when the planning failed (the controller reports it) or the controller is gone."""
     from k3ref.gpu_check import run as run_plan
 
     path = Path(config.workerinput["k3ref_plan"])
     parent, deadline = os.getppid(), time.monotonic() + run_plan.options_of(config).load_timeout + 60
-    if not path.exists():
-        try:
-            import torch  # noqa: F401  (the checks' first import, made while the plan is computed)
-        except ImportError:
-            pass
+    if not path.exists():  # the checks' first imports (torch, and Triton for FLA's and Liger's kernels), made meanwhile
+        import importlib
+
+        for module in ("torch", "triton"):
+            try:
+                importlib.import_module(module)
+            except Exception:  # the check that needs it reports it
+                pass
     while not path.exists():
         if (path.with_name(PLAN_FAILED_FILE).exists() or not path.parent.is_dir() or os.getppid() != parent):
             return None
