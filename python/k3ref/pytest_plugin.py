@@ -394,6 +394,18 @@ def pytest_configure(config):
         config.addinivalue_line("markers", "k3ref: a k3ref harness test")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A worker ends here, without the interpreter's teardown: its results and the end of its
+    session (pytest-xdist's `workerfinished`) are sent, and the controller waits for every
+    worker's process to end before it finishes; a worker that has run kernels would first
+    unload CUDA, Triton and torch."""
+    if _role(config) == "worker":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 LOG_DIR_VARIABLE = "K3REF_WORKER_LOG_DIR"  # set by the controller for the workers it starts
 
 
