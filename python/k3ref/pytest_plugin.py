@@ -275,8 +275,9 @@ class _PlanningChild:
         self.reader.start()
 
     def _kill_late(self):
-        self.timed_out = True
-        self.proc.kill()
+        if self.proc.poll() is None:  # a child that ended in time is no timeout, however late it is collected
+            self.timed_out = True
+            self.proc.kill()
 
     def _read(self):
         try:
@@ -291,6 +292,7 @@ class _PlanningChild:
         finally:
             self.proc.stdout.close()
             self.proc.wait()
+            self.timer.cancel()
             self.ready.set()
 
     def wait_ready(self):
@@ -762,7 +764,9 @@ def pytest_xdist_make_scheduler(config, log):
     worker would run it), a replacement worker that is still collecting is not given work
     (3.1 raised KeyError when two workers died close together), and a worker given only a
     finished scope (a dead worker's finished scopes go back to the queue too) asks for more work
-    at once (it waited for results it would never have, and the run hung)."""
+    at once (it waited for results it would never have, and the run hung). And two for time: an
+    idle worker is kept while another still runs a group, to take that group's rest if its
+    worker dies, and a dead worker is replaced only when no live worker took its work."""
     if _role(config) != "isolated" or config.option.dist != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -791,10 +795,32 @@ def pytest_xdist_make_scheduler(config, log):
                 self._reschedule(node)
 
         def _reschedule(self, node):
-            if node in self.registered_collections:
-                super()._reschedule(node)
+            if node not in self.registered_collections:
+                return
+            if not self.workqueue and not node.shutting_down and any(
+                    self._pending_of(work) >= 2 for other, work in self.assigned_work.items() if other is not node):
+                # Kept, idle, not shut down: a worker still running a group may die, and the
+                # group's rest then goes to this one at once (remove_node) instead of waiting
+                # for a replacement to start. pytest-xdist shuts every worker down when each
+                # has at most one test left (tests_finished), and at the start when its first
+                # distribution hands out every group (at most two per worker).
+                return
+            super()._reschedule(node)
 
-    return GroupScheduling(config, log)
+    scheduler = GroupScheduling(config, log)
+    dsession = config.pluginmanager.getplugin("dsession")
+    clone = getattr(dsession, "_clone_node", None)
+    if clone is not None:
+        def clone_if_needed(node):
+            # pytest-xdist replaces every worker that dies; a replacement takes seconds to start,
+            # and the session waits for it before it ends. Once the tests are handed out, it is
+            # started only for work still queued (the dead worker's rest that no live worker took).
+            if scheduler.collection is not None and not scheduler.workqueue:
+                return None
+            return clone(node)
+
+        dsession._clone_node = clone_if_needed
+    return scheduler
 
 
 @pytest.hookimpl(optionalhook=True)

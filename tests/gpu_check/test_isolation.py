@@ -162,3 +162,83 @@ def test_warmup_with_adapter_code_that_ends_its_child_fails(tmp_path, misdeed, e
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and expect in lines[0], proc.stderr
+
+
+class _Node:
+    """A pytest-xdist worker as its scheduler sees it: the tests sent to it, its shutdown."""
+
+    def __init__(self, name):
+        self.gateway = type("Gateway", (), {"id": name})()
+        self.shutting_down, self.sent = False, []
+
+    def send_runtest_some(self, indexes):
+        self.sent += indexes
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def _scheduler(clones):
+    """The plugin's scheduler for two workers, over a fake configuration and pytest-xdist session
+    whose replacement of a dead worker is recorded in `clones`."""
+    from types import SimpleNamespace
+
+    from k3ref import pytest_plugin
+
+    options = {"k3ref_plan_out": None, "k3ref_adapter": ["a"], "k3ref_no_isolation": False}
+    dsession = SimpleNamespace(_clone_node=clones.append)
+    config = SimpleNamespace(option=SimpleNamespace(dist="loadscope", numprocesses=2),
+                             getoption=lambda name: options.get(name), getvalue=lambda name: ["2*popen"],
+                             pluginmanager=SimpleNamespace(getplugin=lambda name: dsession),
+                             hook=SimpleNamespace())
+    return pytest_plugin.pytest_xdist_make_scheduler(config, None), dsession
+
+
+def test_a_dead_workers_group_goes_to_an_idle_worker_without_a_replacement():
+    """A worker that finished its groups is kept while another still runs one; when that one
+    dies, the rest of its group goes to the idle worker at once, and no replacement is started
+    (a replacement takes seconds to start, and the session waits for it before it ends)."""
+    pytest.importorskip("xdist.scheduler")
+    clones = []
+    sched, dsession = _scheduler(clones)
+    a, b = _Node("gw0"), _Node("gw1")
+    tests = [f"k3ref/big::t{i}" for i in range(4)] + [f"k3ref/small{g}::t0" for g in range(4)]
+    for node in (a, b):
+        sched.add_node(node)
+        sched.add_node_collection(node, tests)
+    sched.schedule()
+    assert (a.sent, b.sent) == ([0, 1, 2, 3], [4, 5])  # two groups left in the queue
+    for index in (4, 5, 6, 7):
+        sched.mark_test_complete(b, index)
+    assert b.sent == [4, 5, 6, 7] and not b.shutting_down  # idle, kept: gw0 has 4 tests to run
+    sched.mark_test_complete(a, 0)
+    crashed = sched.remove_node(a)  # gw0 dies while it runs its second test
+    dsession._clone_node(a)
+    assert crashed == "k3ref/big::t1" and b.sent == [4, 5, 6, 7, 2, 3] and clones == []
+    sched.mark_test_complete(b, 2)
+    sched.mark_test_complete(b, 3)
+    assert sched.tests_finished
+
+
+def test_a_dead_worker_is_replaced_when_its_work_is_left_queued():
+    """A worker that dies before the tests are handed out, or whose group's rest no live worker
+    took, is replaced."""
+    pytest.importorskip("xdist.scheduler")
+    clones = []
+    sched, dsession = _scheduler(clones)
+    early = _Node("gw9")
+    sched.add_node(early)
+    assert sched.remove_node(early) is None  # died while collecting
+    dsession._clone_node(early)
+    assert clones == [early]
+    clones.clear()
+    a, b = _Node("gw0"), _Node("gw1")
+    tests = [f"k3ref/g{g}::t{i}" for g in range(3) for i in range(3)]
+    for node in (a, b):
+        sched.add_node(node)
+        sched.add_node_collection(node, tests)
+    sched.schedule()
+    busy_b = list(b.sent)
+    crashed = sched.remove_node(a)  # gw0 dies at its first test; gw1 has three of its own left
+    dsession._clone_node(a)
+    assert crashed == "k3ref/g0::t0" and clones == [a] and b.sent == busy_b
