@@ -766,7 +766,8 @@ def pytest_xdist_make_scheduler(config, log):
     finished scope (a dead worker's finished scopes go back to the queue too) asks for more work
     at once (it waited for results it would never have, and the run hung). And two for time: an
     idle worker is kept while another still runs a group, to take that group's rest if its
-    worker dies, and a dead worker is replaced only when no live worker took its work."""
+    worker dies, and once the tests are handed out a dead worker is replaced only for work left
+    queued (the rest of its group that no live worker took)."""
     if _role(config) != "isolated" or config.option.dist != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
