@@ -10,9 +10,10 @@ Tests are named `ADAPTER-CASE-CHECK` (e.g. `my.kda-kda_t100-golden`), node ids
 
 Isolation, on pytest-xdist and pytest-timeout: this process never imports adapter code. A
 planning child (`pytest --collect-only` with the same arguments) selects the adapters and
-collects the tests; the workers (`-n`, at least one) build their items from its plan, each
-isolation group on one worker (`--dist loadscope`). A crash, abort or exit of a worker fails
-the test it was running (with the last lines of its stderr) and the worker is replaced; a
+collects the tests; the workers (`-n`, at least one), started beside it, build their items
+from its plan, each isolation group on one worker (`--dist loadscope`). A crash, abort or exit
+of a worker fails the test it was running (with the last lines of its stderr), and the rest of
+its work goes to an idle worker or, when none took it, to a replacement; a
 test that runs past `--k3ref-check-timeout` (plus `--k3ref-load-timeout` when it loads its
 kernel) is stopped by pytest-timeout, which ends the worker. After a check whose error names
 CUDA the worker ends too, so the next check gets a fresh CUDA context.
