@@ -19,28 +19,29 @@ shapes; many tensors; truncations and bit flips of a golden), is read by both si
 
 They must agree on accepting or refusing, and a refusal must be one line on both sides. Each
 read runs in a child process under 30 s and 1 GiB (the command: RLIMIT_AS of 1 GiB; a Python
-reader: forked from this process, RLIMIT_AS of its address space at the fork plus 1 GiB).
+reader: forked, RLIMIT_AS of its parent's address space at the fork plus 1 GiB). The commands
+and both safetensors readers are started from a process without torch (bounded_reads.Server),
+the Python readers of manifests, tables, outputs and limitations from this one. Each reader's
+files are made once per module: its parity test and the count of classes share them.
 """
 import hashlib
 import json
 import os
-import resource
 import shutil
-import signal
 import stat
 import struct
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from bounded_reads import EXE, TIME_LIMIT_S, Server, in_child
 from conftest import GOLDENS, ROOT, needs_core
 
 from hostile import corpus  # tests/hostile/corpus.py (tests/ is on the path: conftest.py)
 from hostile.corpus import dumps, entry, kda_inputs, nested, safetensors_bytes
 
-# Imported once here, so that each forked reader (in_child) does not import them again.
+# Imported once here, so that each reader forked from this process (in_child) does not import
+# them again.
 import k3ref  # noqa: E402
 from k3ref import _safetensors, goldens, policy  # noqa: E402,F401
 from k3ref.gpu_check import collection as _collection  # noqa: E402,F401
@@ -50,12 +51,6 @@ try:
 except ImportError:
     pass
 
-# A guard against a reader that hangs, not a speed bound: the control files at the readers'
-# tensor-count limit (131,072 entries) ran past 5 s in the Python reader while the 2-core
-# machine also compiled (a sanitizer build beside the tests).
-TIME_LIMIT_S = 30.0
-MEMORY_LIMIT_BYTES = 1 << 30
-EXE = os.path.abspath(os.environ.get("K3REF_EXE", str(ROOT / "build" / "k3ref")))
 GOLDEN_T1 = GOLDENS / "kda_t1.safetensors"
 
 # Disagreements of a C++ reader with its Python twin, listed strictly (an entry that agrees
@@ -63,88 +58,7 @@ GOLDEN_T1 = GOLDENS / "kda_t1.safetensors"
 KNOWN_CPP_DISAGREEMENTS = {}  # none: golden::parse_manifest follows the shared JSON rules (io/json_rules.h)
 
 
-# ---- running one read under the bounds --------------------------------------------------
-
-def _vm_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def in_child(fn, *args):
-    """fn(*args) in a forked child under TIME_LIMIT_S and 1 GiB more address space: ("ok", summary),
-    ("refused", message) for a ValueError (or KeyError, the policy lookup's), or
-    ("failed", what) for anything else (another exception, a timeout, a signal)."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        try:
-            limit = _vm_bytes() + MEMORY_LIMIT_BYTES
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            try:
-                result = ["ok", fn(*args)]
-            except (ValueError, KeyError) as e:
-                message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-                message = str(message)
-                result = ["refused", message if len(message) <= 4000 else message[:4000] + f"... ({len(message)})"]
-            except BaseException as e:  # noqa: BLE001 - the finding
-                result = ["failed", f"{type(e).__name__}: {str(e)[:300]}"]
-            os.write(write_end, json.dumps(result).encode()[:60000])
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    start, chunks = time.monotonic(), []
-    os.set_blocking(read_end, False)
-    while True:
-        try:
-            chunk = os.read(read_end, 65536)
-            if chunk:
-                chunks.append(chunk)
-        except BlockingIOError:
-            pass
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() - start > TIME_LIMIT_S:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(read_end)
-            return ("failed", f"ran past {TIME_LIMIT_S:.0f} s")
-        time.sleep(0.0005)
-    os.set_blocking(read_end, True)
-    while True:
-        chunk = os.read(read_end, 65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(read_end)
-    if os.WIFSIGNALED(status):
-        return ("failed", f"killed by signal {os.WTERMSIG(status)}")
-    try:
-        return tuple(json.loads(b"".join(chunks)))
-    except ValueError:
-        return ("failed", "the child reported nothing (out of memory?)")
-
-
-def run_command(args, cwd):
-    """(exit code or None, output) of the k3ref command under TIME_LIMIT_S (4x sanitized) and RLIMIT_AS 1 GiB."""
-    def limit():
-        # An AddressSanitizer build reserves terabytes of shadow address space at start-up, so
-        # an address-space limit stops it before main: there the memory bound is ASan's own
-        # (its allocator refuses what the machine cannot give), the time bound stays.
-        if os.environ.get("K3REF_SANITIZED") != "1":
-            resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:
-        # An instrumented command runs a few times slower (the hostile runner allows it 4x).
-        seconds = TIME_LIMIT_S * (4 if os.environ.get("K3REF_SANITIZED") == "1" else 1)
-        p = subprocess.run([EXE] + args, cwd=cwd, capture_output=True, timeout=seconds, preexec_fn=limit,
-                           env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return None, b""
-    return p.returncode, p.stdout + p.stderr
-
+# ---- judging the outcomes ----------------------------------------------------------------
 
 def one_line(message):
     return bool(message) and "\n" not in message.rstrip("\n") and "\r" not in message
@@ -186,28 +100,46 @@ def check_all(cases, read_cpp, read_py, minimum):
     return outcomes
 
 
+# ---- made once per module: the read server and each reader's files ---------------------------
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("parity")
+
+
+@pytest.fixture(scope="module")
+def safetensors_corpus(work):
+    return safetensors_cases(work / "safetensors")
+
+
+@pytest.fixture(scope="module")
+def manifest_corpus(work):
+    return manifest_cases(work / "manifests")
+
+
+@pytest.fixture(scope="module")
+def policy_corpus(work):
+    return policy_cases(work / "policies")
+
+
+@pytest.fixture(scope="module")
+def outputs_corpus(work):
+    return outputs_cases(work / "outputs")
+
+
+@pytest.fixture(scope="module")
+def limitations_corpus(work):
+    return limitations_cases(work / "limitations")
+
+
 # ---- safetensors ----------------------------------------------------------------------------
-
-def _summary(tensors, metadata):
-    text = json.dumps([[list(t) for t in tensors], sorted(metadata.items())], ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def read_cpp_safetensors(path):
-    def read(p):
-        import k3ref
-        r = k3ref._compiled().read_safetensors(str(p))
-        return _summary([(n, d, list(s)) for n, d, s in r["tensors"]], r["metadata"])
-    return in_child(read, path)
-
-
-def read_py_safetensors(path):
-    def read(p):
-        from k3ref import _safetensors
-        f = _safetensors.read(p)
-        return _summary([(n, t.dtype, list(t.shape)) for n, t in f.tensors.items()], f.metadata)
-    return in_child(read, path)
-
 
 def safetensors_cases(work):
     """(name, class, path) of every hostile safetensors file."""
@@ -408,12 +340,11 @@ def safetensors_cases(work):
 
 
 @needs_core
-def test_the_safetensors_readers_agree_on_the_hostile_corpus(tmp_path):
+def test_the_safetensors_readers_agree_on_the_hostile_corpus(safetensors_corpus, server):
     import k3ref
     if not hasattr(k3ref._compiled(), "read_safetensors"):
         pytest.skip("k3ref._core predates read_safetensors: rebuild")
-    cases = safetensors_cases(tmp_path)
-    outcomes = check_all(cases, read_cpp_safetensors, read_py_safetensors, minimum=300)
+    outcomes = check_all(safetensors_corpus, server.read_cpp_safetensors, server.read_py_safetensors, minimum=300)
     for klass in ("non-regular", "bad dtype", "bad shape", "bad offsets", "NUL and garbage", "duplicate keys", "bad UTF-8",
                   "non-finite values", "deep nesting", "truncated header", "oversize"):
         assert outcomes[klass].get("refused"), f"no case of {klass} was refused"
@@ -532,9 +463,9 @@ def manifest_cases(work):
     return out
 
 
-def read_cpp_manifest(directory):
-    code, output = run_command(["golden", "verify", "--dir", str(directory), "--generated", str(directory), "-q"],
-                               directory)
+def read_cpp_manifest(server, directory):
+    code, output = server.run_command(["golden", "verify", "--dir", str(directory), "--generated", str(directory),
+                                       "-q"], directory)
     if code is None:
         return ("failed", f"ran past {TIME_LIMIT_S:.0f} s")
     if code == 2:
@@ -552,11 +483,10 @@ def read_py_manifest(directory):
     return in_child(read, directory)
 
 
-def test_the_manifest_readers_agree_on_hostile_manifests(tmp_path):
+def test_the_manifest_readers_agree_on_hostile_manifests(manifest_corpus, server):
     if not os.path.exists(EXE):
         pytest.skip(f"no k3ref command at {EXE}")
-    cases = manifest_cases(tmp_path)
-    outcomes = check_all(cases, read_cpp_manifest, read_py_manifest, minimum=80)
+    outcomes = check_all(manifest_corpus, lambda d: read_cpp_manifest(server, d), read_py_manifest, minimum=80)
     assert outcomes["control"].get("ok") and outcomes["bad field"].get("refused")
 
 
@@ -648,9 +578,9 @@ def policy_cases(work):
     return out
 
 
-def read_cpp_policy(path):
-    code, output = run_command(["compare", "--golden", str(GOLDEN_T1), "--candidate", str(GOLDEN_T1),
-                                "--policy", "floor:2", "--policy-table", str(path)], path.parent)
+def read_cpp_policy(server, path):
+    code, output = server.run_command(["compare", "--golden", str(GOLDEN_T1), "--candidate", str(GOLDEN_T1),
+                                       "--policy", "floor:2", "--policy-table", str(path)], path.parent)
     if code is None:
         return ("failed", f"ran past {TIME_LIMIT_S:.0f} s")
     if code == 2:
@@ -673,10 +603,10 @@ def read_py_policy(path):
 
 
 @needs_core  # the Python side reads the table through k3ref._core
-def test_the_policy_table_readers_agree_on_hostile_tables(tmp_path):
+def test_the_policy_table_readers_agree_on_hostile_tables(policy_corpus, server):
     if not os.path.exists(EXE):
         pytest.skip(f"no k3ref command at {EXE}")
-    check_all(policy_cases(tmp_path), read_cpp_policy, read_py_policy, minimum=60)
+    check_all(policy_corpus, lambda p: read_cpp_policy(server, p), read_py_policy, minimum=60)
 
 
 # ---- k3ref.outputs patterns ---------------------------------------------------------------
@@ -708,9 +638,9 @@ def outputs_cases(work):
     return out
 
 
-def read_cpp_outputs(path):
-    code, output = run_command(["compare", "--golden", str(path), "--candidate", str(path), "--policy", "floor:2"],
-                               path.parent)
+def read_cpp_outputs(server, path):
+    code, output = server.run_command(["compare", "--golden", str(path), "--candidate", str(path), "--policy",
+                                       "floor:2"], path.parent)
     if code is None:
         return ("failed", f"ran past {TIME_LIMIT_S:.0f} s")
     if code == 2 and b"k3ref.outputs '" in output:  # check::expand_outputs's refusals quote the value
@@ -729,10 +659,10 @@ def read_py_outputs(path):
 
 
 @needs_core  # the Python side expands through k3ref._core (check::expand_outputs)
-def test_the_output_pattern_expansions_agree(tmp_path):
+def test_the_output_pattern_expansions_agree(outputs_corpus, server):
     if not os.path.exists(EXE):
         pytest.skip(f"no k3ref command at {EXE}")
-    check_all(outputs_cases(tmp_path), read_cpp_outputs, read_py_outputs, minimum=15)
+    check_all(outputs_corpus, lambda p: read_cpp_outputs(server, p), read_py_outputs, minimum=15)
 
 
 # ---- the known-limitations registry (Python only) -----------------------------------------
@@ -778,13 +708,13 @@ def limitations_cases(work):
     return out
 
 
-def test_the_limitations_reader_accepts_or_refuses_in_one_line(tmp_path):
+def test_the_limitations_reader_accepts_or_refuses_in_one_line(limitations_corpus):
     def read(p):
         from k3ref.gpu_check.collection import load_limitations
         load_limitations(p)
         return None
     problems = []
-    for name, klass, path in limitations_cases(tmp_path):
+    for name, klass, path in limitations_corpus:
         outcome = in_child(read, path)
         expected = "ok" if klass == "control" else "refused"
         if outcome[0] != expected or (outcome[0] == "refused" and not one_line(outcome[1])):
@@ -792,11 +722,11 @@ def test_the_limitations_reader_accepts_or_refuses_in_one_line(tmp_path):
     assert not problems, "\n".join(problems)
 
 
-def test_the_corpus_has_at_least_300_cases_of_every_class(tmp_path):
-    """The count the hostile round asks for, over every reader's cases."""
+def test_the_corpus_has_at_least_300_cases_of_every_class(safetensors_corpus, manifest_corpus, policy_corpus,
+                                                           outputs_corpus, limitations_corpus):
+    """The count the hostile round asks for, over every reader's cases (the ones the tests above read)."""
     counts = {}
-    everything = (safetensors_cases(tmp_path / "a") + manifest_cases(tmp_path / "b") + policy_cases(tmp_path / "c")
-                  + outputs_cases(tmp_path / "d") + limitations_cases(tmp_path / "e"))
+    everything = safetensors_corpus + manifest_corpus + policy_corpus + outputs_corpus + limitations_corpus
     for _, klass, _ in everything:
         counts[klass] = counts.get(klass, 0) + 1
     print(f"\n{len(everything)} cases in {len(counts)} classes: {counts}")
