@@ -115,28 +115,16 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def safetensors_corpus(work):
-    return safetensors_cases(work / "safetensors")
+def cases_of(work):
+    """cases_of(make): the cases make(directory) writes (safetensors_cases, manifest_cases, ...),
+    made once per module and shared by the reader's parity test and the count of classes."""
+    made = {}
 
-
-@pytest.fixture(scope="module")
-def manifest_corpus(work):
-    return manifest_cases(work / "manifests")
-
-
-@pytest.fixture(scope="module")
-def policy_corpus(work):
-    return policy_cases(work / "policies")
-
-
-@pytest.fixture(scope="module")
-def outputs_corpus(work):
-    return outputs_cases(work / "outputs")
-
-
-@pytest.fixture(scope="module")
-def limitations_corpus(work):
-    return limitations_cases(work / "limitations")
+    def of(make):
+        if make not in made:
+            made[make] = make(work / make.__name__)
+        return made[make]
+    return of
 
 
 # ---- safetensors ----------------------------------------------------------------------------
@@ -340,11 +328,11 @@ def safetensors_cases(work):
 
 
 @needs_core
-def test_the_safetensors_readers_agree_on_the_hostile_corpus(safetensors_corpus, server):
+def test_the_safetensors_readers_agree_on_the_hostile_corpus(cases_of, server):
     import k3ref
     if not hasattr(k3ref._compiled(), "read_safetensors"):
         pytest.skip("k3ref._core predates read_safetensors: rebuild")
-    outcomes = check_all(safetensors_corpus, server.read_cpp_safetensors, server.read_py_safetensors, minimum=300)
+    outcomes = check_all(cases_of(safetensors_cases), server.read_cpp_safetensors, server.read_py_safetensors, minimum=300)
     for klass in ("non-regular", "bad dtype", "bad shape", "bad offsets", "NUL and garbage", "duplicate keys", "bad UTF-8",
                   "non-finite values", "deep nesting", "truncated header", "oversize"):
         assert outcomes[klass].get("refused"), f"no case of {klass} was refused"
@@ -483,10 +471,10 @@ def read_py_manifest(directory):
     return in_child(read, directory)
 
 
-def test_the_manifest_readers_agree_on_hostile_manifests(manifest_corpus, server):
+def test_the_manifest_readers_agree_on_hostile_manifests(cases_of, server):
     if not os.path.exists(EXE):
         pytest.skip(f"no k3ref command at {EXE}")
-    outcomes = check_all(manifest_corpus, lambda d: read_cpp_manifest(server, d), read_py_manifest, minimum=80)
+    outcomes = check_all(cases_of(manifest_cases), lambda d: read_cpp_manifest(server, d), read_py_manifest, minimum=80)
     assert outcomes["control"].get("ok") and outcomes["bad field"].get("refused")
 
 
@@ -603,10 +591,10 @@ def read_py_policy(path):
 
 
 @needs_core  # the Python side reads the table through k3ref._core
-def test_the_policy_table_readers_agree_on_hostile_tables(policy_corpus, server):
+def test_the_policy_table_readers_agree_on_hostile_tables(cases_of, server):
     if not os.path.exists(EXE):
         pytest.skip(f"no k3ref command at {EXE}")
-    check_all(policy_corpus, lambda p: read_cpp_policy(server, p), read_py_policy, minimum=60)
+    check_all(cases_of(policy_cases), lambda p: read_cpp_policy(server, p), read_py_policy, minimum=60)
 
 
 # ---- k3ref.outputs patterns ---------------------------------------------------------------
@@ -659,10 +647,10 @@ def read_py_outputs(path):
 
 
 @needs_core  # the Python side expands through k3ref._core (check::expand_outputs)
-def test_the_output_pattern_expansions_agree(outputs_corpus, server):
+def test_the_output_pattern_expansions_agree(cases_of, server):
     if not os.path.exists(EXE):
         pytest.skip(f"no k3ref command at {EXE}")
-    check_all(outputs_corpus, lambda p: read_cpp_outputs(server, p), read_py_outputs, minimum=15)
+    check_all(cases_of(outputs_cases), lambda p: read_cpp_outputs(server, p), read_py_outputs, minimum=15)
 
 
 # ---- the known-limitations registry (Python only) -----------------------------------------
@@ -708,13 +696,13 @@ def limitations_cases(work):
     return out
 
 
-def test_the_limitations_reader_accepts_or_refuses_in_one_line(limitations_corpus):
+def test_the_limitations_reader_accepts_or_refuses_in_one_line(cases_of):
     def read(p):
         from k3ref.gpu_check.collection import load_limitations
         load_limitations(p)
         return None
     problems = []
-    for name, klass, path in limitations_corpus:
+    for name, klass, path in cases_of(limitations_cases):
         outcome = in_child(read, path)
         expected = "ok" if klass == "control" else "refused"
         if outcome[0] != expected or (outcome[0] == "refused" and not one_line(outcome[1])):
@@ -722,11 +710,11 @@ def test_the_limitations_reader_accepts_or_refuses_in_one_line(limitations_corpu
     assert not problems, "\n".join(problems)
 
 
-def test_the_corpus_has_at_least_300_cases_of_every_class(safetensors_corpus, manifest_corpus, policy_corpus,
-                                                           outputs_corpus, limitations_corpus):
+def test_the_corpus_has_at_least_300_cases_of_every_class(cases_of):
     """The count the hostile round asks for, over every reader's cases (the ones the tests above read)."""
     counts = {}
-    everything = safetensors_corpus + manifest_corpus + policy_corpus + outputs_corpus + limitations_corpus
+    everything = [case for make in (safetensors_cases, manifest_cases, policy_cases, outputs_cases, limitations_cases)
+                  for case in cases_of(make)]
     for _, klass, _ in everything:
         counts[klass] = counts.get(klass, 0) + 1
     print(f"\n{len(everything)} cases in {len(counts)} classes: {counts}")
