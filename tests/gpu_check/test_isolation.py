@@ -189,8 +189,7 @@ def _scheduler(clones):
     dsession = SimpleNamespace(_clone_node=clones.append)
     config = SimpleNamespace(option=SimpleNamespace(dist="loadscope", numprocesses=2),
                              getoption=lambda name: options.get(name), getvalue=lambda name: ["2*popen"],
-                             pluginmanager=SimpleNamespace(getplugin=lambda name: dsession),
-                             hook=SimpleNamespace())
+                             pluginmanager=SimpleNamespace(getplugin=lambda name: dsession))
     return pytest_plugin.pytest_xdist_make_scheduler(config, None), dsession
 
 
