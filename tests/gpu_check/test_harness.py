@@ -258,8 +258,9 @@ def test_reports(tmp_path, gpu_check_here):
 def test_reports_without_matplotlib(tmp_path, gpu_check_here, monkeypatch):
     # Without matplotlib the report says so, at the top and where the plot would be (the
     # report is written by the pytest process: here, in-process).
-    monkeypatch.setattr(report, "_matplotlib",
-                        lambda load=True: (None, "not importable (ImportError: No module named 'matplotlib')"))
+    missing = "not importable (ImportError: No module named 'matplotlib')"
+    monkeypatch.setattr(report, "_matplotlib_status", lambda: missing)
+    monkeypatch.setattr(report, "_matplotlib", lambda: (None, missing))
     out = tmp_path / "r"
     from k3ref.gpu_check import cli
 

@@ -162,7 +162,7 @@ def summary(rows, results, kernels, device, seconds, passed, failures, n_goldens
         "kernels": kernels,
         "mutants": mutants,
         "mutants_caught": sum(m["verdict"] == "pass" for m in mutants.values()),
-        "matplotlib": _matplotlib(load=False)[1],
+        "matplotlib": _matplotlib_status(),
     }
 
 
@@ -450,17 +450,22 @@ def timing_lines(summary):
     return out
 
 
-def _matplotlib(load=True):
-    """(pyplot, "available"), or (None, why not). load=False: whether it is there, found without
-    importing it (pyplot's import is about a second, and a run with nothing to plot needs none):
-    (True, "available")."""
-    try:
-        if not load:
-            import importlib.util
+def _matplotlib_status():
+    """"available", or why not: found without importing it (pyplot's import is about a second,
+    and a run with nothing to plot needs none)."""
+    import importlib.util
 
-            if importlib.util.find_spec("matplotlib") is None:
-                raise ImportError("No module named 'matplotlib'")
-            return True, "available"
+    try:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ImportError("No module named 'matplotlib'")
+    except Exception as e:
+        return f"not importable ({type(e).__name__}: {e})"
+    return "available"
+
+
+def _matplotlib():
+    """(pyplot, "available"), or (None, why not)."""
+    try:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -543,7 +548,7 @@ def _fmt(x):
 def write_html(path, rows, results, summary):
     """The report a person reads. `rows`: (test, verdict, reason, results) of collection."""
     path = Path(path)
-    plt, mpl = _matplotlib(load=False)  # imported at the first plot
+    plt, mpl = None, _matplotlib_status()  # pyplot imported at the first plot
     plots_dir = path.parent / "plots"
     verdict_of = {}
     for t, v, reason, rs in rows:
@@ -656,7 +661,7 @@ def write_html(path, rows, results, summary):
                 out.append("<details><summary>traceback</summary><pre>" + html.escape(r.extra["traceback"])
                            + "</pre></details>")
             plottable = r.windows or (isinstance(r.extra, dict) and r.extra.get("final_state_rows"))
-            if plt is True and plottable:
+            if plt is None and mpl == "available" and plottable:
                 plt, mpl = _matplotlib()
             if plt is not None and plottable:
                 plots_dir.mkdir(parents=True, exist_ok=True)
