@@ -223,7 +223,7 @@ def _await_plan(config):
         raise UsageError(error)
     config.stash[PLAN] = plan
     state["marks"]["plan ready"] = time.time()
-    if state.pop("restart_bound", False):
+    if config.option.maxworkerrestart is None:
         # Every crash is one test's: at most one per test. pytest-xdist read the bound when it
         # started (before the plan); its session keeps it in this attribute (3.1 to 3.8).
         dsession = config.pluginmanager.getplugin("dsession")
@@ -363,8 +363,7 @@ def pytest_cmdline_main(config):
                 config.option.numprocesses = 1
             if config.option.dist in ("no", "load"):
                 config.option.dist = "loadscope"
-            # At most one crash per test: the bound is set when the plan is known (_await_plan).
-            config.stash[STATE]["restart_bound"] = config.option.maxworkerrestart is None
+            # At most one crash per test, unless --max-worker-restart: set when the plan is known (_await_plan).
     yield
 
 
